@@ -1,0 +1,333 @@
+"""Run configuration: nested dataclasses, YAML files with `base:` inheritance, CLI overrides.
+
+    cfg = load_config("configs/tiny_cpu.yaml", ["loss.is_cap=5", "fp8.kv_cache=true"])
+
+* A YAML file may name `base: other.yaml` (relative to itself); its keys are merged on top.
+* Overrides are `section.field=value`, the value parsed as YAML (`true`, `3e-7`, `[a, b]`).
+* Unknown keys, wrong types and bad enum values raise `ConfigError` naming the key, so a typo
+  fails at start-up instead of an hour into a run.
+
+Every field carries its doc as an attribute docstring (the string on the line below it).
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from losses.grpo import LossConfig
+
+
+class UserError(Exception):
+    """Bad input from the user (config, paths, data). train_grpo prints it as one line, exit 2."""
+
+
+class ConfigError(UserError):
+    pass
+
+
+@dataclass
+class TinyModelConfig:
+    arch: Literal["llama", "qwen3"] = "llama"
+    """Architecture of the model built from scratch when model.name_or_path is 'tiny'."""
+    hidden_size: int = 128
+    """Width; keep a multiple of 128 so the block FP8 linears apply."""
+    intermediate_size: int = 256
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 32
+    max_position_embeddings: int = 512
+    vocab: str = "0123456789+-*=?() \n"
+    """Characters of the char-level tokenizer the repo builds (plus <pad>, <bos>, <eos>)."""
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "tiny"
+    """Hub id (e.g. meta-llama/Llama-3.1-8B-Instruct), a local HF model dir, or 'tiny'
+    (built from model.tiny with a char tokenizer the repo writes; downloads nothing)."""
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Parameter (master weight) dtype of the trainer."""
+    attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
+    """'auto' = flash_attention_2 when flash-attn is installed, else PyTorch SDPA."""
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class SyntheticConfig:
+    num_train: int = 2000
+    num_val: int = 200
+    difficulty: int = 1
+    """1: a+b with a,b < 5; 2: a+b, a-b with a,b < 10; 3: two-digit +,-; 4: +,-,* up to 99."""
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    source: Literal["synthetic", "jsonl", "hf"] = "synthetic"
+    path: str = ""
+    """HF datasets id (source=hf) or path of a JSONL file (source=jsonl)."""
+    hf_config: str = ""
+    """Dataset config name for datasets.load_dataset (e.g. 'main' for gsm8k)."""
+    train_split: str = "train"
+    val_split: str = ""
+    """Split used for validation; '' holds out data.val_size examples of the train split."""
+    val_size: int = 200
+    prompt_field: str = "problem"
+    answer_field: str = "answer"
+    answer_regex: str = ""
+    """Optional regex whose first group extracts the answer from answer_field (gsm8k: '#### (.*)')."""
+    template: Literal["auto", "chat", "plain"] = "auto"
+    """'auto' uses the tokenizer's chat template when it has one, else the plain template."""
+    system_prompt: str = ""
+    instruction: str = ""
+    """Appended to each question, e.g. 'Put your final answer within \\boxed{}.'"""
+    max_prompt_tokens: int = 512
+    """Longer prompts are dropped (and counted)."""
+    format_reward: float = 0.0
+    """Extra reward for a completion that states its answer in \\boxed{} (0 = off)."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    seed: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["hf", "vllm"] = "hf"
+    prompts_per_step: int = 32
+    n: int = 8
+    """Samples per prompt (the GRPO group size)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    """Keep 1.0 for RL: the trainer scores tokens without the top-p mask."""
+    max_new_tokens: int = 256
+    # vLLM knobs
+    gpu_memory_utilization: float = 0.5
+    sleep_mode: bool = True
+    """Release vLLM's weights and KV cache while the trainer runs (colocated on one GPU)."""
+    enforce_eager: bool = False
+    max_model_len: int = 0
+    """0 = max prompt tokens + max_new_tokens."""
+    seed: int = 0
+
+
+@dataclass
+class FP8Config:
+    train: bool = False
+    """Trainer linears in block-wise FP8 (torchao on SM90, exact emulation elsewhere)."""
+    rollout: bool = False
+    """Engine linears in block-wise W8A8 FP8, weights quantized by fp8/quant.py."""
+    kv_cache: bool = False
+    """FP8 KV cache + FP8 attention in the engine (needs q/k/v scales: see recalibrate)."""
+    recalibrate: bool = True
+    """Recompute q/k/v scales from the trainer's attention inputs after every step."""
+    keep_bf16: list[str] = field(default_factory=list)
+    """fnmatch patterns of module names kept in BF16 (e.g. '*.down_proj')."""
+    keep_first_layers: int = 0
+    keep_last_layers: int = 0
+    emulate: bool = False
+    """Use the emulated FP8 linear even on SM90 (debugging the torchao path)."""
+    linear_backend: Literal["auto", "cutlass", "deep_gemm"] = "cutlass"
+    """vLLM block-FP8 GEMM backend; cutlass starts in ~1 min, deep_gemm JITs for minutes."""
+    calib_percentile: float = 99.9
+    """Percentile over micro-batches of the per-layer amax of q/k/v."""
+    calib_margin: float = 1.05
+    calib_samples: int = 64
+    """Samples of the step's batch the recalibration forward runs over."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    """Linear warm-up in optimizer steps, then constant."""
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    """Rollout steps (each: generate, score, one or more optimizer steps, sync)."""
+    mini_batch_size: int = 0
+    """Samples per optimizer step; 0 = all samples of the step (one optimizer step)."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward (gradient accumulation up to mini_batch_size)."""
+    device: str = "auto"
+    seed: int = 0
+    val_every: int = 10
+    """Validation (greedy accuracy on the held-out split) every N steps; 0 = off."""
+    val_max_prompts: int = 200
+    ckpt_every: int = 0
+    """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    keep_ckpts: int = 2
+    out_dir: str = "runs"
+    run_name: str = ""
+    """'' = <config name>-<timestamp>."""
+    mismatch_warn: float = 1.5
+    """Warn loudly when mismatch/token_mult_prob_error exceeds this."""
+    mismatch_stop: float = 0.0
+    """Abort when token_mult_prob_error exceeds this (0 = never)."""
+    max_bad_steps: int = 5
+    """Abort after this many consecutive steps skipped for non-finite loss/grads."""
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    dump_episodes_every: int = 10
+    """Write sampled episodes to <run_dir>/episodes/step_N.jsonl every N steps (0 = off)."""
+    dump_episodes_n: int = 16
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+def _read_yaml(path: Path, seen: tuple = ()) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    if path.resolve() in seen:
+        raise ConfigError(f"config {path}: circular 'base:' chain")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path}: top level must be a mapping of sections")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    merged = _read_yaml(path.parent / base, seen + (path.resolve(),))
+    _deep_merge(merged, raw)
+    return merged
+
+
+def _deep_merge(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _deep_merge(dst[k], v)
+        else:
+            dst[k] = v
+
+
+def _check_type(key: str, value, tp):
+    """Return `value` converted to annotation `tp`, or raise ConfigError naming `key`."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}: {value!r} is not one of {list(typing.get_args(tp))}")
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _check_type(key, value, a)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0])
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_check_type(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for k, v in data.items():
+        if k not in fields:
+            raise ConfigError(f"unknown config key '{prefix}{k}' (valid keys in this section: "
+                              f"{', '.join(fields)})")
+        tp = hints[k]
+        if dataclasses.is_dataclass(tp):
+            kwargs[k] = _build(tp, v, f"{prefix}{k}.")
+        else:
+            kwargs[k] = _check_type(prefix + k, v, tp)
+    for k, f in fields.items():  # nested sections not given still need the prefix for errors
+        if k not in kwargs and dataclasses.is_dataclass(hints[k]):
+            kwargs[k] = _build(hints[k], {}, f"{prefix}{k}.")
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # __post_init__ validation (e.g. LossConfig enums)
+        raise ConfigError(f"{prefix.rstrip('.')}: {e}") from None
+
+
+def parse_override(text: str) -> tuple[list[str], object]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Config from a YAML file (with `base:` inheritance) plus `key.sub=value` overrides."""
+    data = _read_yaml(Path(path)) if path else {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: '{k}' is not a section")
+        node[keys[-1]] = value
+    cfg = _build(Config, data)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks that a single field's type cannot express."""
+    r, t = cfg.rollout, cfg.train
+    for key, v in [("rollout.n", r.n), ("rollout.prompts_per_step", r.prompts_per_step),
+                   ("rollout.max_new_tokens", r.max_new_tokens), ("train.micro_batch_size", t.micro_batch_size)]:
+        if v < 1:
+            raise ConfigError(f"{key} must be >= 1, got {v}")
+    if r.n < 2:
+        raise ConfigError("rollout.n must be >= 2: group-normalised advantages need 2+ samples per prompt")
+    samples = r.n * r.prompts_per_step
+    mb = t.mini_batch_size or samples
+    if samples % mb or mb % min(t.micro_batch_size, mb):
+        raise ConfigError(f"train.mini_batch_size ({mb}) must divide rollout.n * rollout.prompts_per_step "
+                          f"({samples}) and be a multiple of train.micro_batch_size ({t.micro_batch_size})")
+    if not 0 < r.top_p <= 1 or r.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
+    if cfg.data.source != "synthetic" and not cfg.data.path:
+        raise ConfigError(f"data.path is required for data.source={cfg.data.source}")
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,98 @@
+"""Model and tokenizer: a hub id or local HF dir, or a tiny Llama/Qwen3 built from a config.
+
+The tiny model uses a character-level tokenizer the repo builds with `tokenizers` and saves
+as a normal HF tokenizer dir, so tests and the CPU default download nothing and vLLM can
+load the same directory (config.json + tokenizer, weights pushed by our refit).
+"""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from config import ModelConfig, TinyModelConfig, UserError
+
+SPECIALS = ["<pad>", "<bos>", "<eos>"]
+
+
+def build_char_tokenizer(vocab: str) -> PreTrainedTokenizerFast:
+    """One token per character of `vocab` plus <pad>=0, <bos>=1, <eos>=2; BOS is prepended."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    chars = list(dict.fromkeys(vocab))  # dedupe, keep order
+    ids = {tok: i for i, tok in enumerate(SPECIALS + chars)}
+    tok = Tokenizer(models.WordLevel(ids, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<pad>")
+
+
+def build_tiny_model(t: TinyModelConfig, tokenizer, dtype: torch.dtype):
+    """A randomly initialised Llama or Qwen3 with the tiny dims (seeded by the caller)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    cls_cfg, cls_model = (LlamaConfig, LlamaForCausalLM) if t.arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    hf_cfg = cls_cfg(vocab_size=len(tokenizer), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+                     num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads,
+                     num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim,
+                     max_position_embeddings=t.max_position_embeddings, tie_word_embeddings=False,
+                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id)
+    return cls_model(hf_cfg).to(dtype)
+
+
+def resolve_attn_implementation(name: str) -> str:
+    if name != "auto":
+        return name
+    has_fa = importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
+    return "flash_attention_2" if has_fa else "sdpa"
+
+
+def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device):
+    dtype = getattr(torch, cfg.dtype)
+    attn = resolve_attn_implementation(cfg.attn_implementation)
+    if cfg.name_or_path == "tiny":
+        tokenizer = build_char_tokenizer(cfg.tiny.vocab)
+        model = build_tiny_model(cfg.tiny, tokenizer, dtype)
+        model.config._attn_implementation = attn
+    else:
+        path = cfg.name_or_path
+        looks_local = path.startswith((".", "/", "~")) or Path(path).expanduser().exists()
+        if looks_local and not (Path(path).expanduser() / "config.json").is_file():
+            raise UserError(f"model.name_or_path: {path!r} is not a model directory (no config.json); "
+                            "give a local HF model dir, a hub id, or 'tiny'")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+        except OSError as e:
+            raise UserError(f"model.name_or_path: cannot load {path!r} ({str(e).splitlines()[0]}); "
+                            "check the id/path, or pre-download it to the HF cache") from None
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model.to(device), tokenizer
+
+
+def save_model_dir(model, tokenizer, path: str | Path) -> Path:
+    """Write config + tokenizer (+ weights) as a HF model dir that transformers and vLLM load."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def save_config_dir(model, tokenizer, path: str | Path) -> Path:
+    """config.json + tokenizer only: enough for a vLLM engine started with load_format='dummy'."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    gen = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    (path / "generation_config.json").write_text(json.dumps(gen))
+    return path

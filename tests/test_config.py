@@ -1,0 +1,68 @@
+"""Config: inheritance, overrides, errors naming the key; every YAML in configs/ loads."""
+
+from pathlib import Path
+
+import pytest
+
+from config import Config, ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+def test_every_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_base_inheritance_and_override_order(tmp_path):
+    write(tmp_path, "a.yaml", "loss: {is_cap: 3.0, clip_low: 0.1}\nrollout: {n: 4}\n")
+    write(tmp_path, "b.yaml", "base: a.yaml\nloss: {is_cap: 5.0}\n")
+    cfg = load_config(tmp_path / "b.yaml", ["rollout.n=16", "fp8.kv_cache=true", "fp8.keep_bf16=['*.down_proj']"])
+    assert cfg.loss.is_cap == 5.0  # child wins
+    assert cfg.loss.clip_low == 0.1  # inherited, merged per key
+    assert cfg.rollout.n == 16  # CLI wins over files
+    assert cfg.fp8.kv_cache is True and cfg.fp8.keep_bf16 == ["*.down_proj"]
+    assert cfg.loss.clip_high == 0.2  # dataclass default
+
+
+def test_int_accepted_for_float():
+    assert load_config(None, ["loss.is_cap=5"]).loss.is_cap == 5.0
+
+
+@pytest.mark.parametrize("override, message", [
+    (["loss.is_capp=5"], r"unknown config key 'loss.is_capp'"),
+    (["los.is_cap=5"], r"unknown config key 'los'"),
+    (["rollout.n=eight"], r"rollout.n: expected int, got str"),
+    (["fp8.train=1"], r"fp8.train: expected bool, got int"),
+    (["rollout.engine=sglang"], r"rollout.engine: 'sglang' is not one of \['hf', 'vllm'\]"),
+    (["loss.is_correction=tiss"], r"loss: .*is_correction.*tiss"),
+    (["fp8.keep_bf16=lm_head"], r"fp8.keep_bf16: expected a list"),
+    (["rollout.n=1"], r"rollout.n must be >= 2"),
+    (["train.mini_batch_size=100"], r"train.mini_batch_size \(100\) must divide"),
+    (["data.source=jsonl"], r"data.path is required"),
+    (["noequals"], r"must look like section.key=value"),
+])
+def test_errors_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, override)
+
+
+def test_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.yaml")
+    write(tmp_path, "loop.yaml", "base: loop.yaml\n")
+    with pytest.raises(ConfigError, match="circular"):
+        load_config(tmp_path / "loop.yaml")
+    write(tmp_path, "bad.yaml", "loss: [1, 2\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        load_config(tmp_path / "bad.yaml")
+    write(tmp_path, "nested_typo.yaml", "model:\n  tiny:\n    hiden_size: 64\n")
+    with pytest.raises(ConfigError, match="model.tiny.hiden_size"):
+        load_config(tmp_path / "nested_typo.yaml")

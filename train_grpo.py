@@ -1,0 +1,382 @@
+"""End-to-end FP8 GRPO, top to bottom.
+
+    python train_grpo.py --config configs/tiny_cpu.yaml                  # CPU, a few minutes
+    torchrun --nproc_per_node 1 train_grpo.py --config configs/llama31_8b_fp8.yaml
+    python train_grpo.py --config configs/tiny_cpu.yaml loss.is_cap=5 fp8.train=false
+    python train_grpo.py --resume runs/tiny_cpu-20261122-101500           # continue a run
+
+Each step: rollout (engine samples n completions per prompt, with each token's logprob) ->
+reward (math-verify) -> group advantages -> trainer logprobs of the behaviour weights
+(`old_logp`) and rollout/trainer mismatch -> one or more optimizer steps on the clipped
+surrogate with truncated importance sampling -> q/k/v scale recalibration (FP8 KV cache) ->
+weight sync into the engine (FP8 weights made by fp8/quant.py) -> log.
+
+Where this departs from textbook GRPO:
+- Two policies, not one: the engine (FP8, different kernels) samples, the trainer scores. The
+  PPO ratio uses the trainer's own `old_logp`; the engine/trainer gap is corrected by a
+  separate, detached importance weight w = exp(old_logp - rollout_logp), truncated (TIS).
+- Loss aggregation, KL and IS variants are config knobs (losses/grpo.py documents each).
+- Validation is greedy (temperature 0) accuracy on a held-out split.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+import yaml
+
+from checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from config import Config, UserError, load_config, to_dict
+from data import PromptSampler, format_reward, load_splits, math_reward, render_prompt, reward_stats
+from losses.advantages import group_advantages
+from losses.grpo import grpo_loss
+from losses.mismatch import mismatch_metrics
+
+
+# ----------------------------------------------------------------------------- logging
+
+class RunLogger:
+    """metrics.jsonl + TensorBoard in the run dir; a no-op off rank 0 (no `if rank == 0` in the loop)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.enabled, self.tb = enabled, None
+        if not enabled:
+            return
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        for k, v in metrics.items():
+            if self.tb is not None and isinstance(v, (int, float)):
+                self.tb.add_scalar(k, v, step)
+
+    def print(self, *args) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+            tqdm.write(" ".join(str(a) for a in args))
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+# ----------------------------------------------------------------------------- tensors
+
+def collate(samples, pad_id: int, rewards_adv=None):
+    """Samples -> right-padded prompt+response batch.
+
+    Returns input_ids [B, L], attention_mask [B, L], mask [B, L] (1 on response tokens) and
+    rollout_logp [B, L] (engine logprob of token t at position t; 0 elsewhere)."""
+    L = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    B = len(samples)
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(B, L, dtype=torch.long)
+    mask = torch.zeros(B, L)
+    rollout_logp = torch.zeros(B, L)
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.token_ids)
+        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.token_ids)
+        attention_mask[i, : p + r] = 1
+        mask[i, p: p + r] = 1
+        rollout_logp[i, p: p + r] = torch.tensor(s.logprobs)
+    return input_ids, attention_mask, mask, rollout_logp
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature: float):
+    """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]"""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, L, V]
+    out = []
+    for row_logits, row_ids in zip(logits, input_ids):  # one row at a time: fp32 [L, V] stays small
+        lp = torch.log_softmax(row_logits[:-1].float() / temperature, dim=-1)  # [L-1, V]
+        out.append(lp.gather(-1, row_ids[1:, None]).squeeze(-1))  # [L-1]
+    return torch.nn.functional.pad(torch.stack(out), (1, 0))  # [B, L]
+
+
+def micro_batches(n: int, size: int):
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+# ----------------------------------------------------------------------------- setup
+
+def setup_device(cfg: Config):
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise UserError(f"WORLD_SIZE={world}: multi-GPU training is not implemented yet (FSDP2 is tracked in "
+                        "the multi-GPU issue); launch with --nproc_per_node 1")
+    name = cfg.train.device
+    if name == "auto":
+        name = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"train.device={name} but CUDA is not available; set train.device=cpu")
+    return torch.device(name), 0
+
+
+def make_run_dir(cfg: Config, config_path: str | None) -> Path:
+    name = cfg.train.run_name or f"{Path(config_path or 'default').stem}-{datetime.now():%Y%m%d-%H%M%S}"
+    run_dir = Path(cfg.train.out_dir) / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def prepare_prompts(examples, tokenizer, cfg: Config):
+    """Render + tokenize; prompts longer than data.max_prompt_tokens are dropped (counted)."""
+    from data import uses_chat_template
+
+    chat = uses_chat_template(tokenizer, cfg.data)
+    kept, dropped = [], 0
+    for ex in examples:
+        ids = tokenizer(render_prompt(ex["question"], tokenizer, cfg.data), add_special_tokens=not chat).input_ids
+        if len(ids) > cfg.data.max_prompt_tokens:
+            dropped += 1
+            continue
+        kept.append({**ex, "prompt_ids": ids})
+    if not kept:
+        raise UserError(f"every prompt is longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}; raise it")
+    return kept, dropped
+
+
+def validate_accuracy(engine, val_set, tokenizer, cfg: Config) -> float:
+    val = val_set[: cfg.train.val_max_prompts]
+    samples = engine.generate([ex["prompt_ids"] for ex in val], n=1, temperature=0.0, top_p=1.0,
+                              max_new_tokens=cfg.rollout.max_new_tokens)
+    texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+    return sum(math_reward(t, ex["answer"]) for t, ex in zip(texts, val)) / len(val)
+
+
+# ----------------------------------------------------------------------------- main loop
+
+def train(args) -> Path:
+    resume_dir = Path(args.resume) if args.resume else None
+    config_path = args.config or (str(resume_dir / "config.yaml") if resume_dir else None)
+    if resume_dir and not (resume_dir / "config.yaml").is_file():
+        raise UserError(f"--resume {resume_dir}: not a run directory (no config.yaml)")
+    cfg = load_config(config_path, args.overrides)
+    device, rank = setup_device(cfg)
+    run_dir = resume_dir or make_run_dir(cfg, config_path)
+    print(f"run_dir: {run_dir}", flush=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), flush=True)
+    logger = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.log.tensorboard)
+    torch.manual_seed(cfg.train.seed)
+
+    from modeling import load_model_and_tokenizer, save_config_dir
+    from rollout import make_engine
+    model, tokenizer = load_model_and_tokenizer(cfg.model, device)
+    train_set, val_set = load_splits(cfg.data)
+    train_set, dropped = prepare_prompts(train_set, tokenizer, cfg)
+    val_set, _ = prepare_prompts(val_set, tokenizer, cfg)
+    logger.print(f"data: {len(train_set)} train prompts ({dropped} dropped as overlong), {len(val_set)} val")
+
+    # The engine gets its own copy of the weights (HF) or its own process memory (vLLM)
+    # before the trainer's linears become FP8: it only ever sees weights through export.
+    model_dir = save_config_dir(model, tokenizer, run_dir / "engine_model") \
+        if cfg.model.name_or_path == "tiny" else cfg.model.name_or_path
+    engine = make_engine(cfg, model, tokenizer, device, model_dir)
+    from fp8.export import export_weights
+    from fp8.calibrate import QKVCalibrator
+    if cfg.fp8.train:
+        from fp8.linear import convert_to_fp8_training
+        converted = convert_to_fp8_training(model, cfg.fp8)
+        logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
+    calibrator = QKVCalibrator(model, cfg.fp8.calib_percentile, cfg.fp8.calib_margin) \
+        if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
+                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+    warmup = cfg.optim.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+    sampler = PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
+    start_step, kv_scales, bad_steps = 0, None, 0
+    ckpt_root = run_dir / "checkpoints"
+    if resume_dir:
+        ckpt = latest_checkpoint(ckpt_root)
+        if ckpt is None:
+            raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}")
+        state = load_checkpoint(ckpt)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        sampler.load_state_dict(state["sampler"])
+        set_rng_state(state["rng"])
+        start_step, kv_scales = state["step"], state["kv_scales"]
+        logger.print(f"resumed from {ckpt} at step {start_step}")
+
+    def sync_engine():
+        t0 = time.perf_counter()
+        engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout))
+        if cfg.fp8.kv_cache and kv_scales is not None:
+            engine.set_kv_scales(kv_scales)
+        return time.perf_counter() - t0
+
+    def save(step):
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": rng_state(),
+                 "step": step, "kv_scales": kv_scales}
+        path = save_checkpoint(ckpt_root, step, state, keep=cfg.train.keep_ckpts)
+        logger.print(f"checkpoint: {path}")
+
+    sync_engine()
+    from tqdm import tqdm
+    n, T = cfg.rollout.n, cfg.rollout.temperature
+    pbar = tqdm(range(start_step, cfg.train.steps), initial=start_step, total=cfg.train.steps,
+                disable=rank != 0, dynamic_ncols=True)
+    for step in pbar:
+        metrics, t_step = {}, time.perf_counter()
+        if cfg.train.val_every and step % cfg.train.val_every == 0:
+            metrics["val/accuracy"] = validate_accuracy(engine, val_set, tokenizer, cfg)
+
+        # ---- rollout
+        t0 = time.perf_counter()
+        batch = sampler.next_batch()
+        engine.wake()
+        samples = engine.generate([ex["prompt_ids"] for ex in batch], n=n, temperature=T, top_p=cfg.rollout.top_p,
+                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed * 1_000_003 + step)
+        engine.sleep()
+        metrics["time/rollout"] = time.perf_counter() - t0
+
+        # ---- reward and advantages
+        texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+        answers = [batch[s.prompt_index]["answer"] for s in samples]
+        correct = torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])  # [B]
+        rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
+        advantages = group_advantages(rewards, n)  # [B]
+        input_ids, attention_mask, mask, rollout_logp = collate(samples, tokenizer.pad_token_id)
+        B = len(samples)
+        input_ids, attention_mask, mask, rollout_logp, advantages = (
+            x.to(device) for x in (input_ids, attention_mask, mask, rollout_logp, advantages))
+
+        # ---- trainer logprobs of the behaviour weights, and the engine/trainer mismatch
+        t0 = time.perf_counter()
+        mb = cfg.train.micro_batch_size
+        with torch.no_grad():
+            old_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
+                                  for s in micro_batches(B, mb)])  # [B, L]
+        metrics["time/logprobs"] = time.perf_counter() - t0
+        metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(old_logp, rollout_logp, mask).items()})
+        mult_err = metrics["mismatch/token_mult_prob_error"]
+        if mult_err > cfg.train.mismatch_warn:
+            logger.print(f"WARNING step {step}: mismatch/token_mult_prob_error={mult_err:.4f} > "
+                         f"train.mismatch_warn={cfg.train.mismatch_warn}: rollout and trainer disagree")
+        if cfg.train.mismatch_stop and mult_err > cfg.train.mismatch_stop:
+            raise UserError(f"step {step}: token_mult_prob_error {mult_err:.4f} > train.mismatch_stop")
+
+        # ---- policy update: mini-batches (one optimizer step each) of micro-batches
+        t0 = time.perf_counter()
+        model.train()
+        order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(device)
+        mini = cfg.train.mini_batch_size or B
+        loss_metrics: dict[str, float] = {}
+        for mini_slice in micro_batches(B, mini):
+            idx = order[mini_slice]
+            mini_tokens, mini_rows = mask[idx].sum().clamp(min=1), len(idx)
+            optimizer.zero_grad(set_to_none=True)
+            for micro in micro_batches(len(idx), mb):
+                j = idx[micro]
+                logp = token_logprobs(model, input_ids[j], attention_mask[j], T)
+                loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], mask[j], cfg.loss)
+                # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
+                weight = mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else len(j) / mini_rows
+                (loss * weight).backward()
+                for k, v in m.items():
+                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / len(micro_batches(B, mini))
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
+            if not torch.isfinite(grad_norm):
+                optimizer.zero_grad(set_to_none=True)
+                bad_steps += 1
+                logger.print(f"WARNING step {step}: non-finite loss/grad norm, optimizer step skipped "
+                             f"({bad_steps} in a row)")
+                if bad_steps >= cfg.train.max_bad_steps:
+                    raise UserError(f"{bad_steps} consecutive non-finite steps (train.max_bad_steps); lower "
+                                    "optim.lr, check the data, or try fp8.train=false to isolate FP8")
+                continue
+            bad_steps = 0
+            optimizer.step()
+            scheduler.step()
+            metrics["optim/grad_norm"] = float(grad_norm)
+        metrics.update(loss_metrics)
+        metrics["time/train"] = time.perf_counter() - t0
+
+        # ---- recalibrate q/k/v scales on the new weights, then push weights (+ scales)
+        if calibrator is not None:
+            t0 = time.perf_counter()
+            with torch.no_grad(), calibrator.capture():
+                for s in micro_batches(min(B, cfg.fp8.calib_samples), mb):
+                    model(input_ids=input_ids[s], attention_mask=attention_mask[s])
+            kv_scales = calibrator.scales()
+            metrics["time/recalibrate"] = time.perf_counter() - t0
+            for i, name in enumerate(("q", "k", "v")):
+                metrics[f"fp8/{name}_scale_mean"] = sum(sc[i] for sc in kv_scales.values()) / len(kv_scales)
+        metrics["time/refit"] = sync_engine()
+
+        # ---- log
+        lengths = mask.sum(1)
+        metrics.update({
+            "reward/mean": float(rewards.mean()), "reward/accuracy": float(correct.mean()),
+            "reward/solved_groups": float((correct.view(-1, n).max(1).values > 0).float().mean()),
+            "reward/zero_std_groups": float((rewards.view(-1, n).std(1) == 0).float().mean()),
+            "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+            "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / B,
+            "optim/lr": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t_step,
+            "perf/tokens_per_s": float(attention_mask.sum()) / (time.perf_counter() - t_step),
+            **reward_stats(),
+        })
+        logger.log(step, metrics)
+        pbar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in
+                          ("reward/mean", "mismatch/token_mult_prob_error", "val/accuracy") if k in metrics})
+        if cfg.log.dump_episodes_every and step % cfg.log.dump_episodes_every == 0:
+            dump_episodes(run_dir, step, samples, texts, answers, rewards, advantages, old_logp, mask, tokenizer,
+                          cfg.log.dump_episodes_n)
+        if cfg.train.ckpt_every and (step + 1) % cfg.train.ckpt_every == 0:
+            save(step + 1)
+
+    final = {"val/accuracy": validate_accuracy(engine, val_set, tokenizer, cfg)} if cfg.train.val_every else {}
+    logger.log(cfg.train.steps, final)
+    logger.print(f"done: {cfg.train.steps} steps; final {final}; run_dir {run_dir}")
+    save(cfg.train.steps)
+    logger.close()
+    return run_dir
+
+
+def dump_episodes(run_dir, step, samples, texts, answers, rewards, advantages, old_logp, mask, tokenizer, k):
+    out = run_dir / "episodes"
+    out.mkdir(exist_ok=True)
+    with open(out / f"step_{step:06d}.jsonl", "w") as f:
+        for i, s in enumerate(samples[:k]):
+            pos = mask[i].nonzero().squeeze(-1)
+            f.write(json.dumps({
+                "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=True), "completion": texts[i],
+                "answer": answers[i], "reward": float(rewards[i]), "advantage": float(advantages[i]),
+                "finish_reason": s.finish_reason, "rollout_logp": s.logprobs,
+                "trainer_logp": old_logp[i, pos].tolist()}) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", help="YAML config (default: configs/tiny_cpu.yaml)")
+    p.add_argument("--resume", help="run dir to continue from its latest checkpoint")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. loss.is_cap=5")
+    args = p.parse_args(argv)
+    if not args.config and not args.resume:
+        args.config = str(Path(__file__).parent / "configs" / "tiny_cpu.yaml")
+    try:
+        return train(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
