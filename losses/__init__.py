@@ -1,0 +1,1 @@
+"""GRPO policy-gradient losses, group advantages and train/rollout mismatch metrics."""

@@ -1,0 +1,200 @@
+"""GRPO policy loss (PPO clip) with train/rollout importance correction.
+
+Three logprobs of the sampled tokens, each [B, T]:
+    logp          pi_theta    current policy, the one that gets gradients
+    old_logp      pi_old      the trainer's logprobs under the weights that generated the batch
+    rollout_logp  pi_rollout  the inference engine's logprobs under those same weights
+
+pi_old and pi_rollout are the same weights, but different kernels / FP8 quantisation make them
+differ, so the batch is slightly off-policy for the trainer. PPO's clip acts on the ratio
+r = pi_theta / pi_old; the train/rollout gap is corrected by a detached importance weight
+w ~ pi_old / pi_rollout (Yao et al. 2025, "Your efficient RL framework secretly brings you
+off-policy RL training"):
+
+    r    = exp(logp - old_logp)                                             [B, T]
+    pg   = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))               PPO / DAPO clip
+    pg   = min(pg, -A c)                 where A < 0, c = dual_clip         dual clip
+    w    = IS(exp(old_logp - rollout_logp))      detached; non-finite -> 0
+    loss = agg(w * pg + kl_coef * k3),   k3 = exp(ref - logp) - (ref - logp) - 1
+
+IS(.) by is_correction (C = is_cap, F = is_floor; "mean_t" / "sum_t" run over masked tokens):
+    none          w = 1
+    tis           w = min(w, C)                                  truncated IS, token level
+    icepop        w = w * [F <= w <= C]                          mask tokens outside the band
+    seq_mask_tis  w = w * [F <= exp(mean_t(old - rollout)) <= C] mask whole sequences
+    seq_tis       w = min(exp(sum_t(old - rollout)), C)          one weight per sequence
+In the sequence-level modes a sequence that contains a non-finite token weight gets w = 0.
+
+agg over the masked [B, T] per-token loss:
+    token_mean            sum(loss * mask) / sum(mask)
+    seq_mean_token_mean   mean_b( mean_t loss )   (original GRPO)
+    seq_mean_token_sum    mean_b( sum_t loss )    (Dr. GRPO: no length normalisation)
+Sequences with no masked token contribute 0 and are left out of the mean over sequences.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from losses.mismatch import masked_mean
+
+IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask_tis", "seq_tis")
+AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+
+
+@dataclass
+class LossConfig:
+    clip_low: float = 0.2
+    """PPO clip (Schulman et al. 2017): the ratio is clipped below at 1 - clip_low."""
+    clip_high: float = 0.2
+    """Upper clip 1 + clip_high; raising it above clip_low is DAPO's "clip-higher" (Yu et al.
+    2025), which keeps low-probability tokens able to grow and so fights entropy collapse."""
+    dual_clip: float | None = None
+    """Dual-clip PPO (Ye et al. 2020, "Mastering complex control in MOBA games with deep RL"):
+    for A < 0 the loss is capped at -A * dual_clip (> 1), so a huge ratio cannot blow it up."""
+    is_correction: str = "tis"
+    """Train/rollout mismatch correction: "none", "tis" (truncated IS, Yao et al. 2025, "Your
+    efficient RL framework secretly brings you off-policy RL training"), "icepop" (Ling team,
+    IcePop / Ring-1T: mask tokens whose weight leaves [is_floor, is_cap]), "seq_mask_tis"
+    (mask whole sequences by their geometric-mean ratio) or "seq_tis" (sequence-level TIS)."""
+    is_cap: float = 2.0
+    """Upper bound C on the importance weight (the truncation of TIS, the band top of IcePop)."""
+    is_floor: float = 0.0
+    """Lower bound on the weight for icepop / seq_mask_tis (IcePop's band bottom, e.g. 0.5)."""
+    kl_coef: float = 0.0
+    """Coefficient of the k3 KL penalty to a reference policy (Schulman 2020 "Approximating KL
+    divergence", as in GRPO, Shao et al. 2024); 0 disables it, as in DAPO / Dr. GRPO."""
+    agg: str = "token_mean"
+    """Loss aggregation: "token_mean" (DAPO token-level mean), "seq_mean_token_mean" (original
+    GRPO, biased towards short correct / long wrong answers) or "seq_mean_token_sum" (Dr. GRPO,
+    Liu et al. 2025, removes that length bias)."""
+
+    def __post_init__(self):
+        if self.is_correction not in IS_CORRECTIONS:
+            raise ValueError(f"LossConfig.is_correction={self.is_correction!r} is not valid; "
+                             f"expected one of {IS_CORRECTIONS}")
+        if self.agg not in AGGS:
+            raise ValueError(f"LossConfig.agg={self.agg!r} is not valid; expected one of {AGGS}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
+            raise ValueError(f"LossConfig: need 0 <= clip_low < 1 and clip_high >= 0, "
+                             f"got clip_low={self.clip_low}, clip_high={self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"LossConfig.dual_clip={self.dual_clip} must be > 1 (or None)")
+        if not 0 <= self.is_floor <= self.is_cap:
+            raise ValueError(f"LossConfig: need 0 <= is_floor <= is_cap, "
+                             f"got is_floor={self.is_floor}, is_cap={self.is_cap}")
+
+
+def aggregate(x: Tensor, mask: Tensor, agg: str) -> Tensor:
+    """Reduce a per-token [B, T] quantity to a scalar by `agg` (see the module docstring)."""
+    if agg == "token_mean":
+        return masked_mean(x, mask)
+    if agg not in AGGS:
+        raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
+    n_tok = (mask != 0).to(x.dtype).sum(-1)                        # [B]
+    per_seq = masked_mean(x, mask, dim=-1)                         # [B]
+    if agg == "seq_mean_token_sum":
+        per_seq = per_seq * n_tok                                  # [B] token sum
+    return masked_mean(per_seq, n_tok > 0)
+
+
+def is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: LossConfig):
+    """Detached importance weights [B, T] plus bool [B, T] maps (truncated, nonfinite).
+
+    truncated: the cap / floor / mask changed the weight of a token whose raw weight was
+    finite; nonfinite: the raw weight exp(old - rollout) was inf or NaN (it becomes 0).
+    """
+    m = mask != 0                                                  # [B, T]
+    d = (old_logp - rollout_logp).detach()                         # [B, T]
+    w_raw = d.exp()                                                # [B, T]
+    nonfinite = ~torch.isfinite(w_raw)                             # [B, T]
+    w = torch.where(nonfinite, torch.zeros_like(w_raw), w_raw)     # [B, T]
+    kind, cap, floor = cfg.is_correction, cfg.is_cap, cfg.is_floor
+    if kind == "none":
+        return torch.ones_like(w), torch.zeros_like(m), nonfinite
+    if kind == "tis":
+        return w.clamp(max=cap), w > cap, nonfinite
+    if kind == "icepop":
+        keep = ((w >= floor) & (w <= cap)) | nonfinite             # [B, T] (nonfinite: w is 0)
+        return w * keep, ~keep, nonfinite
+    if kind not in IS_CORRECTIONS:
+        raise ValueError(f"unknown is_correction {kind!r}; expected one of {IS_CORRECTIONS}")
+    seq_ok = ~(nonfinite & m).any(-1, keepdim=True)                # [B, 1]
+    d = torch.where(nonfinite, torch.zeros_like(d), d)             # [B, T]
+    mean_d = masked_mean(d, m, dim=-1).unsqueeze(-1)               # [B, 1]
+    if kind == "seq_mask_tis":
+        r_seq = mean_d.exp()                                       # [B, 1] geometric mean ratio
+        in_band = (r_seq >= floor) & (r_seq <= cap)                # [B, 1]
+        w = w * (seq_ok & in_band)                                 # [B, T]
+        return w, (seq_ok & ~in_band).expand_as(m), nonfinite
+    # seq_tis: sum_t = mean_t * n_tokens
+    r_seq = (mean_d * m.sum(-1, keepdim=True)).exp()               # [B, 1]
+    w = (r_seq.clamp(max=cap) * seq_ok).expand_as(w)               # [B, T]
+    return w, (seq_ok & (r_seq > cap)).expand_as(m), nonfinite
+
+
+def _check_shapes(logp, advantages, **others):
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T], got shape {list(logp.shape)}")
+    for name, t in others.items():
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"shape mismatch: {name} has shape {list(t.shape)} but logp has "
+                             f"shape {list(logp.shape)} (all per-token inputs must be [B, T])")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"shape mismatch: advantages has shape {list(advantages.shape)}; "
+                         f"expected [B]={list(logp.shape[:1])} or [B, T]={list(logp.shape)}")
+
+
+def grpo_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages: Tensor,
+              mask: Tensor, cfg: LossConfig, ref_logp: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, float]]:
+    """Scalar loss (differentiable w.r.t. logp) and a dict of python-float metrics."""
+    _check_shapes(logp, advantages, old_logp=old_logp, rollout_logp=rollout_logp, mask=mask,
+                  ref_logp=ref_logp)
+    if cfg.kl_coef != 0 and ref_logp is None:
+        raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logp (got None)")
+    m = mask != 0                                                  # [B, T]
+    zero = torch.zeros_like(logp, dtype=torch.float32)             # [B, T]
+    # padding may hold -inf / NaN logprobs: zero them so no NaN reaches the gradient
+    logp = torch.where(m, logp.float(), zero)                      # [B, T]
+    old = torch.where(m, old_logp.detach().float(), zero)          # [B, T]
+    rollout = torch.where(m, rollout_logp.detach().float(), zero)  # [B, T]
+    A = advantages.detach().float()
+    A = (A.unsqueeze(-1) if A.dim() == 1 else A).expand_as(logp)   # [B, T]
+
+    ratio = (logp - old).exp()                                     # [B, T]
+    pg_unclipped = -A * ratio                                      # [B, T]
+    pg_clipped = -A * ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)  # [B, T]
+    pg = torch.maximum(pg_unclipped, pg_clipped)                   # [B, T]
+    clipped = pg_clipped > pg_unclipped                            # [B, T]
+    dual = torch.zeros_like(m)                                     # [B, T]
+    if cfg.dual_clip is not None:
+        dual = (A < 0) & (pg > -A * cfg.dual_clip)                 # [B, T]
+        pg = torch.where(dual, -A * cfg.dual_clip, pg)             # [B, T]
+
+    w, truncated, nonfinite = is_weights(old, rollout, m, cfg)     # [B, T] x3
+    pg_loss = w * pg                                               # [B, T]
+    if ref_logp is not None:
+        dr = torch.where(m, ref_logp.detach().float(), zero) - logp  # [B, T]
+        k3 = dr.exp() - dr - 1                                     # [B, T]
+    else:
+        k3 = zero
+    loss = aggregate(pg_loss + cfg.kl_coef * k3, m, cfg.agg)
+
+    with torch.no_grad():
+        vals = {
+            "loss/total": loss,
+            "loss/policy": aggregate(pg_loss, m, cfg.agg),
+            "loss/kl": aggregate(k3, m, cfg.agg),
+            "loss/clip_frac": masked_mean(clipped.float(), m),
+            "loss/dual_clip_frac": masked_mean(dual.float(), m),
+            "loss/ratio_mean": masked_mean(ratio, m),
+            "is/weight_mean": masked_mean(w, m),
+            "is/truncated_frac": masked_mean(truncated.float(), m),
+            "is/nonfinite_frac": masked_mean(nonfinite.float(), m),
+        }
+        metrics = dict(zip(vals, torch.stack([v.detach() for v in vals.values()]).tolist()))
+    return loss, metrics
