@@ -64,7 +64,11 @@ class SyntheticConfig:
     num_train: int = 2000
     num_val: int = 200
     difficulty: int = 1
-    """1: a+b with a,b < 5; 2: a+b, a-b with a,b < 10; 3: two-digit +,-; 4: +,-,* up to 99."""
+    """1: a+b with a,b < 5; 2: a+b, a-b with a,b < 10; 3: two-digit +,- (results >= 0 so far);
+    4: +,-,* up to 99 (negatives allowed); 5: three-term expressions."""
+    disjoint_val: bool = True
+    """Val questions never appear in train (held-out generalisation). Tiny question spaces
+    (difficulty 1 has 25) need false to get a val set larger than a fifth of the space."""
     seed: int = 0
 
 

@@ -20,6 +20,7 @@ Where this departs from textbook GRPO:
 """
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -32,7 +33,7 @@ import yaml
 
 from checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from config import Config, UserError, load_config, to_dict
-from data import PromptSampler, format_reward, load_splits, math_reward, render_prompt, reward_stats
+from data import PromptSampler, format_reward, load_splits, math_reward, reward_stats
 from losses.advantages import group_advantages
 from losses.grpo import grpo_loss
 from losses.mismatch import mismatch_metrics
@@ -133,19 +134,12 @@ def make_run_dir(cfg: Config, config_path: str | None) -> Path:
 
 def prepare_prompts(examples, tokenizer, cfg: Config):
     """Render + tokenize; prompts longer than data.max_prompt_tokens are dropped (counted)."""
-    from data import uses_chat_template
+    from data import filter_long_prompts, uses_chat_template
 
-    chat = uses_chat_template(tokenizer, cfg.data)
-    kept, dropped = [], 0
-    for ex in examples:
-        ids = tokenizer(render_prompt(ex["question"], tokenizer, cfg.data), add_special_tokens=not chat).input_ids
-        if len(ids) > cfg.data.max_prompt_tokens:
-            dropped += 1
-            continue
-        kept.append({**ex, "prompt_ids": ids})
-    if not kept:
-        raise UserError(f"every prompt is longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}; raise it")
-    return kept, dropped
+    kept, dropped = filter_long_prompts(examples, tokenizer, cfg.data)
+    special = not uses_chat_template(tokenizer, cfg.data)  # chat templates write their own BOS
+    ids = tokenizer([ex["prompt"] for ex in kept], add_special_tokens=special)["input_ids"]
+    return [{**ex, "prompt_ids": i} for ex, i in zip(kept, ids)], dropped
 
 
 def validate_accuracy(engine, val_set, tokenizer, cfg: Config) -> float:
@@ -178,6 +172,8 @@ def train(args) -> Path:
     train_set, val_set = load_splits(cfg.data)
     train_set, dropped = prepare_prompts(train_set, tokenizer, cfg)
     val_set, _ = prepare_prompts(val_set, tokenizer, cfg)
+    if cfg.train.val_every and not val_set:
+        raise UserError("the validation split is empty; set data.val_size / data.val_split, or train.val_every=0")
     logger.print(f"data: {len(train_set)} train prompts ({dropped} dropped as overlong), {len(val_set)} val")
 
     # The engine gets its own copy of the weights (HF) or its own process memory (vLLM)
@@ -185,6 +181,8 @@ def train(args) -> Path:
     model_dir = save_config_dir(model, tokenizer, run_dir / "engine_model") \
         if cfg.model.name_or_path == "tiny" else cfg.model.name_or_path
     engine = make_engine(cfg, model, tokenizer, device, model_dir)
+    # KL reference: the initial policy, frozen, in BF16 (never quantized)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.loss.kl_coef > 0 else None
     from fp8.export import export_weights
     from fp8.calibrate import QKVCalibrator
     if cfg.fp8.train:
@@ -240,7 +238,7 @@ def train(args) -> Path:
 
         # ---- rollout
         t0 = time.perf_counter()
-        batch = sampler.next_batch()
+        batch = next(sampler)
         engine.wake()
         samples = engine.generate([ex["prompt_ids"] for ex in batch], n=n, temperature=T, top_p=cfg.rollout.top_p,
                                   max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed * 1_000_003 + step)
@@ -264,6 +262,8 @@ def train(args) -> Path:
         with torch.no_grad():
             old_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
                                   for s in micro_batches(B, mb)])  # [B, L]
+            ref_logp = None if ref_model is None else torch.cat(
+                [token_logprobs(ref_model, input_ids[s], attention_mask[s], T) for s in micro_batches(B, mb)])
         metrics["time/logprobs"] = time.perf_counter() - t0
         metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(old_logp, rollout_logp, mask).items()})
         mult_err = metrics["mismatch/token_mult_prob_error"]
@@ -286,7 +286,8 @@ def train(args) -> Path:
             for micro in micro_batches(len(idx), mb):
                 j = idx[micro]
                 logp = token_logprobs(model, input_ids[j], attention_mask[j], T)
-                loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], mask[j], cfg.loss)
+                loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], mask[j], cfg.loss,
+                                    ref_logp=None if ref_logp is None else ref_logp[j])
                 # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
                 weight = mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else len(j) / mini_rows
                 (loss * weight).backward()

@@ -1,0 +1,573 @@
+"""Prompts and rewards: synthetic arithmetic, JSONL / HF datasets, prompt templates, math reward.
+
+    train, val = load_splits(cfg.data)                       # lists of {"question", "answer"}
+    sampler = PromptSampler(train, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
+    batch = next(sampler)                                    # resumable: sampler.state_dict()
+    prompt = render_prompt(batch[0]["question"], tokenizer, cfg.data)
+    kept, n_dropped = filter_long_prompts(train, tokenizer, cfg.data)   # adds "prompt"
+    r = math_reward(completion, batch[0]["answer"])          # 1.0 / 0.0, never raises
+    log(reward_stats())                                      # errors / timeouts / skipped, reset
+
+Sources (`data.source`):
+  synthetic  seeded arithmetic ("3+4=" -> "7") that the char-level tiny tokenizer can spell;
+             val questions never appear in train.
+  jsonl      a local JSON-lines file; `val_split` may name a second file ('' = hold out).
+  hf         a hub id (datasets.load_dataset(path, hf_config, split=...)), a directory written by
+             Dataset/DatasetDict.save_to_disk, or a local .json/.jsonl/.parquet/.csv file.
+Field names may be dotted paths into nested records (`reward_model.ground_truth`, `prompt.0.content`);
+a field holding a chat message list ([{"role", "content"}, ...]) yields its last user message.
+Rows with an empty question or answer (or whose answer `answer_regex` does not match) are dropped
+and counted; duplicate questions are dropped (first kept) before the validation hold-out.
+
+Example `data:` settings (field layouts from the dataset cards, not loaded here: no hub access):
+
+  GSM8K        source: hf, path: openai/gsm8k, hf_config: main, val_split: test,
+               prompt_field: question, answer_field: answer, answer_regex: '#### (.*)'
+  MATH-style   source: hf, path: HuggingFaceH4/MATH-500, train_split: test, val_size: 100,
+               prompt_field: problem, answer_field: answer        (500 problems, one split 'test';
+               columns problem/solution/answer/subject/level/unique_id)
+  DAPO-Math    source: hf, path: BytedTsinghua-SIA/DAPO-Math-17k, prompt_field: prompt,
+               answer_field: reward_model.ground_truth, template: chat
+               (checked against the card's schema: prompt = [{"role": "user", "content": ...}],
+               reward_model = {"ground_truth", "style"}, one split 'train' of ~1.79M rows that are
+               ~17.4k problems repeated, hence the dedupe. The prompt text already asks for a last
+               line "Answer: ...", which math_reward reads, so leave `instruction` empty.)
+  OpenMath-2   source: hf, path: nvidia/OpenMathInstruct-2, train_split: train_1M,
+               prompt_field: problem, answer_field: expected_answer,
+               instruction: 'Put your final answer within \\boxed{}.'
+               (splits train_1M / train_2M / train_5M / train; believed layout, not verified here)
+
+Reward: `math_reward` takes the last complete \\boxed{...}; else the text after the last
+"answer:" / "answer is"; else the last number, and compares it with the gold answer with
+math-verify (1/2 == 0.5 == \\frac{1}{2}). Plain integers on both sides are compared directly.
+math-verify's signal-based timeouts (2 s) work in the main thread only; elsewhere they are off, so
+answers that could pin sympy for minutes (power towers, huge exponents, n!!, integrals) score 0.0
+unparsed. Exceptions and timeouts score 0.0 and are counted: `reward_stats()` reads and resets.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import random
+import re
+import threading
+from pathlib import Path
+
+from config import DataConfig, UserError
+
+log = logging.getLogger(__name__)
+
+
+class DataError(UserError):
+    """Bad data source / fields / template; the message is one line that names the fix."""
+
+
+# ----------------------------------------------------------------------------------------- rewards
+
+_REWARD_TIMEOUT_S = 2          # math-verify parse/verify limit (main thread only; signal.alarm)
+_MAX_ANSWER_CHARS = 1000       # longer extracted answers score 0 without being parsed
+_stats_lock = threading.Lock()
+_stats = {"reward/errors": 0, "reward/timeouts": 0, "reward/skipped": 0}
+# Answers that can keep sympy busy for minutes (in a worker thread nothing interrupts it, and big-int
+# arithmetic holds the GIL): power towers, 3+ digit exponents, n!!, 4+ digit n!, calculus. Such a
+# prediction scores 0 unparsed unless the gold answer has the same kind of construct.
+_RISKY = re.compile(r"(?:\^|\*\*)\s*\{?\s*[-+]?\d{3}|\^\s*\{[^{}]*(?:\^|\*\*)|(?:\^|\*\*)\s*\(?\s*\w+\s*(?:\^|\*\*)"
+                    r"|!\s*!|\d{4}\s*!|\\(?:int|iint|oint|sum|prod|lim)(?![a-zA-Z])")
+
+_BOXED_OR_BRACE = re.compile(r"\\boxed\s*\{|\{|\}")
+_ANSWER_ANCHOR = re.compile(r"answer\s*(?:is\b|:)", re.IGNORECASE)
+_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+)?")
+_INT = re.compile(r"[+-]?\d+")
+_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+
+
+def _count(key: str) -> None:
+    with _stats_lock:
+        _stats[key] += 1
+        if key == "reward/timeouts":
+            _stats["reward/errors"] += 1
+
+
+def reward_stats(reset: bool = True) -> dict[str, int]:
+    """Counts since the last reset: "reward/errors" (exceptions and timeouts), "reward/timeouts",
+    "reward/skipped" (risky predictions scored 0 without parsing, see _RISKY)."""
+    with _stats_lock:
+        out = dict(_stats)
+        if reset:
+            for k in _stats:
+                _stats[k] = 0
+    return out
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last complete, non-empty \\boxed{...} (nested braces handled), else None."""
+    if "\\boxed" not in text:
+        return None
+    stack: list[tuple[bool, int]] = []     # (is a \boxed{, index just after its "{")
+    best: tuple[int, int] | None = None    # the boxed span that closes last
+    for m in _BOXED_OR_BRACE.finditer(text):
+        tok = m.group()
+        if tok == "}":
+            if stack:
+                is_boxed, start = stack.pop()
+                if is_boxed and text[start:m.start()].strip():
+                    best = (start, m.start())
+        else:
+            stack.append((tok != "{", m.end()))
+    return text[best[0]:best[1]].strip() if best else None
+
+
+def extract_answer(completion: str) -> tuple[str, str] | None:
+    """(kind, text) of the completion's final answer, kind in {"boxed", "text", "number"}, or None."""
+    boxed = last_boxed(completion)
+    if boxed is not None:
+        return "boxed", boxed
+    anchor = None
+    for anchor in _ANSWER_ANCHOR.finditer(completion):
+        pass
+    if anchor is not None:
+        rest = completion[anchor.end():anchor.end() + 4 * _MAX_ANSWER_CHARS]
+        line = next((ln for ln in rest.split("\n") if ln.strip(" \t*:")), "")
+        line = line.strip(" \t*:").rstrip(" .")
+        if line:
+            return "text", line
+    number = None
+    for number in _NUMBER.finditer(completion):
+        pass
+    return ("number", number.group()) if number is not None else None
+
+
+def _normalize_number(s: str) -> str:
+    s = s.strip().rstrip(".").strip()
+    return s.replace(",", "") if _THOUSANDS.fullmatch(s) else s
+
+
+def _mv_timeout() -> int | None:
+    return _REWARD_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def _mv_parse(text: str) -> tuple:
+    """math_verify.parse that raises on internal errors/timeouts (counted by the caller)."""
+    from math_verify import parse
+    return tuple(parse(text, parsing_timeout=_mv_timeout(), raise_on_error=True))
+
+
+@functools.lru_cache(maxsize=16384)
+def _parse_gold(answer: str) -> tuple:
+    parsed = _mv_parse("\\boxed{" + answer + "}")
+    return parsed or _mv_parse(answer) or (answer.strip(),)
+
+
+@functools.lru_cache(maxsize=16384)
+def _parse_pred(kind: str, text: str) -> tuple:
+    if kind == "boxed":
+        return _mv_parse("\\boxed{" + text + "}")
+    if kind == "number":
+        return _mv_parse(text)
+    return _mv_parse(text) or _mv_parse("\\boxed{" + text + "}")
+
+
+def _call(fn, *args):
+    """fn(*args); exceptions and math-verify timeouts are counted and give None."""
+    from math_verify.errors import TimeoutException
+    try:
+        return fn(*args)
+    except TimeoutException:
+        _count("reward/timeouts")
+    except Exception:  # noqa: BLE001 - a reward must never take the run down
+        _count("reward/errors")
+    return None
+
+
+def math_reward(completion: str, answer: str) -> float:
+    """1.0 if the completion's final answer equals `answer` per math-verify, else 0.0. Never raises."""
+    if not isinstance(completion, str) or not isinstance(answer, str) or not answer.strip():
+        return 0.0
+    extracted = _call(extract_answer, completion)
+    if extracted is None or len(extracted[1]) > _MAX_ANSWER_CHARS:
+        return 0.0
+    kind, pred = extracted
+    gold_n, pred_n = _normalize_number(answer), _normalize_number(pred)
+    if _INT.fullmatch(gold_n) and _INT.fullmatch(pred_n):   # fast path: same verdict as math-verify
+        return float(int(gold_n) == int(pred_n))
+    if kind != "boxed":
+        pred = pred_n
+    if _RISKY.search(pred) and not _RISKY.search(gold_n):
+        _count("reward/skipped")
+        return 0.0
+    gold_p = _call(_parse_gold, gold_n)
+    pred_p = _call(_parse_pred, kind, pred)
+    if not gold_p or not pred_p:
+        return 0.0
+    from math_verify import verify
+    timeout = _mv_timeout()
+    for g in gold_p:          # verify() on the lists, pair by pair so that failures are counted
+        for p in pred_p:
+            if _call(lambda: verify(g, p, timeout_seconds=timeout, raise_on_error=True)):
+                return 1.0
+    return 0.0
+
+
+def format_reward(completion: str) -> float:
+    """1.0 if the completion states an answer in a complete, non-empty \\boxed{...}, else 0.0."""
+    try:
+        return float(isinstance(completion, str) and last_boxed(completion) is not None)
+    except Exception:  # noqa: BLE001
+        return 0.0
+
+
+# --------------------------------------------------------------------------------------- synthetic
+
+def _arith_example(rng: random.Random, difficulty: int) -> dict:
+    """1: a+b, a,b in [0,4]; 2: a+-b, a,b in [0,9]; 3: two-digit a+-b (results >= 0 up to here);
+    4: a+-*b, a,b in [0,99]; 5: three terms in [0,99] with +-*, sometimes (a op b) op c."""
+    ops = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+    if difficulty <= 3:
+        lo, hi = {1: (0, 4), 2: (0, 9), 3: (10, 99)}[difficulty]
+        a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+        op = "+" if difficulty == 1 else rng.choice("+-")
+        if op == "-" and a < b:
+            a, b = b, a
+        return {"question": f"{a}{op}{b}=", "answer": str(ops[op](a, b))}
+    if difficulty == 4:
+        a, b, op = rng.randint(0, 99), rng.randint(0, 99), rng.choice("+-*")
+        return {"question": f"{a}{op}{b}=", "answer": str(ops[op](a, b))}
+    a, b, c = (rng.randint(0, 99) for _ in range(3))
+    o1, o2 = rng.choice("+-*"), rng.choice("+-*")
+    if rng.random() < 1 / 3:
+        q, v = f"({a}{o1}{b}){o2}{c}=", ops[o2](ops[o1](a, b), c)
+    elif o2 == "*" and o1 != "*":
+        q, v = f"{a}{o1}{b}{o2}{c}=", ops[o1](a, b * c)
+    else:
+        q, v = f"{a}{o1}{b}{o2}{c}=", ops[o2](ops[o1](a, b), c)
+    return {"question": q, "answer": str(v)}
+
+
+def _check_difficulty(difficulty: int) -> None:
+    if difficulty not in (1, 2, 3, 4, 5):
+        raise DataError(f"data.synthetic.difficulty must be 1..5, got {difficulty}")
+
+
+def synthetic_arithmetic(n: int, difficulty: int, seed: int) -> list[dict]:
+    """n seeded arithmetic problems {"question": "3+4=", "answer": "7"} (may repeat: small spaces)."""
+    _check_difficulty(difficulty)
+    rng = random.Random(f"arith-{difficulty}-{seed}")
+    return [_arith_example(rng, difficulty) for _ in range(n)]
+
+
+_ARITH_SPACE = {1: 25, 2: 155, 3: 12195, 4: 30000}   # distinct questions per difficulty (5: ~10^7)
+
+
+def _synthetic_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+    """Val: up to num_val distinct questions, at most a fifth of the question space (5 of the 25 at
+    difficulty 1); train: num_train draws from a differently seeded stream, val questions skipped.
+    With synthetic.disjoint_val=false, val may hold any question (the whole space if num_val
+    allows) and train is not filtered: accuracy over the task, not held-out generalisation."""
+    s = cfg.synthetic
+    _check_difficulty(s.difficulty)
+    if s.num_train < 1:
+        raise DataError(f"data.synthetic.num_train must be >= 1, got {s.num_train}")
+    space = _ARITH_SPACE.get(s.difficulty, 5 * s.num_val)
+    n_val = min(s.num_val, space // 5 if s.disjoint_val else space)
+    val, seen = [], set()
+    val_rng = random.Random(f"arith-{s.difficulty}-{s.seed + 1}")
+    for _ in range(100 * n_val + 1000):
+        if len(val) >= n_val:
+            break
+        ex = _arith_example(val_rng, s.difficulty)
+        if ex["question"] not in seen:
+            seen.add(ex["question"])
+            val.append(ex)
+    rng = random.Random(f"arith-{s.difficulty}-{s.seed}")
+    train = []
+    while len(train) < s.num_train:
+        ex = _arith_example(rng, s.difficulty)
+        if ex["question"] not in seen or not s.disjoint_val:
+            train.append(ex)
+    return train, val
+
+
+# ----------------------------------------------------------------------------------- file / hub
+
+_MISSING = object()
+_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _looks_local(path: str) -> bool:
+    return (os.path.exists(path) or path.startswith(("/", "./", "../", "~"))
+            or Path(path).suffix.lower() in _FILE_BUILDERS)
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"data.path={path}: JSONL file not found (cwd {os.getcwd()}); fix data.path")
+    rows = []
+    with p.open(encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} line {i}: invalid JSON ({e.msg}); each line must be one JSON object") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{path} line {i}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def _load_hf(path: str, hf_config: str, split: str, fields: list[str], is_val: bool = False) -> list[dict]:
+    """Rows of a hub dataset, a save_to_disk directory or a local data file, with only the columns
+    that `fields` (possibly dotted paths) need; a missing column returns the first full row so the
+    caller can report which fields exist."""
+    import datasets
+    local = Path(path).expanduser()
+    what = f"data.path={path} (split {split!r})"
+    if _looks_local(path) and not local.exists():
+        raise DataError(f"data.path={path}: no such file or directory (cwd {os.getcwd()}); fix data.path")
+    try:
+        if local.is_dir() and ((local / "dataset_dict.json").exists() or (local / "state.json").exists()):
+            ds = datasets.load_from_disk(str(local))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise DataError(f"{what}: no such split in this saved DatasetDict (splits: {', '.join(ds)}); "
+                                    "set data.train_split / data.val_split")
+                ds = ds[split]
+            elif is_val:
+                raise DataError(f"data.path={path} is a single saved Dataset (no splits), so data.val_split="
+                                f"{split!r} names nothing; set data.val_split='' to hold out data.val_size examples")
+        elif local.is_file():
+            builder = _FILE_BUILDERS.get(local.suffix.lower())
+            if builder is None:
+                raise DataError(f"data.path={path}: unknown data file type (use one of {', '.join(_FILE_BUILDERS)})")
+            ds = datasets.load_dataset(builder, data_files=str(local), split="train")
+        else:  # hub id or a directory of data files
+            ds = datasets.load_dataset(str(local) if local.is_dir() else path, hf_config or None, split=split)
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001 - datasets raises many types; the user needs one line
+        raise DataError(f"{what}, hf_config={hf_config!r}: could not load dataset ({_first_line(e)}); "
+                        "check data.path / data.hf_config / data.train_split / data.val_split") from None
+    if len(ds) == 0:
+        return []
+    cols = {f if f in ds.column_names else f.split(".")[0] for f in fields}
+    if not cols <= set(ds.column_names):
+        return [ds[0]]
+    return ds.select_columns(sorted(cols)).to_list()
+
+
+def _get(row, field: str):
+    """row[field], or a dotted path through dicts / lists ('reward_model.ground_truth', 'prompt.0.content')."""
+    if isinstance(row, dict) and field in row:
+        return row[field]
+    node = row
+    for part in field.split("."):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.lstrip("-").isdigit() and -len(node) <= int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return _MISSING
+    return node
+
+
+def _as_text(v) -> str | None:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, bool) or v is None:
+        return None
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        return str(int(v)) if v.is_integer() else str(v)
+    if isinstance(v, (list, tuple)) and v and all(isinstance(m, dict) and "content" in m for m in v):
+        users = [m for m in v if m.get("role", "user") == "user"] or list(v)   # chat messages
+        return _as_text(users[-1]["content"])
+    return None
+
+
+def _fields_of(row: dict) -> str:
+    names = []
+    for k, v in row.items():
+        names.append(k)
+        if isinstance(v, dict):
+            names += [f"{k}.{kk}" for kk in v]
+    return ", ".join(names)
+
+
+def _to_examples(rows: list[dict], cfg: DataConfig, name: str) -> list[dict]:
+    if not rows:
+        raise DataError(f"{name}: dataset is empty (0 rows); check data.path and the split")
+    for key in ("prompt_field", "answer_field"):
+        field = getattr(cfg, key)
+        if _get(rows[0], field) is _MISSING:
+            raise DataError(f"{name}: no field {field!r} (data.{key}); fields: {_fields_of(rows[0])}; "
+                            f"set data.{key}")
+    try:
+        regex = re.compile(cfg.answer_regex) if cfg.answer_regex else None
+    except re.error as e:
+        raise DataError(f"data.answer_regex={cfg.answer_regex!r}: invalid regex ({e})") from None
+    out, seen, dropped, no_match = [], set(), 0, 0
+    for row in rows:
+        q = _as_text(_get(row, cfg.prompt_field))
+        a = _as_text(_get(row, cfg.answer_field))
+        if a is not None and regex is not None:
+            m = regex.search(a)
+            a = (m.group(1) if m.re.groups else m.group(0)) if m else None
+            no_match += m is None
+        q, a = (q or "").strip(), (a or "").strip()
+        if not q or not a:
+            dropped += 1
+        elif q not in seen:
+            seen.add(q)
+            out.append({"question": q, "answer": a})
+    if not out:
+        why = (f"data.answer_regex {cfg.answer_regex!r} matched none of the answers (e.g. "
+               f"{str(_get(rows[0], cfg.answer_field))[:80]!r}); fix data.answer_regex") if no_match else \
+              (f"every row has an empty or non-text {cfg.prompt_field!r} / {cfg.answer_field!r}; "
+               "set data.prompt_field / data.answer_field")
+        raise DataError(f"{name}: no usable examples in {len(rows)} rows: {why}")
+    if dropped or len(out) + dropped < len(rows):
+        log.warning("%s: %d rows -> %d examples (%d dropped: empty field or answer_regex no match; "
+                    "%d duplicate questions)", name, len(rows), len(out), dropped, len(rows) - dropped - len(out))
+    return out
+
+
+def _load_examples(cfg: DataConfig, split: str, is_val: bool) -> list[dict]:
+    """Examples of one split. For local files (source=jsonl, or hf with a file path) the train split
+    is data.path itself and data.val_split, when set, is the path of a second file."""
+    fields = [cfg.prompt_field, cfg.answer_field]
+    if cfg.source == "jsonl" or (cfg.source == "hf" and Path(cfg.path).suffix.lower() in _FILE_BUILDERS):
+        path = split if is_val else cfg.path
+        if is_val and not Path(path).expanduser().is_file():
+            raise DataError(f"data.val_split={split!r}: with a local data file, val_split must be the path of "
+                            "a validation file, or '' to hold out data.val_size examples")
+        rows = _read_jsonl(path) if cfg.source == "jsonl" else _load_hf(path, "", "train", fields)
+        return _to_examples(rows, cfg, f"data.path={path}" if not is_val else f"data.val_split={path}")
+    return _to_examples(_load_hf(cfg.path, cfg.hf_config, split, fields, is_val), cfg,
+                        f"data.path={cfg.path} (split {split!r})")
+
+
+def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
+    """(train, val), each a list of {"question", "answer"} strings.
+
+    val = data.val_split when set, else the last data.val_size examples of the train split after a
+    shuffle seeded by data.seed (after the question dedupe, so no val question is in train).
+    synthetic: data.synthetic.num_train / num_val / seed instead (val_size and seed unused)."""
+    if cfg.source == "synthetic":
+        return _synthetic_splits(cfg)
+    if not cfg.path:
+        raise DataError(f"data.path is required for data.source={cfg.source}")
+    train = _load_examples(cfg, cfg.train_split, is_val=False)
+    if cfg.val_split:
+        return train, _load_examples(cfg, cfg.val_split, is_val=True)
+    if cfg.val_size < 0 or cfg.val_size >= len(train):
+        raise DataError(f"data.val_size={cfg.val_size} must be in [0, {len(train)}) for this train split of "
+                        f"{len(train)} examples; lower data.val_size or set data.val_split")
+    random.Random(cfg.seed).shuffle(train)
+    cut = len(train) - cfg.val_size
+    return train[:cut], train[cut:]
+
+
+# -------------------------------------------------------------------------------------- templates
+
+def _user_text(question: str, cfg: DataConfig) -> str:
+    return question + (" " + cfg.instruction if cfg.instruction else "")
+
+
+def uses_chat_template(tokenizer, cfg: DataConfig) -> bool:
+    """Whether render_prompt applies the chat template: template=chat, or auto and the tokenizer has one.
+    Chat templates write their own BOS, so tokenize such prompts with add_special_tokens=False."""
+    return cfg.template == "chat" or (cfg.template == "auto" and bool(getattr(tokenizer, "chat_template", None)))
+
+
+def render_prompt(question: str, tokenizer, cfg: DataConfig) -> str:
+    """Prompt text for one question: the tokenizer's chat template ('chat'), or
+    [system_prompt + newline] + question [+ space + instruction] ('plain'); 'auto' picks chat if it can."""
+    if not uses_chat_template(tokenizer, cfg):
+        return (cfg.system_prompt + "\n" if cfg.system_prompt else "") + _user_text(question, cfg)
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise DataError(f"data.template=chat but tokenizer {name!r} has no chat template; "
+                        "set data.template=plain (or auto)")
+    messages = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + \
+               [{"role": "user", "content": _user_text(question, cfg)}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def filter_long_prompts(examples: list[dict], tokenizer, cfg: DataConfig,
+                        batch_size: int = 1024) -> tuple[list[dict], int]:
+    """Examples with "prompt" (rendered) added, dropping those over cfg.max_prompt_tokens tokens
+    (special tokens counted only for plain prompts, see uses_chat_template). Returns (kept, n_dropped)."""
+    kept, dropped = [], 0
+    special = not uses_chat_template(tokenizer, cfg)
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i:i + batch_size]
+        prompts = [render_prompt(ex["question"], tokenizer, cfg) for ex in chunk]
+        ids = tokenizer(prompts, add_special_tokens=special)["input_ids"]
+        for ex, p, t in zip(chunk, prompts, ids):
+            if len(t) <= cfg.max_prompt_tokens:
+                kept.append({**ex, "prompt": p})
+            else:
+                dropped += 1
+    if examples and not kept:
+        raise DataError(f"all {len(examples)} prompts are longer than data.max_prompt_tokens="
+                        f"{cfg.max_prompt_tokens}; raise data.max_prompt_tokens")
+    return kept, dropped
+
+
+# ---------------------------------------------------------------------------------------- sampler
+
+class PromptSampler:
+    """Endless batches of `batch_size` examples over seeded shuffled epochs (a batch may straddle two
+    epochs). state_dict() / load_state_dict() resume at the same data position."""
+
+    def __init__(self, examples: list[dict], batch_size: int, seed: int = 0):
+        if not examples:
+            raise DataError("PromptSampler: no training examples")
+        if batch_size < 1:
+            raise DataError(f"PromptSampler: batch_size must be >= 1, got {batch_size}")
+        self.examples, self.batch_size, self.seed = examples, batch_size, seed
+        self.epoch, self.position = 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.examples)))
+        random.Random(f"sampler-{self.seed}-{epoch}").shuffle(order)
+        return order
+
+    def __iter__(self) -> PromptSampler:
+        return self
+
+    def __next__(self) -> list[dict]:
+        batch = []
+        while len(batch) < self.batch_size:
+            take = self._order[self.position:self.position + self.batch_size - len(batch)]
+            batch += [self.examples[i] for i in take]
+            self.position += len(take)
+            if self.position >= len(self._order):       # roll over eagerly: state is (next epoch, 0)
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+        return batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "num_examples": len(self.examples)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_examples", len(self.examples)) != len(self.examples):
+            log.warning("PromptSampler: checkpoint was taken over %d examples, now %d: the data changed, "
+                        "so the resumed order differs", state["num_examples"], len(self.examples))
+        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
+        if self.position >= len(self.examples):
+            self.epoch, self.position = self.epoch + 1, 0
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,47 @@
+"""HFEngine: group layout, EOS handling, and the logprob convention the trainer relies on."""
+
+import torch
+
+from config import load_config
+from modeling import load_model_and_tokenizer
+from rollout import HFEngine
+from train_grpo import collate, token_logprobs
+
+# 95 printable characters: a vocab larger than transformers' default top_k=50, so a sampler
+# that silently applied top-k would renormalise and fail the convention test.
+VOCAB = "".join(chr(c) for c in range(32, 127))
+
+
+def make(overrides=()):
+    cfg = load_config(None, ["model.dtype=float32", f"model.tiny.vocab={VOCAB!r}", "train.device=cpu", *overrides])
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(cfg.model, torch.device("cpu"))
+    return cfg, model, tok, HFEngine(cfg, model, tok, "cpu")
+
+
+def test_logprobs_are_processed_logprobs_of_the_trainer():
+    """Engine logprob of each sampled token == trainer log_softmax(logits / T) at that token."""
+    cfg, model, tok, engine = make()
+    prompts = [tok("3+4=").input_ids, tok("12+17=").input_ids]  # different lengths: left padding
+    for temperature in (1.0, 0.6):
+        samples = engine.generate(prompts, n=3, temperature=temperature, top_p=1.0, max_new_tokens=6, seed=0)
+        assert [s.prompt_index for s in samples] == [0, 0, 0, 1, 1, 1]  # group by group
+        input_ids, attention_mask, mask, rollout_logp = collate(samples, tok.pad_token_id)
+        with torch.no_grad():
+            trainer_logp = token_logprobs(model, input_ids, attention_mask, temperature)
+        assert mask.sum() > 0
+        torch.testing.assert_close(trainer_logp * mask, rollout_logp, atol=1e-5, rtol=0)
+
+
+def test_greedy_is_deterministic_and_eos_ends_samples():
+    cfg, model, tok, engine = make()
+    prompts = [tok("1+1=").input_ids]
+    a = engine.generate(prompts, n=2, temperature=0.0, top_p=1.0, max_new_tokens=5)
+    b = engine.generate(prompts, n=2, temperature=0.0, top_p=1.0, max_new_tokens=5)
+    assert a[0].token_ids == a[1].token_ids == b[0].token_ids
+    with torch.no_grad():  # make EOS the only likely token: every sample stops after 1 token
+        engine.model.lm_head.weight.zero_()
+        engine.model.lm_head.weight[tok.eos_token_id] = 1.0
+        engine.model.model.norm.weight.fill_(50.0)
+    s = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=5, seed=0)
+    assert all(x.token_ids == [tok.eos_token_id] and x.finish_reason == "stop" for x in s)
