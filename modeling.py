@@ -91,6 +91,8 @@ def save_config_dir(model, tokenizer, path: str | Path) -> Path:
     """config.json + tokenizer only: enough for a vLLM engine started with load_format='dummy'."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    # without "architectures" vLLM resolves the headless LlamaModel instead of LlamaForCausalLM
+    model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     gen = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}

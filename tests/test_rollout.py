@@ -39,9 +39,13 @@ def test_greedy_is_deterministic_and_eos_ends_samples():
     a = engine.generate(prompts, n=2, temperature=0.0, top_p=1.0, max_new_tokens=5)
     b = engine.generate(prompts, n=2, temperature=0.0, top_p=1.0, max_new_tokens=5)
     assert a[0].token_ids == a[1].token_ids == b[0].token_ids
-    with torch.no_grad():  # make EOS the only likely token: every sample stops after 1 token
-        engine.model.lm_head.weight.zero_()
-        engine.model.lm_head.weight[tok.eos_token_id] = 1.0
-        engine.model.model.norm.weight.fill_(50.0)
+
+    class EOSHead(torch.nn.Module):  # EOS is the only likely token: every sample stops after 1 token
+        def forward(self, h):
+            logits = torch.zeros(*h.shape[:-1], len(tok))
+            logits[..., tok.eos_token_id] = 100.0
+            return logits
+
+    engine.model.lm_head = EOSHead()
     s = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=5, seed=0)
     assert all(x.token_ids == [tok.eos_token_id] and x.finish_reason == "stop" for x in s)

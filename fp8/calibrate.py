@@ -1,0 +1,265 @@
+"""q/k/v scale calibration from trainer forwards, and FP8 KV-cache/attention emulation for HF models.
+
+vLLM's FP8 KV cache stores k/v as e4m3(k / k_scale) with ONE static scale per layer (and its
+FP8 attention also quantizes q with q_scale), so the scales must cover the range of the current
+policy's post-RoPE q/k/v. We measure that range where it is cheapest: in the trainer's own
+forward passes, which already compute exactly those tensors.
+
+Mechanism: transformers 5 dispatches attention through `ALL_ATTENTION_FUNCTIONS[config.
+_attn_implementation](module, query, key, value, attention_mask, ...)` with post-RoPE
+query [B, H, T, D] and key/value [B, Hkv, T, D] (Llama, Qwen3: q_norm/k_norm are applied before
+RoPE, so also included). `install(model)` registers a wrapper `fp8qkv_<impl>` around the model's
+implementation (sdpa, eager, flash_attention_*; the mask function of <impl> is registered for it
+too) and switches config._attn_implementation to it. The wrapper looks at a small state object
+on each attention module (`module._fp8_qkv`) and
+  (a) while a QKVCalibrator captures: records max|q|, max|k|, max|v| of that layer
+      (module.layer_idx) into the current micro-batch's [L, 3] record (device tensor, no sync);
+  (b) when kv scales are set: fake-quantizes q, k, v to e4m3 with the per-layer scales before
+      calling the real attention (how the CPU engine emulates vLLM's FP8 KV cache + attention).
+Idle cost: one getattr per attention call. Recording runs under no_grad on detached tensors, so
+gradients are untouched; fake quantization uses a straight-through gradient if ever trained.
+
+Micro-batches: a forward pre-hook on the model starts a new record, so gradient-checkpoint
+recomputation (attention runs again in backward) max-reduces into the same record. Padding: when
+the model is called with a 2-D attention_mask [B, T] matching q/k/v, padded positions are
+excluded from the amax (pad embeddings are finite but not representative); packed inputs
+(no mask) use every position.
+
+scales() = percentile over micro-batches of amax (linear interpolation, numpy's default) *
+margin / 448 per layer and tensor, max-reduced across ranks when torch.distributed is
+initialized (collective: every rank must call it). Scale convention = vLLM's: x ~= e4m3(x/s)*s.
+
+Emulation vs vLLM (FA3 backend with kv_cache_dtype=fp8): k/v quantized exactly as the cache
+write kernel does (divide by scale, saturate), q as QuantFP8's static per-tensor path (multiply
+by fp32(1/scale)). Not emulated: the e4m3 rounding of the softmax probabilities P inside FA3's
+FP8 kernel, and the dequantized q/k/v are rounded to the model dtype here whereas FA3 applies
+the descales to its fp32 accumulators.
+"""
+
+import contextlib
+import sys
+
+import torch
+from torch import Tensor, nn
+
+from fp8.quant import FP8_MAX, fake_quant_per_tensor
+
+PREFIX = "fp8qkv_"
+
+
+class _State:
+    """Per attention module: who records, and the (q, k, v) scales for fake quantization."""
+
+    __slots__ = ("calibrator", "scales")
+
+    def __init__(self):
+        self.calibrator: QKVCalibrator | None = None
+        self.scales: tuple[float, float, float] | None = None
+
+
+class _FakeQuantSTE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, scale: float, reciprocal: bool) -> Tensor:
+        return fake_quant_per_tensor(x, scale, reciprocal)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return g, None, None
+
+
+def _fake_quant(x: Tensor, scale: float, reciprocal: bool) -> Tensor:
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _FakeQuantSTE.apply(x, scale, reciprocal)
+    return fake_quant_per_tensor(x, scale, reciprocal)
+
+
+def _base_attention(module: nn.Module, base: str):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if base == "eager":  # not in the global mapping: each model file has its own eager function
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _make_wrapper(base: str):
+    def fp8qkv_attention(module, query, key, value, attention_mask, **kwargs):
+        st = getattr(module, "_fp8_qkv", None)
+        if st is not None:
+            if st.calibrator is not None:
+                st.calibrator._record(module.layer_idx, query, key, value)
+            if st.scales is not None:
+                qs, ks, vs = st.scales
+                query = _fake_quant(query, qs, True)
+                key, value = _fake_quant(key, ks, False), _fake_quant(value, vs, False)
+        return _base_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
+
+    fp8qkv_attention.__name__ = f"{PREFIX}{base}"
+    return fp8qkv_attention
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """{layer_idx: self-attention module} (modules with a layer_idx and a k_proj)."""
+    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")}
+
+
+def install(model: nn.Module) -> dict[int, nn.Module]:
+    """Route the model's attention through the fp8qkv wrapper (idempotent); {layer: module}."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    impl = model.config._attn_implementation or "eager"
+    if not impl.startswith(PREFIX):
+        name = PREFIX + impl
+        if name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(name, _make_wrapper(impl))
+            if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+                AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+        model.config._attn_implementation = name
+    mods = attention_modules(model)
+    if not mods:
+        raise ValueError("no attention modules with layer_idx/k_proj found")
+    for m in mods.values():
+        if getattr(m, "_fp8_qkv", None) is None:
+            m._fp8_qkv = _State()
+    return mods
+
+
+def uninstall(model: nn.Module) -> None:
+    """Back to the original attention implementation; drops scales and calibrator hooks."""
+    impl = model.config._attn_implementation or ""
+    if impl.startswith(PREFIX):
+        model.config._attn_implementation = impl[len(PREFIX):]
+    for m in attention_modules(model).values():
+        m.__dict__.pop("_fp8_qkv", None)
+
+
+def set_kv_scales(model: nn.Module, scales: dict[int, tuple[float, float, float]] | None) -> None:
+    """Turn on FP8 q/k/v fake quantization with {layer: (q_scale, k_scale, v_scale)}; None = off."""
+    mods = install(model)
+    if scales is not None and (missing := sorted(set(mods) - set(scales))):
+        raise KeyError(f"kv scales missing for layers {missing}")
+    for i, m in mods.items():
+        m._fp8_qkv.scales = None if scales is None else tuple(float(s) for s in scales[i])
+
+
+def get_kv_scales(model: nn.Module) -> dict[int, tuple[float, float, float]] | None:
+    st = {i: getattr(m, "_fp8_qkv", None) for i, m in attention_modules(model).items()}
+    if not st or any(s is None or s.scales is None for s in st.values()):
+        return None
+    return {i: s.scales for i, s in st.items()}
+
+
+@contextlib.contextmanager
+def fp8_attention(model: nn.Module, scales: dict[int, tuple[float, float, float]]):
+    """Context manager form of set_kv_scales; restores the previous scales on exit."""
+    prev = get_kv_scales(model)
+    set_kv_scales(model, scales)
+    try:
+        yield model
+    finally:
+        set_kv_scales(model, prev)
+
+
+def _masked_amax(t: Tensor, mask: Tensor | None) -> Tensor:
+    """max|t| of t [B, H, T, D] over positions where mask [B, T] is nonzero (all if no mask fits)."""
+    t = t.detach()
+    if mask is not None and mask.shape == (t.shape[0], t.shape[2]):
+        return torch.where(mask.to(t.device, torch.bool)[:, None, :, None], t.abs(), 0).amax().float()
+    return t.abs().amax().float()
+
+
+def scales_from_amax(amax: Tensor, percentile: float, margin: float,
+                     layers: list[int] | None = None) -> dict[int, tuple[float, float, float]]:
+    """amax [n_microbatches, L, 3] -> {layer: (q, k, v) scale} = quantile_p(amax) * margin / 448.
+
+    Max-reduced over ranks if torch.distributed is initialized (collective). `layers` selects
+    the rows to return (default: all). Scales are floored at 1e-12 so none is ever 0.
+    """
+    p = torch.quantile(amax.double(), percentile / 100.0, dim=0)  # [L, 3]
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_backend() == "nccl" and p.device.type != "cuda":
+            p = p.cuda()
+        dist.all_reduce(p, op=dist.ReduceOp.MAX)
+    s = (p * margin / FP8_MAX).clamp(min=1e-12).float().cpu().tolist()  # fp32, as vLLM stores them
+    return {i: tuple(s[i]) for i in (range(len(s)) if layers is None else layers)}
+
+
+class QKVCalibrator:
+    """Records per-layer max|q|, max|k|, max|v| of trainer forwards; scales() for vLLM.
+
+        calib = QKVCalibrator(model, cfg.fp8.calib_percentile, cfg.fp8.calib_margin)
+        with calib.capture():          # every model forward inside = one micro-batch record
+            ...train step...
+        kv_scales = calib.scales()     # {layer: (q_scale, k_scale, v_scale)}
+    """
+
+    def __init__(self, model: nn.Module, percentile: float = 99.9, margin: float = 1.05):
+        self.model, self.percentile, self.margin = model, percentile, margin
+        self._mods = install(model)
+        self.num_layers = max(self._mods) + 1
+        self._records: list[Tensor] = []  # each [L, 3] float32 on the model's device
+        self._new_record = True
+        self._mask: Tensor | None = None
+
+    def reset(self) -> None:
+        self._records.clear()
+        self._new_record = True
+
+    @contextlib.contextmanager
+    def capture(self, reset: bool = True):
+        """Record while inside; reset=True forgets earlier records first."""
+        if reset:
+            self.reset()
+        hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        for m in self._mods.values():
+            m._fp8_qkv.calibrator = self
+        try:
+            yield self
+        finally:
+            hook.remove()
+            for m in self._mods.values():
+                m._fp8_qkv.calibrator = None
+            self._mask = None
+
+    def _on_forward(self, module, args, kwargs):
+        self._new_record = True
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        self._mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
+
+    @torch.no_grad()
+    def _record(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> None:
+        if self._new_record or not self._records:
+            self._records.append(torch.zeros(self.num_layers, 3, device=q.device))
+            self._new_record = False
+        amax = torch.stack([_masked_amax(t, self._mask) for t in (q, k, v)])
+        rec = self._records[-1]
+        rec[layer] = torch.maximum(rec[layer], amax)
+
+    def amax(self) -> Tensor:
+        """[n_microbatches, L, 3] float32 (CPU): max|q|, max|k|, max|v| per record and layer."""
+        if not self._records:
+            raise RuntimeError("QKVCalibrator: nothing captured (run forwards inside capture())")
+        return torch.stack(self._records).cpu()
+
+    def scales(self) -> dict[int, tuple[float, float, float]]:
+        """{layer: (q_scale, k_scale, v_scale)}; collective across ranks when distributed."""
+        if not self._records:
+            raise RuntimeError("QKVCalibrator: nothing captured (run forwards inside capture())")
+        return scales_from_amax(torch.stack(self._records), self.percentile, self.margin, sorted(self._mods))
+
+
+def enable_fp8_attention(model: nn.Module, scales: dict[int, tuple[float, float, float]]) -> None:
+    """Alias of set_kv_scales(model, scales)."""
+    set_kv_scales(model, scales)
+
+
+def disable_fp8_attention(model: nn.Module) -> None:
+    """Alias of set_kv_scales(model, None): attention in high precision again."""
+    set_kv_scales(model, None)
+
+
+set_fp8_attention = set_kv_scales  # the name rollout.HFEngine uses

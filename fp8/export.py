@@ -1,0 +1,156 @@
+"""Stream trainer weights to the rollout engine in HF checkpoint names, FP8 where fp8_plan says so.
+
+    for name, t in export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout, kv_scales=scales):
+        ...  # vLLM: model.load_weights / reload_weights; CPU engine: load_exported_into_hf
+
+Names are the HF state_dict names of the unwrapped model (`model.layers.0.self_attn.q_proj.
+weight`, ...), the converted FP8 training linears keep those names. With fp8=True each FP8
+linear yields `<prefix>.weight` as float8_e4m3fn [N, K] and `<prefix>.weight_scale_inv` float32
+[ceil(N/128), ceil(K/128)] (DeepSeek-V3 / vLLM `Fp8Config(weight_block_size=[128, 128])`
+checkpoint format; the engine's config.json needs `vllm_quantization_config(...)`), bit-identical
+to what torchao's kernels use in the trainer (both are fp8/quant.py). All other tensors are
+yielded as they are (model dtype, no copy). A tied lm_head.weight is skipped, as vLLM's
+LlamaForCausalLM/Qwen3ForCausalLM.load_weights skip it too.
+
+KV scales go out as `model.layers.{i}.self_attn.attn.{q,k,v}_scale`, 0-dim float32 - the names
+of the KVCacheScaleParameter attributes that vLLM's BaseKVCacheMethod.create_weights puts on its
+Attention module `self_attn.attn` (vllm/model_executor/layers/quantization/kv_cache.py). That
+form is already final: the cache-scale name mapper that AutoWeightsLoader applies
+(QuantizationConfig.get_cache_scale_mapper, base_config.py; Fp8Config's adds suffix rules) maps
+`.{q,k,v}_scale` -> `.attn.{q,k,v}_scale` only when not already preceded by `.attn`, and
+maybe_remap_kv_scale_name returns a name found in the params dict unchanged. The ModelOpt form
+`self_attn.k_proj.k_scale` would work for k/v but not for q (it would become
+`self_attn.q_proj.attn.q_scale`). vLLM creates these parameters only when a quantization config
+is active (Fp8Config.get_quant_method returns Fp8KVCacheMethod for Attention); with plain BF16
+weights there is nothing to load them into.
+
+Streaming: one tensor at a time (quantized on the weight's device, DTensors gathered one by
+one); the state_dict used for iteration holds references, not copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from fp8.calibrate import attention_modules, set_kv_scales
+from fp8.linear import BLOCK, EmulatedFP8Linear, clean_name, fp8_plan
+from fp8.quant import E4M3, dequantize_blockwise, quantize_blockwise
+
+if TYPE_CHECKING:
+    from config import FP8Config
+
+SCALE_SUFFIX = ".weight_scale_inv"
+KV_SCALE_NAMES = ("q_scale", "k_scale", "v_scale")
+
+
+def _full(t: Tensor) -> Tensor:
+    """A DTensor (FSDP2/TP shard) gathered to a plain tensor; anything else detached."""
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach()
+
+
+def _tied(model: nn.Module) -> bool:
+    cfg = getattr(model, "config", None)
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return bool(getattr(text_cfg, "tie_word_embeddings", False))
+
+
+def kv_scale_names(model: nn.Module) -> dict[int, str]:
+    """{layer: '<attention module name>.attn'} e.g. 'model.layers.0.self_attn.attn'."""
+    names = {id(m): clean_name(n) for n, m in model.named_modules()}
+    return {i: f"{names[id(m)]}.attn" for i, m in attention_modules(model).items()}
+
+
+def export_weights(model: nn.Module, cfg: FP8Config, fp8: bool,
+                   kv_scales: dict[int, tuple[float, float, float]] | None = None,
+                   ) -> Iterator[tuple[str, Tensor]]:
+    """Yield (HF name, tensor): FP8 weight + weight_scale_inv for fp8_plan linears when fp8,
+    everything else as is; then q/k/v scales per layer if kv_scales is given."""
+    plan = fp8_plan(model, cfg) if fp8 else {}
+    skip_lm_head = _tied(model)
+    for raw_name, t in model.state_dict(keep_vars=True).items():
+        name = clean_name(raw_name)
+        if skip_lm_head and name == "lm_head.weight":
+            continue
+        prefix = name[: -len(".weight")] if name.endswith(".weight") else None
+        if prefix is not None and plan.get(prefix, (False,))[0]:
+            q, scale_inv = quantize_blockwise(_full(t), BLOCK)  # [N, K] e4m3, [N/128, K/128] fp32
+            yield name, q
+            yield prefix + SCALE_SUFFIX, scale_inv
+        else:
+            yield name, _full(t)
+    if kv_scales is not None:
+        for i, prefix in sorted(kv_scale_names(model).items()):
+            for n, s in zip(KV_SCALE_NAMES, kv_scales[i]):
+                yield f"{prefix}.{n}", torch.tensor(float(s), dtype=torch.float32)
+
+
+def vllm_quantization_config(model: nn.Module, cfg: FP8Config) -> dict:
+    """`quantization_config` for the engine's config.json matching export_weights(fp8=True):
+    block-128 FP8 with dynamic 1x128 activations; every linear fp8_plan keeps in BF16 is listed
+    in ignored_layers (HF names; vLLM maps them and checks fused groups for consistency)."""
+    ignored = [name for name, (ok, _) in fp8_plan(model, cfg).items() if not ok]
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": [BLOCK, BLOCK], "ignored_layers": ignored,
+            "modules_to_not_convert": list(ignored)}  # the key transformers' FP8 config uses
+
+
+@torch.no_grad()
+def load_exported_into_hf(model: nn.Module, pairs: Iterable[tuple[str, Tensor]],
+                          strict: bool = True) -> set[str]:
+    """Receive an export_weights stream into an HF model, as vLLM would.
+
+    FP8 weights are dequantized (q * scale_inv, float32, then the parameter dtype); into an
+    EmulatedFP8Linear (convert_to_fp8_rollout) the exact FP8 bytes are also pinned, so its GEMM
+    uses them. KV scales, if present, turn on FP8 attention emulation (calibrate.set_kv_scales).
+    Returns the names of the parameters/buffers written; strict=True raises on unknown names.
+    """
+    params = {clean_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
+    modules = {clean_name(n): m for n, m in model.named_modules()}
+    pending: dict[str, dict[str, Tensor]] = {}  # prefix -> {"q": ..., "s": ...} until both arrived
+    kv_prefix = {p: i for i, p in kv_scale_names(model).items()}
+    kv: dict[int, dict[str, float]] = {}
+    loaded: set[str] = set()
+    for name, t in pairs:
+        if name.endswith(SCALE_SUFFIX) or (t.dtype == E4M3 and name.endswith(".weight")):
+            is_scale = name.endswith(SCALE_SUFFIX)
+            prefix = name[: -len(SCALE_SUFFIX)] if is_scale else name[: -len(".weight")]
+            slot = pending.setdefault(prefix, {})
+            slot["s" if is_scale else "q"] = t
+            if len(slot) < 2:
+                continue
+            del pending[prefix]
+            target = params.get(prefix + ".weight")
+            if target is None:
+                if strict:
+                    raise KeyError(f"exported FP8 weight {prefix}.weight not in model")
+                continue
+            mod = modules.get(prefix)
+            if isinstance(mod, EmulatedFP8Linear):
+                mod.load_fp8_weight(slot["q"], slot["s"])
+            else:
+                target.copy_(dequantize_blockwise(slot["q"].to(target.device), slot["s"].to(target.device),
+                                                  BLOCK, target.dtype))
+            loaded.add(prefix + ".weight")
+            continue
+        prefix, _, leaf = name.rpartition(".")
+        if leaf in KV_SCALE_NAMES and prefix in kv_prefix:
+            kv.setdefault(kv_prefix[prefix], {})[leaf] = float(t)
+            continue
+        target = params.get(name)
+        if target is None:
+            if strict:
+                raise KeyError(f"exported tensor {name} not in model")
+            continue
+        target.copy_(t.to(target.device, target.dtype))
+        loaded.add(name)
+    if pending:
+        raise ValueError(f"FP8 weights without their scale (or vice versa): {sorted(pending)}")
+    if kv:
+        set_kv_scales(model, {i: tuple(d[n] for n in KV_SCALE_NAMES) for i, d in kv.items()})
+    return loaded

@@ -1,0 +1,262 @@
+"""VLLMEngine on a GPU (skipped without CUDA or vLLM).
+
+vLLM allows one engine per process, so each mode runs this file as a subprocess
+(`python tests/gpu/test_vllm_engine.py <mode>`, also handy by hand) on a tiny Llama-shaped
+model (hidden 1024, 2 layers, 8 heads x 128, intermediate 2816, 95-char tokenizer):
+
+* bf16:  logprob convention (engine == trainer log_softmax(logits / T), fp32 HF forward),
+         seeding, weight swaps, sleep level 2 + refit, memory actually released.
+* fp8:   FP8 linears with fp8.keep_first_layers=1: vLLM's internal fp8 weights and scales are
+         quant.py's bytes (fused qkv/gate_up sliced), layer 0 stays BF16 inside vLLM; swaps.
+* fp8kv: FP8 linears + FP8 KV cache / FA3 FP8 attention: weights as in fp8; q/k/v scales set in
+         place, read back, survive reloads and sleep, arrive via the export stream, and are live
+         (absurd scales change the generations, restoring them restores them).
+* kv:    BF16 linears + FP8 KV: vLLM resets attention scales to 1.0 on every reload here, so
+         this checks the engine re-applies them.
+
+Cold start per mode is ~0.5-1 min (enforce_eager, cutlass, max_model_len 40). Set
+VLLM_TEST_GRAPHS=1 to add "fp8kv-graphs" (CUDA graphs + torch.compile: in-place scale updates
+must reach captured graphs).
+"""
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = "".join(chr(c) for c in range(32, 127))  # > 50 tokens: an implicit top-k would show
+MODES = {
+    "bf16": [],
+    "fp8": ["fp8.rollout=true", "fp8.keep_first_layers=1"],
+    "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
+    "kv": ["fp8.kv_cache=true"],
+    "fp8kv-graphs": ["fp8.rollout=true", "fp8.kv_cache=true", "rollout.enforce_eager=false"],
+}
+TINY = ["rollout.engine=vllm", "model.dtype=bfloat16", "data.max_prompt_tokens=16", "rollout.max_new_tokens=24",
+        "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true", "rollout.sleep_mode=true",
+        "fp8.linear_backend=cutlass", "model.tiny.hidden_size=1024", "model.tiny.intermediate_size=2816",
+        "model.tiny.num_layers=2", "model.tiny.num_heads=8", "model.tiny.num_kv_heads=8", "model.tiny.head_dim=128"]
+PROMPTS = ["1+1=", "23+4=", "7*8=", "(9-3)=", "hello", "x", "42?", "a b c"]
+MAX_NEW = 24
+
+
+# ---------------------------------------------------------------------------- pytest entry
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "fp8kv-graphs" or os.environ.get("VLLM_TEST_GRAPHS") == "1"])
+def test_vllm_engine(mode):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, __file__, mode], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=1200)
+    out = r.stdout + r.stderr
+    print("\n".join(line for line in r.stdout.splitlines() if line.startswith("[vllm-test]")))
+    assert r.returncode == 0, f"mode {mode} failed:\n{out[-12000:]}"
+
+
+# ---------------------------------------------------------------------------- the checks
+
+def log(*a):
+    print("[vllm-test]", *a, flush=True)
+
+
+def make_model(cfg, tok, seed):
+    from modeling import build_tiny_model
+
+    torch.manual_seed(seed)
+    model = build_tiny_model(cfg.model.tiny, tok, torch.bfloat16).cuda()
+    with torch.no_grad():  # logits with std ~2.5 instead of ~0.6: peaked enough for the T tests
+        model.lm_head.weight.mul_(4.0)
+    return model
+
+
+def greedy(engine, prompts):
+    return [tuple(s.token_ids) for s in engine.generate(prompts, n=1, temperature=0.0, top_p=1.0,
+                                                          max_new_tokens=MAX_NEW)]
+
+
+def check_samples(samples, prompts, n, eos):
+    assert [s.prompt_index for s in samples] == [i for i in range(len(prompts)) for _ in range(n)]
+    for s in samples:
+        assert s.prompt_ids == prompts[s.prompt_index]
+        assert len(s.logprobs) == len(s.token_ids) > 0
+        assert all(lp <= 1e-6 and lp == lp for lp in s.logprobs)
+        if s.finish_reason == "stop":
+            assert s.token_ids[-1] == eos and eos not in s.token_ids[:-1]
+        else:
+            assert s.finish_reason == "length" and len(s.token_ids) == MAX_NEW and eos not in s.token_ids
+
+
+def check_weights(engine, model, cfg):
+    """vLLM's FP8 weights/scales == fp8/quant.py on the trainer weights, bit for bit; BF16 tensors
+    equal. Returns the number of FP8 linears checked."""
+    from fp8.export import export_weights
+    from fp8.quant import quantize_blockwise
+
+    exported = dict(export_weights(model, cfg.fp8, fp8=True))
+    sd = model.state_dict()
+    n_fp8 = 0
+    for name, ref in exported.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        w, s = engine.internal_weight(name)
+        scale_name = name.removesuffix(".weight") + ".weight_scale_inv"
+        if scale_name in exported:
+            q_ref, s_ref = quantize_blockwise(sd[name])  # [N, K] e4m3, [N/128, K/128] fp32
+            assert torch.equal(ref.view(torch.uint8), q_ref.view(torch.uint8)), f"export != quant.py: {name}"
+            assert w.dtype == torch.float8_e4m3fn and w.shape == q_ref.shape, (name, w.dtype, w.shape)
+            assert torch.equal(w.view(torch.uint8), q_ref.view(torch.uint8)), f"fp8 bytes differ: {name}"
+            assert s is not None and s.dtype == torch.float32 and torch.equal(s, s_ref), f"scales differ: {name}"
+            n_fp8 += 1
+        else:
+            assert s is None and w.dtype == torch.bfloat16, (name, w.dtype)
+            assert torch.equal(w, ref.to(w.dtype)), f"bf16 tensor differs: {name}"
+    return n_fp8
+
+
+def check_logprob_convention(engine, model, tok, prompts):
+    """Engine logprob == trainer log_softmax(logits / T) (fp32 HF forward of the same bf16
+    weights); the engine's bf16 forward is the only difference. The wrong-T reference must be
+    clearly further away, so the check tells processed from raw logprobs."""
+    from train_grpo import collate, token_logprobs
+
+    ref = copy.deepcopy(model).float().eval()
+    for T, wrong_T in [(1.0, 0.6), (0.6, 1.0)]:
+        samples = engine.generate(prompts, n=4, temperature=T, top_p=1.0, max_new_tokens=MAX_NEW, seed=7)
+        check_samples(samples, prompts, 4, tok.eos_token_id)
+        ids, am, mask, rollout = (x.cuda() for x in collate(samples, tok.pad_token_id))
+        with torch.no_grad():
+            err = ((token_logprobs(ref, ids, am, T) - rollout).abs() * mask)
+            err_wrong = ((token_logprobs(ref, ids, am, wrong_T) - rollout).abs() * mask)
+        mean, mx, mean_wrong = err.sum() / mask.sum(), err.max(), err_wrong.sum() / mask.sum()
+        log(f"logprobs T={T}: |engine - trainer| mean {mean:.4f} max {mx:.4f}; "
+            f"vs T={wrong_T} reference mean {mean_wrong:.4f} ({int(mask.sum())} tokens)")
+        # Tolerance: bf16 forward vs fp32 on logits of std ~2.5, plus (Model Runner V2) logits / T
+        # rounded to bf16 before the fp32 log_softmax: ~0.01-0.03 per token expected.
+        assert mean < 0.05 and mx < 0.3, (T, float(mean), float(mx))
+        assert mean_wrong > 4 * mean, (T, float(mean), float(mean_wrong))
+
+
+def check_kv_scales(engine, model, cfg, prompts):
+    from fp8.export import export_weights
+
+    f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+    same = lambda a, b: a.keys() == b.keys() and all(tuple(map(f32, a[i])) == tuple(map(f32, b[i])) for i in a)  # noqa: E731
+    L = cfg.model.tiny.num_layers
+    assert same(engine.internal_kv_scales(), {i: (1.0, 1.0, 1.0) for i in range(L)})  # known start
+    S = {i: (0.02 * (1 + i), 0.03 * (1 + i), 0.04 * (1 + i)) for i in range(L)}  # 448 * s >> max|q,k,v|
+    engine.set_kv_scales(S)
+    assert same(engine.internal_kv_scales(), S) and same(engine.kv_scales, S)
+    g_s = greedy(engine, prompts)
+    engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout))  # reload keeps them
+    assert same(engine.internal_kv_scales(), S), engine.internal_kv_scales()
+    assert greedy(engine, prompts) == g_s
+    S2 = {i: (0.05, 0.06, 0.07 + 0.01 * i) for i in range(L)}  # through the export stream, while asleep
+    engine.sleep()
+    engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout, kv_scales=S2))
+    assert same(engine.internal_kv_scales(), S2), engine.internal_kv_scales()
+    engine.wake()
+    assert same(engine.internal_kv_scales(), S2)
+    engine.set_kv_scales(S)
+    assert greedy(engine, prompts) == g_s
+    absurd = {i: (2e-4, 2e-4, 2e-4) for i in range(L)}  # saturates q, k, v at +-0.09
+    engine.set_kv_scales(absurd)
+    g_absurd = greedy(engine, prompts)
+    assert g_absurd != g_s, "kv scales do not reach the attention kernels"
+    engine.set_kv_scales(S)
+    assert greedy(engine, prompts) == g_s, "restoring kv scales did not restore the generations"
+    changed = sum(a != b for a, b in zip(g_absurd, g_s))
+    log(f"kv scales: in-place set/readback ok, survive reload + sleep, live ({changed}/{len(g_s)} greedy "
+        "outputs changed under absurd scales)")
+
+
+def run(mode):
+    from config import load_config
+    from fp8.export import export_weights
+    from modeling import build_char_tokenizer
+    from rollout import VLLMEngine
+
+    cfg = load_config(None, TINY + MODES[mode])
+    cfg.model.tiny.vocab = VOCAB
+    tok = build_char_tokenizer(VOCAB)
+    prompts = [tok(p).input_ids for p in PROMPTS]
+    m1, m2 = make_model(cfg, tok, 0), make_model(cfg, tok, 1)
+    export = lambda m: export_weights(m, cfg.fp8, fp8=cfg.fp8.rollout)  # noqa: E731
+
+    t0 = time.perf_counter()
+    engine = VLLMEngine(cfg, m1, tok, torch.device("cuda"))  # model_dir=None: writes its own config dir
+    log(f"{mode}: engine up in {time.perf_counter() - t0:.1f}s (LLM() {engine.startup_s:.1f}s), "
+        f"model runner {'V2' if engine.v2_runner else 'V1'}")
+    with pytest.raises(RuntimeError):  # dummy weights: refuse to sample
+        engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=4)
+    assert engine.generate([], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4) == []
+
+    engine.update_weights(export(m1))
+    log(f"{mode}: refit {engine.last_refit_s * 1e3:.1f} ms")
+    assert engine.last_refit_s > 0
+    if cfg.fp8.rollout:
+        n_fp8 = check_weights(engine, m1, cfg)
+        n_want = 7 * (cfg.model.tiny.num_layers - cfg.fp8.keep_first_layers)
+        assert n_fp8 == n_want, (n_fp8, n_want)
+        if cfg.fp8.keep_first_layers:
+            w, s = engine.internal_weight("model.layers.0.self_attn.k_proj.weight")
+            assert s is None and w.dtype == torch.bfloat16  # fp8_plan's BF16 layer is BF16 in vLLM
+        log(f"{mode}: {n_fp8} FP8 linears bit-identical to quant.py inside vLLM (qkv/gate_up sliced)")
+
+    # greedy: deterministic, n copies per prompt, group layout
+    g1 = greedy(engine, prompts)
+    s3 = engine.generate(prompts, n=3, temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW)
+    check_samples(s3, prompts, 3, tok.eos_token_id)
+    assert [tuple(s.token_ids) for s in s3] == [g for g in g1 for _ in range(3)]
+
+    # sampling: group layout, seeding reproducible, different seeds differ
+    a = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW, seed=11)
+    b = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW, seed=11)
+    c = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW, seed=12)
+    check_samples(a, prompts, 4, tok.eos_token_id)
+    assert [s.token_ids for s in a] == [s.token_ids for s in b]
+    assert [s.token_ids for s in a] != [s.token_ids for s in c]
+    assert len({tuple(s.token_ids) for s in a}) > len(prompts)  # n samples per prompt are not copies
+
+    if mode == "bf16":
+        check_logprob_convention(engine, m1, tok, prompts)
+
+    # weight swaps change generations; going back restores them (prefix cache reset on refit)
+    engine.update_weights(export(m2))
+    g2 = greedy(engine, prompts)
+    assert g2 != g1, "new weights did not change greedy generations"
+    engine.update_weights(export(m1))
+    assert greedy(engine, prompts) == g1
+
+    # sleep (level 2): memory released, weights gone until the next refit, refit while asleep
+    free0 = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    freed = torch.cuda.mem_get_info()[0] - free0
+    log(f"{mode}: sleep freed {freed / 2**30:.2f} GiB")
+    assert freed > 2**30, freed  # KV cache (0.3 of the GPU) + weights
+    engine.wake()
+    with pytest.raises(RuntimeError):
+        engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=4)
+    engine.sleep()
+    engine.update_weights(export(m2))
+    assert engine._asleep == {"kv_cache"}  # refit woke only the weights
+    assert greedy(engine, prompts) == g2
+    engine.sleep()
+    engine.update_weights(export(m1))
+    assert greedy(engine, prompts) == g1
+
+    if cfg.fp8.kv_cache:
+        check_kv_scales(engine, m1, cfg, prompts)
+    log(f"{mode}: OK")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    run(sys.argv[1])

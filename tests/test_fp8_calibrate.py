@@ -1,0 +1,174 @@
+"""fp8/calibrate.py on CPU: captured q/k/v amax equal a hand computation with the layer's own
+projections and RoPE, padding is excluded, percentiles over micro-batches, gradients untouched,
+and FP8 attention emulation equals a manual quantize-dequantize."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from fp8.calibrate import QKVCalibrator, fp8_attention, get_kv_scales, scales_from_amax, set_kv_scales, uninstall
+from fp8.quant import E4M3
+
+MARGIN = 1.05
+
+
+def tiny_llama(impl="sdpa", seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, num_hidden_layers=2, vocab_size=64, max_position_embeddings=128,
+                      attn_implementation=impl)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@torch.no_grad()
+def qkv_by_hand(model, ids, layer):
+    """Post-RoPE q [B, H, T, D], k/v [B, Hkv, T, D] of `layer`, from the layer's own modules."""
+    hs = model(input_ids=ids, output_hidden_states=True).hidden_states[layer]  # input of `layer`
+    blk = model.model.layers[layer]
+    attn = blk.self_attn
+    h = blk.input_layernorm(hs)
+    b, t, _ = h.shape
+    q = attn.q_proj(h).view(b, t, -1, 64).transpose(1, 2)
+    k = attn.k_proj(h).view(b, t, -1, 64).transpose(1, 2)
+    v = attn.v_proj(h).view(b, t, -1, 64).transpose(1, 2)
+    cos, sin = model.model.rotary_emb(h, torch.arange(t)[None])
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def test_scales_equal_hand_computation():
+    model = tiny_llama()
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+    calib = QKVCalibrator(model, percentile=99.9, margin=MARGIN)
+    with calib.capture():
+        model(input_ids=ids)
+    scales = calib.scales()
+    assert calib.amax().shape == (1, 2, 3) and sorted(scales) == [0, 1]
+    for layer in (0, 1):
+        amax = [t.abs().amax().float() for t in qkv_by_hand(model, ids, layer)]
+        assert torch.equal(calib.amax()[0, layer], torch.stack(amax))
+        expected = [(a.double() * MARGIN / 448).float().item() for a in amax]  # one micro-batch: p-th = it
+        assert scales[layer] == pytest.approx(expected, rel=1e-6)
+    assert model.config._attn_implementation == "fp8qkv_sdpa"
+    uninstall(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_padding_excluded():
+    model = tiny_llama()
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(2))
+    ids[1, 10:] = 0  # pad id 0 ...
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():  # ... whose embedding is an outlier for layer 0's q/k/v (survives RMSNorm)
+        model.model.embed_tokens.weight[0] = sum(p.weight[0] / p.weight[0].norm()
+                                                 for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 10:] = 0
+    calib = QKVCalibrator(model)
+    with calib.capture():
+        model(input_ids=ids, attention_mask=mask)
+    q, k, v = qkv_by_hand(model, ids, 0)  # causal: valid positions do not see later padding
+    valid = mask.bool()[:, None, :, None]
+    exp = torch.stack([torch.where(valid, t.abs(), 0).amax() for t in (q, k, v)])
+    assert torch.equal(calib.amax()[0, 0], exp)
+    assert (torch.stack([t.abs().amax() for t in (q, k, v)]) > 1.5 * exp).all()  # padding would dominate
+
+
+def test_percentile_over_microbatches():
+    amax = torch.tensor([[[1.0, 10.0, 100.0]], [[2.0, 20.0, 200.0]], [[4.0, 40.0, 400.0]]])  # [3 mb, 1 layer, 3]
+    s = scales_from_amax(amax, 50.0, MARGIN)[0]
+    assert s == pytest.approx([2 * MARGIN / 448, 20 * MARGIN / 448, 200 * MARGIN / 448], rel=1e-7)
+    # numpy-style linear interpolation: position 0.999 * 2 = 1.998 -> 2 + 0.998 * (4 - 2)
+    s = scales_from_amax(amax, 99.9, MARGIN)[0]
+    assert s == pytest.approx([3.996 * MARGIN / 448, 39.96 * MARGIN / 448, 399.6 * MARGIN / 448], rel=1e-6)
+    assert scales_from_amax(amax, 100.0, 1.0)[0] == pytest.approx([4 / 448, 40 / 448, 400 / 448], rel=1e-7)
+
+    # end to end: 3 forwards = 3 records, each equal to its own single-forward capture
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 64, (2, 12), generator=gen) for _ in range(3)]
+    calib = QKVCalibrator(model, percentile=50.0, margin=MARGIN)
+    singles = []
+    for b in batches:
+        with calib.capture(), torch.no_grad():
+            model(input_ids=b)
+        singles.append(calib.amax()[0])
+    with calib.capture(), torch.no_grad():
+        for b in batches:
+            model(input_ids=b)
+    assert torch.equal(calib.amax(), torch.stack(singles))
+    med = torch.stack(singles).double().median(dim=0).values * MARGIN / 448
+    for layer, sc in calib.scales().items():
+        assert sc == pytest.approx(med[layer].tolist(), rel=1e-6)
+
+
+def test_capture_keeps_gradients_and_checkpointing():
+    model = tiny_llama().train()
+    model.gradient_checkpointing_enable()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+
+    def grads():
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ref = grads()
+    calib = QKVCalibrator(model)
+    with calib.capture():
+        got = grads()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert calib.amax().shape == (1, 2, 3)  # recomputation in backward fed the same record
+    with pytest.raises(RuntimeError):
+        calib.reset()
+        calib.scales()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_fp8_attention_emulation_is_exact_quant_dequant(impl):
+    model = tiny_llama(impl)
+    ids = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref_logits = model(input_ids=ids).logits
+    calib = QKVCalibrator(model)
+    with calib.capture(), torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref_logits)  # the wrapper alone changes nothing
+    scales = calib.scales()
+
+    attn = model.model.layers[0].self_attn
+    seen = {}
+    hook = attn.register_forward_hook(lambda m, a, out: seen.update(out=out[0]))  # returns None
+    with fp8_attention(model, scales), torch.no_grad():
+        logits = model(input_ids=ids).logits
+    hook.remove()
+    assert get_kv_scales(model) is None  # context restored
+
+    def fq(x, s, reciprocal):  # vLLM: k/v divided by the scale, q multiplied by fp32(1/scale)
+        s = torch.tensor(s, dtype=torch.float32)
+        y = x.float() * (1 / s.double()).float() if reciprocal else (x.double() / s.double()).float()
+        return (y.clamp(-448, 448).to(E4M3).float() * s).to(x.dtype)
+
+    q, k, v = qkv_by_hand(model, ids, 0)
+    qs, ks, vs = scales[0]
+    with torch.no_grad():
+        if impl == "sdpa":
+            o, _ = sdpa_attention_forward(attn, fq(q, qs, True), fq(k, ks, False), fq(v, vs, False), None,
+                                          scaling=attn.scaling)
+        else:
+            from transformers.models.llama.modeling_llama import eager_attention_forward
+            causal = torch.full((20, 20), float("-inf")).triu(1)[None, None]
+            o, _ = eager_attention_forward(attn, fq(q, qs, True), fq(k, ks, False), fq(v, vs, False), causal,
+                                           scaling=attn.scaling)
+        expected = attn.o_proj(o.reshape(2, 20, -1))
+    assert torch.equal(seen["out"], expected)
+    rel = (logits - ref_logits).norm() / ref_logits.norm()
+    assert 0 < rel < 0.05, rel
+
+    set_kv_scales(model, scales)
+    assert get_kv_scales(model) == {i: tuple(s) for i, s in scales.items()}
+    with pytest.raises(KeyError):
+        set_kv_scales(model, {0: scales[0]})
+    set_kv_scales(model, None)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref_logits)

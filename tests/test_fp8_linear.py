@@ -1,0 +1,170 @@
+"""fp8/linear.py on CPU: the skip list, in-place conversion of a tiny Llama, the emulated FP8 GEMMs
+bit-exact against a manual quantize-dequantize recipe (forward and both backward GEMMs),
+bf16_reference, and that an all-FP8 model still trains."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from config import FP8Config
+from fp8.linear import (
+    EmulatedFP8Linear, bf16_reference, convert_to_fp8_rollout, convert_to_fp8_training, fp8_eligible, fp8_plan,
+    is_fp8_linear, use_torchao,
+)
+from fp8.quant import (
+    dequantize_act_1x128, dequantize_act_128x1, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1,
+    quantize_blockwise,
+)
+
+
+def tiny_llama(layers=4, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, num_hidden_layers=layers, vocab_size=64, max_position_embeddings=128,
+                      attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg).to(dtype)
+
+
+def test_skip_reasons():
+    model = tiny_llama()
+    mlp = model.model.layers[1].mlp
+    mlp.gate = nn.Linear(256, 128, bias=False)  # a MoE router
+    mlp.biased = nn.Linear(256, 256, bias=True)
+    mlp.odd = nn.Linear(256, 96, bias=False)
+    cfg = FP8Config(keep_first_layers=1, keep_last_layers=1, keep_bf16=["*.down_proj"])
+    plan = fp8_plan(model, cfg)
+    assert plan["lm_head"] == (False, "lm_head")
+    assert plan["model.layers.0.self_attn.q_proj"] == (False, "keep_first_layers")
+    assert plan["model.layers.3.mlp.up_proj"] == (False, "keep_last_layers")
+    assert plan["model.layers.1.mlp.gate"] == (False, "MoE router")
+    assert plan["model.layers.1.mlp.biased"] == (False, "has bias")
+    assert plan["model.layers.1.mlp.odd"] == (False, "dims 96x256 not divisible by 128")
+    assert plan["model.layers.2.mlp.down_proj"] == (False, "keep_bf16 '*.down_proj'")
+    for i in (1, 2):
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                  "mlp.gate_proj", "mlp.up_proj"):
+            assert plan[f"model.layers.{i}.{p}"] == (True, "fp8"), p
+    # the per-module rule on its own, and on things that are no linear / wrapped names
+    emb = model.model.embed_tokens
+    assert fp8_eligible("model.embed_tokens", emb, cfg, 4) == (False, "not an nn.Linear")
+    q = model.model.layers[1].self_attn.q_proj
+    assert fp8_eligible("_orig_mod.model.layers.1.self_attn.q_proj", q, cfg, 4) == (True, "fp8")
+    assert fp8_eligible("model.layers.1.mlp.shared_router", q, cfg, 4) == (False, "MoE router")
+
+
+def test_fused_groups_stay_consistent():
+    """vLLM loads q/k/v into one qkv_proj and gate/up into one gate_up_proj and rejects mixed
+    precision: keeping one member in BF16 keeps its group in BF16."""
+    model = tiny_llama(layers=2)
+    plan = fp8_plan(model, FP8Config(keep_bf16=["model.layers.1.self_attn.k_proj", "*.0.mlp.up_proj"]))
+    for p in ("q_proj", "v_proj"):
+        assert plan[f"model.layers.1.self_attn.{p}"] == (False, "fused with k_proj (keep_bf16 "
+                                                          "'model.layers.1.self_attn.k_proj')")
+    assert plan["model.layers.0.mlp.gate_proj"][0] is False
+    assert plan["model.layers.0.self_attn.q_proj"] == (True, "fp8")
+    assert plan["model.layers.1.self_attn.o_proj"] == (True, "fp8")
+
+
+def test_convert_in_place_keeps_names_and_parameters(capsys):
+    model = tiny_llama(layers=3)
+    before = dict(model.named_parameters())
+    keys = list(model.state_dict())
+    cfg = FP8Config(keep_last_layers=1)
+    names = convert_to_fp8_training(model, cfg)
+    assert "converted 14 linears" in capsys.readouterr().out
+    plan = fp8_plan(model, cfg)
+    assert names == [n for n, (ok, _) in plan.items() if ok] and len(names) == 14
+    assert not use_torchao(cfg)  # CPU
+    for n in names:
+        m = model.get_submodule(n)
+        assert isinstance(m, EmulatedFP8Linear) and m.act_recipe == "torchao"
+        assert m.weight is before[n + ".weight"]  # same Parameter object (optimizer state survives)
+    assert not is_fp8_linear(model.model.layers[2].mlp.down_proj)
+    assert list(model.state_dict()) == keys
+    assert convert_to_fp8_training(model, cfg) == []  # idempotent
+
+
+def manual_forward(x, w):
+    """The recipe by hand: dq(q_1x128(x)) @ dq(q_128x128(W)).T in fp32, cast to x.dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    xq = dequantize_act_1x128(*quantize_act_1x128(x2))
+    wq = dequantize_blockwise(*quantize_blockwise(w))
+    return (xq @ wq.t()).to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+def test_emulated_forward_backward_bitwise():
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(1)
+        lin = nn.Linear(256, 384, bias=False).to(dtype)
+        emu = EmulatedFP8Linear.from_linear(lin)
+        x = torch.randn(3, 50, 256, dtype=dtype, requires_grad=True)  # 150 tokens: not a multiple of 128
+        y = emu(x)
+        assert y.dtype == dtype and torch.equal(y, manual_forward(x.detach(), lin.weight.detach()))
+        g = torch.randn_like(y)
+        y.backward(g)
+        # dgrad: grad_out in 1x128 tiles, W in 128x128 blocks
+        g2, x2, w = g.reshape(-1, 384), x.detach().reshape(-1, 256), lin.weight.detach()
+        gq = dequantize_act_1x128(*quantize_act_1x128(g2))
+        wq = dequantize_blockwise(*quantize_blockwise(w))
+        assert torch.equal(x.grad, (gq @ wq).to(dtype).reshape(x.shape))
+        # wgrad: grad_out and x in 128x1 groups along the token dim
+        gc = dequantize_act_128x1(*quantize_act_128x1(g2))
+        xc = dequantize_act_128x1(*quantize_act_128x1(x2))
+        assert torch.equal(lin.weight.grad, (gc.t() @ xc).to(dtype))
+        # and all of it is close to the BF16/FP32 linear (FP8 e4m3: a few % relative error)
+        ref = F.linear(x.detach().float(), w.float())
+        assert (y.float() - ref).norm() / ref.norm() < 0.08
+
+
+def test_bf16_reference():
+    model = tiny_llama(layers=2)
+    convert_to_fp8_training(model, FP8Config())
+    lin = model.model.layers[0].mlp.up_proj
+    x = torch.randn(4, 256)
+    with bf16_reference(model):
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+        with bf16_reference(model):  # nests
+            pass
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+    assert not torch.equal(lin(x), F.linear(x, lin.weight))
+    assert "fp8_enabled" not in lin.__dict__
+
+
+def test_all_fp8_model_trains():
+    model = tiny_llama(layers=2)
+    names = convert_to_fp8_training(model, FP8Config())
+    assert len(names) == 14
+    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < 0.8 * losses[0], losses
+
+
+def test_rollout_conversion_and_pinned_weight():
+    """convert_to_fp8_rollout = vLLM's activation recipe; load_fp8_weight pins exact FP8 bytes
+    until the weight is modified in place."""
+    model = tiny_llama(layers=2, dtype=torch.bfloat16)
+    names = convert_to_fp8_rollout(model, FP8Config())
+    lin = model.get_submodule(names[0])
+    assert isinstance(lin, EmulatedFP8Linear) and lin.act_recipe == "vllm"
+    w = torch.randn_like(lin.weight)
+    q, s = quantize_blockwise(w)
+    lin.load_fp8_weight(q, s)
+    assert torch.equal(lin.weight, dequantize_blockwise(q, s, dtype=torch.bfloat16))
+    x = torch.randn(5, lin.in_features, dtype=torch.bfloat16)
+    expected = (dequantize_act_1x128(*quantize_act_1x128(x, "vllm")) @ dequantize_blockwise(q, s).t())
+    with torch.no_grad():
+        assert torch.equal(lin(x), expected.to(torch.bfloat16))
+        lin.weight.mul_(2)  # e.g. an optimizer step: the pin is dropped, the weight re-quantized
+        y = lin(x)
+    assert lin._fp8_weight is None
+    assert torch.equal(y, (dequantize_act_1x128(*quantize_act_1x128(x, "vllm"))
+                           @ dequantize_blockwise(*quantize_blockwise(lin.weight)).t()).to(torch.bfloat16))

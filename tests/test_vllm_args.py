@@ -1,0 +1,193 @@
+"""VLLMEngine's engine arguments, env and requests, validated on CPU by vLLM's own parsers.
+
+No GPU and no engine: EngineArgs / ModelConfig / Fp8Config / KernelConfig / CacheConfig /
+SamplingParams are built from what rollout.py would pass to vllm.LLM, against a tiny local
+Llama dir (config.json + char tokenizer). Tests needing vLLM skip when it does not import.
+"""
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from config import load_config
+from rollout import fp8_ignored_layers, kv_scale_entry, vllm_engine_kwargs, vllm_env, vllm_requests
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = {  # name -> config overrides (the three rollout recipes of configs/)
+    "bf16": [],
+    "fp8": ["fp8.rollout=true"],
+    "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
+}
+TINY = ["rollout.engine=vllm", "data.max_prompt_tokens=64", "rollout.max_new_tokens=64", "model.dtype=bfloat16",
+        "model.tiny.hidden_size=256", "model.tiny.intermediate_size=512", "model.tiny.num_layers=3",
+        "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2", "model.tiny.head_dim=128"]
+
+
+def _vllm():
+    try:
+        return importlib.import_module("vllm")
+    except Exception as e:  # not installed, or broken on this host
+        pytest.skip(f"vllm does not import here ({type(e).__name__}: {e}); arg validation needs it")
+
+
+def cfg_for(mode, *extra):
+    return load_config(None, [*TINY, *MODES[mode], *extra])
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(model, model_dir): a tiny Llama (3 layers, FP8-eligible 128-multiple dims) and its config dir."""
+    from modeling import build_char_tokenizer, build_tiny_model, save_config_dir
+
+    cfg = cfg_for("bf16")
+    tok = build_char_tokenizer(cfg.model.tiny.vocab)
+    torch.manual_seed(0)
+    model = build_tiny_model(cfg.model.tiny, tok, torch.bfloat16)
+    return model, save_config_dir(model, tok, tmp_path_factory.mktemp("tiny_llama"))
+
+
+# ---------------------------------------------------------------- pure (no vLLM needed)
+
+def test_env_pins_scales_inprocess_and_backend():
+    for backend, deep_gemm in [("cutlass", "0"), ("deep_gemm", "1"), ("auto", None)]:
+        env = vllm_env(cfg_for("fp8", f"fp8.linear_backend={backend}"))
+        assert env["VLLM_USE_DEEP_GEMM_E8M0"] == "0"  # else vLLM re-rounds block scales to 2^k
+        assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the model must live in this process
+        assert env.get("VLLM_USE_DEEP_GEMM") == deep_gemm
+
+
+def test_kwargs_shape_per_mode():
+    bf16, fp8, fp8kv = (vllm_engine_kwargs(cfg_for(m), "/m") for m in MODES)
+    for kw in (bf16, fp8, fp8kv):
+        assert kw["dtype"] == "bfloat16" and kw["load_format"] == "dummy" and kw["tensor_parallel_size"] == 1
+        assert kw["logprobs_mode"] == "processed_logprobs"
+        assert kw["max_model_len"] == 64 + 64  # 0 -> data.max_prompt_tokens + rollout.max_new_tokens
+        assert "distributed_executor_backend" not in kw
+    assert "quantization" not in bf16 and "kv_cache_dtype" not in bf16 and "hf_overrides" not in bf16
+    assert vllm_engine_kwargs(cfg_for("bf16"), "/m", architecture="X")["hf_overrides"] == {"architectures": ["X"]}
+    assert fp8["quantization"] == "fp8" and fp8["linear_backend"] == "cutlass" and "kv_cache_dtype" not in fp8
+    assert fp8kv["kv_cache_dtype"] == "fp8" and fp8kv["calculate_kv_scales"] is False
+    assert fp8kv["attention_config"] == {"backend": "FLASH_ATTN", "flash_attn_version": 3}
+    assert vllm_engine_kwargs(cfg_for("bf16", "rollout.max_model_len=100"), "/m")["max_model_len"] == 100
+    assert "linear_backend" not in vllm_engine_kwargs(cfg_for("fp8", "fp8.linear_backend=auto"), "/m")
+    dp = vllm_engine_kwargs(cfg_for("fp8kv"), "/m", world_size=4)
+    assert dp["distributed_executor_backend"] == "external_launcher" and dp["tensor_parallel_size"] == 1
+
+
+def test_kv_scale_entries_are_recognised():
+    assert kv_scale_entry("model.layers.3.self_attn.k_scale") == (3, "k")
+    assert kv_scale_entry("model.layers.12.self_attn.attn.q_scale") == (12, "q")
+    assert kv_scale_entry("model.layers.0.self_attn.v_proj.v_scale") == (0, "v")
+    assert kv_scale_entry("model.layers.1.self_attn.kv_scale") == (1, "kv")
+    for name in ["model.layers.0.self_attn.q_proj.weight_scale_inv", "model.layers.0.self_attn.q_proj.weight",
+                 "model.layers.0.mlp.gate_up_proj.weight_scale", "lm_head.weight"]:
+        assert kv_scale_entry(name) is None, name
+
+
+def test_rollout_imports_without_vllm():
+    code = "import sys; sys.modules['vllm'] = None; import rollout; print(rollout.VLLMEngine.__name__)"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "VLLMEngine" in r.stdout, r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------- vLLM's own parsers
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_engine_args_parse(mode, world_size, tiny, monkeypatch):
+    _vllm()
+    from vllm.config import CacheConfig, KernelConfig, ParallelConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    model, model_dir = tiny
+    cfg = cfg_for(mode)
+    ignored = fp8_ignored_layers(model, cfg.fp8) if cfg.fp8.rollout else []
+    kw = vllm_engine_kwargs(cfg, model_dir, world_size, ignored, type(model).__name__)
+    ea = EngineArgs(**kw)  # unknown / misspelt keys raise TypeError here
+    assert ea.logprobs_mode == "processed_logprobs" and ea.load_format == "dummy" and ea.dtype == "bfloat16"
+    assert ea.enable_sleep_mode is cfg.rollout.sleep_mode and ea.seed == cfg.rollout.seed
+    assert ea.kv_cache_dtype == ("fp8" if cfg.fp8.kv_cache else "auto")
+    # Sleep mode needs a CUDA platform: validate the rest of the model config without it.
+    monkeypatch.setattr(ea, "enable_sleep_mode", False)
+    mc = ea.create_model_config()  # reads config.json, applies hf_overrides, checks quantization
+    assert mc.architecture == "LlamaForCausalLM" and mc.runner_type == "generate"  # not the headless LlamaModel
+    assert mc.dtype == torch.bfloat16 and mc.logprobs_mode == "processed_logprobs"
+    assert mc.max_model_len == cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
+    KernelConfig(linear_backend=ea.linear_backend)  # pydantic: rejects unknown backends
+    CacheConfig(cache_dtype=ea.kv_cache_dtype, calculate_kv_scales=ea.calculate_kv_scales)
+    if cfg.fp8.kv_cache:
+        assert ea.attention_config.backend.name == "FLASH_ATTN" and ea.attention_config.flash_attn_version == 3
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # ParallelConfig flips it for external_launcher
+    pc = ParallelConfig(distributed_executor_backend=ea.distributed_executor_backend,
+                        tensor_parallel_size=ea.tensor_parallel_size)
+    assert pc.world_size == 1  # TP=1: every rank its own engine
+    assert (pc.distributed_executor_backend == "external_launcher") == (world_size > 1)
+    if not cfg.fp8.rollout:
+        assert mc.quantization is None and ea.linear_backend == "auto"
+        return
+    assert mc.quantization == "fp8" and ea.linear_backend == "cutlass"
+    qc = Fp8Config.from_config(mc.hf_config.quantization_config)
+    assert qc.is_checkpoint_fp8_serialized  # our fp8 bytes are loaded as they are, not re-quantized
+    assert qc.weight_block_size == [128, 128] and qc.activation_scheme == "dynamic"
+    assert qc.ignored_layers == ["lm_head"]  # default fp8 config: every decoder linear is FP8
+
+
+def test_ignored_layers_are_what_vllm_skips(tiny):
+    """fp8_plan's BF16 linears (keep_first_layers, keep_bf16) are exactly the vLLM layers that
+    Fp8Config leaves unquantized, fused qkv_proj / gate_up_proj included."""
+    _vllm()
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+    from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    from fp8.linear import fp8_plan
+
+    model, model_dir = tiny
+    cfg = cfg_for("fp8", "fp8.keep_first_layers=1", "fp8.keep_bf16=['*.down_proj']")
+    kw = vllm_engine_kwargs(cfg, model_dir, 1, fp8_ignored_layers(model, cfg.fp8))
+    qc = Fp8Config.from_config(kw["hf_overrides"]["quantization_config"])
+    # what vLLM 0.26 does before creating layers (model_executor/models/interfaces.py SupportsQuant)
+    qc.apply_vllm_mapper(LlamaForCausalLM.hf_to_vllm_mapper.get_unstacked_mapper())
+    plan = fp8_plan(model, cfg.fp8)
+    fused = LlamaForCausalLM.packed_modules_mapping
+    vllm_layers = [("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"]), ("self_attn.o_proj", ["o_proj"]),
+                   ("mlp.gate_up_proj", ["gate_proj", "up_proj"]), ("mlp.down_proj", ["down_proj"])]
+    n_fp8 = 0
+    for i in range(cfg.model.tiny.num_layers):
+        for vllm_name, parts in vllm_layers:
+            prefix = f"model.layers.{i}.{vllm_name}"
+            hf = [f"{prefix.rsplit('.', 1)[0]}.{p}" for p in parts]
+            want_fp8 = {plan[h][0] for h in hf}
+            assert len(want_fp8) == 1, hf  # fp8_plan keeps fused groups consistent
+            skipped = is_layer_skipped(prefix, qc.ignored_layers, fused_mapping=fused)
+            assert skipped == (not want_fp8.pop()), prefix
+            n_fp8 += not skipped
+    assert n_fp8 == 2 * 3  # layers 1, 2: qkv, o, gate_up in FP8; layer 0 and every down_proj BF16
+
+
+def test_sampling_requests():
+    _vllm()
+    from vllm.sampling_params import SamplingType
+
+    prompts = [[1, 5, 6], [1, 7]]
+    greedy = vllm_requests(prompts, n=3, temperature=0.0, top_p=0.9, max_new_tokens=5)
+    assert [i for i, _, _ in greedy] == [0, 0, 0, 1, 1, 1]  # vLLM refuses n > 1 when greedy
+    assert [p["prompt_token_ids"] for _, p, _ in greedy] == [prompts[0]] * 3 + [prompts[1]] * 3
+    sp = greedy[0][2]
+    assert sp.n == 1 and sp.sampling_type == SamplingType.GREEDY and sp.top_p == 1.0 and sp.max_tokens == 5
+    sampled = vllm_requests(prompts, n=4, temperature=0.7, top_p=1.0, max_new_tokens=9)
+    assert [i for i, _, _ in sampled] == [0, 1]
+    sp = sampled[0][2]
+    assert sp.n == 4 and sp.temperature == 0.7 and sp.top_p == 1.0 and sp.top_k in (0, -1)
+    assert sp.sampling_type == SamplingType.RANDOM and sp.seed is None
+    seeded = vllm_requests(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=9, seed=100)
+    assert [sp.seed for _, _, sp in seeded] == [100, 104]  # children: 100..103, 104..107
+    assert all(sp.sampling_type == SamplingType.RANDOM_SEED for _, _, sp in seeded)
+    assert all(sp.seed is None for _, _, sp in vllm_requests(prompts, 2, 0.0, 1.0, 4, seed=5))  # greedy
+    for _, _, sp in greedy + sampled + seeded:
+        assert sp.logprobs == 0 and sp.flat_logprobs and not sp.detokenize  # sampled token's logprob only
