@@ -257,6 +257,11 @@ def _check_type(key: str, value, tp):
         return [_check_type(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads '1e-4' (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
         raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
     return value

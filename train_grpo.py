@@ -344,7 +344,8 @@ def train(args) -> Path:
             save(step + 1)
 
     final = {"val/accuracy": validate_accuracy(engine, val_set, tokenizer, cfg)} if cfg.train.val_every else {}
-    logger.log(cfg.train.steps, final)
+    if final:
+        logger.log(cfg.train.steps, final)
     logger.print(f"done: {cfg.train.steps} steps; final {final}; run_dir {run_dir}")
     save(cfg.train.steps)
     logger.close()

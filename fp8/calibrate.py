@@ -8,16 +8,19 @@ forward passes, which already compute exactly those tensors.
 Mechanism: transformers 5 dispatches attention through `ALL_ATTENTION_FUNCTIONS[config.
 _attn_implementation](module, query, key, value, attention_mask, ...)` with post-RoPE
 query [B, H, T, D] and key/value [B, Hkv, T, D] (Llama, Qwen3: q_norm/k_norm are applied before
-RoPE, so also included). `install(model)` registers a wrapper `fp8qkv_<impl>` around the model's
-implementation (sdpa, eager, flash_attention_*; the mask function of <impl> is registered for it
-too) and switches config._attn_implementation to it. The wrapper looks at a small state object
-on each attention module (`module._fp8_qkv`) and
+RoPE, so also included). `install(model)` re-registers (AttentionInterface.register) the model's
+implementation name (sdpa, eager, flash_attention_*) as a wrapper around the function it had
+(for eager: the model file's own eager_attention_forward). The name is kept, so masks and the
+flash-attention kernel selection, which key on it, are untouched. The wrapper looks at a small
+state object on each attention module (`module._fp8_qkv`); modules without one (any other model
+in the process) pass straight through. With a state it
   (a) while a QKVCalibrator captures: records max|q|, max|k|, max|v| of that layer
       (module.layer_idx) into the current micro-batch's [L, 3] record (device tensor, no sync);
   (b) when kv scales are set: fake-quantizes q, k, v to e4m3 with the per-layer scales before
       calling the real attention (how the CPU engine emulates vLLM's FP8 KV cache + attention).
 Idle cost: one getattr per attention call. Recording runs under no_grad on detached tensors, so
 gradients are untouched; fake quantization uses a straight-through gradient if ever trained.
+Capturing appends Python-side records: run it eagerly, not inside torch.compile'd regions.
 
 Micro-batches: a forward pre-hook on the model starts a new record, so gradient-checkpoint
 recomputation (attention runs again in backward) max-reduces into the same record. Padding: when
@@ -43,8 +46,6 @@ import torch
 from torch import Tensor, nn
 
 from fp8.quant import FP8_MAX, fake_quant_per_tensor
-
-PREFIX = "fp8qkv_"
 
 
 class _State:
@@ -73,18 +74,22 @@ def _fake_quant(x: Tensor, scale: float, reciprocal: bool) -> Tensor:
     return fake_quant_per_tensor(x, scale, reciprocal)
 
 
-def _base_attention(module: nn.Module, base: str):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    if base == "eager":  # not in the global mapping: each model file has its own eager function
-        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if fn is None:
-            from transformers.models.llama.modeling_llama import eager_attention_forward as fn
-        return fn
-    return ALL_ATTENTION_FUNCTIONS[base]
+def _own_eager(module: nn.Module):
+    """The eager attention function of the module's own modeling file (Llama's as a fallback)."""
+    fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    return fn
 
 
-def _make_wrapper(base: str):
+def _wrap(impl: str) -> None:
+    """Make ALL_ATTENTION_FUNCTIONS[impl] the fp8qkv wrapper around what it was (idempotent)."""
+    from transformers.modeling_utils import AttentionInterface
+
+    orig = AttentionInterface._global_mapping.get(impl)  # None for "eager": each model has its own
+    if getattr(orig, "_fp8qkv_wrapper", False):
+        return
+
     def fp8qkv_attention(module, query, key, value, attention_mask, **kwargs):
         st = getattr(module, "_fp8_qkv", None)
         if st is not None:
@@ -94,10 +99,12 @@ def _make_wrapper(base: str):
                 qs, ks, vs = st.scales
                 query = _fake_quant(query, qs, True)
                 key, value = _fake_quant(key, ks, False), _fake_quant(value, vs, False)
-        return _base_attention(module, base)(module, query, key, value, attention_mask, **kwargs)
+        fn = orig if orig is not None else _own_eager(module)
+        return fn(module, query, key, value, attention_mask, **kwargs)
 
-    fp8qkv_attention.__name__ = f"{PREFIX}{base}"
-    return fp8qkv_attention
+    fp8qkv_attention._fp8qkv_wrapper = True
+    fp8qkv_attention.__name__ = f"fp8qkv_{impl}"
+    AttentionInterface.register(impl, fp8qkv_attention)
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
@@ -106,18 +113,12 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def install(model: nn.Module) -> dict[int, nn.Module]:
-    """Route the model's attention through the fp8qkv wrapper (idempotent); {layer: module}."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import AttentionInterface
-
+    """Wrap the model's attention implementation and give its attention modules a state
+    (idempotent; also re-wraps if something re-registered the implementation); {layer: module}."""
     impl = model.config._attn_implementation or "eager"
-    if not impl.startswith(PREFIX):
-        name = PREFIX + impl
-        if name not in AttentionInterface._global_mapping:
-            AttentionInterface.register(name, _make_wrapper(impl))
-            if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-                AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
-        model.config._attn_implementation = name
+    if impl.startswith("paged|"):
+        raise ValueError(f"fp8 q/k/v capture/emulation does not support attn_implementation={impl!r}")
+    _wrap(impl)
     mods = attention_modules(model)
     if not mods:
         raise ValueError("no attention modules with layer_idx/k_proj found")
@@ -128,10 +129,8 @@ def install(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def uninstall(model: nn.Module) -> None:
-    """Back to the original attention implementation; drops scales and calibrator hooks."""
-    impl = model.config._attn_implementation or ""
-    if impl.startswith(PREFIX):
-        model.config._attn_implementation = impl[len(PREFIX):]
+    """Drop the model's scales and calibrator state; its attention is then plain again (the
+    global wrapper stays registered and passes modules without state straight through)."""
     for m in attention_modules(model).values():
         m.__dict__.pop("_fp8_qkv", None)
 

@@ -32,8 +32,11 @@ def test_base_inheritance_and_override_order(tmp_path):
     assert cfg.loss.clip_high == 0.2  # dataclass default
 
 
-def test_int_accepted_for_float():
+def test_int_and_exponent_strings_accepted_for_float():
     assert load_config(None, ["loss.is_cap=5"]).loss.is_cap == 5.0
+    assert load_config(None, ["optim.lr=1e-4"]).optim.lr == 1e-4  # YAML 1.1 reads 1e-4 as a string
+    with pytest.raises(ConfigError, match="optim.lr: expected float, got str 'fast'"):
+        load_config(None, ["optim.lr=fast"])
 
 
 @pytest.mark.parametrize("override, message", [

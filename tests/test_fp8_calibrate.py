@@ -51,9 +51,14 @@ def test_scales_equal_hand_computation():
         assert torch.equal(calib.amax()[0, layer], torch.stack(amax))
         expected = [(a.double() * MARGIN / 448).float().item() for a in amax]  # one micro-batch: p-th = it
         assert scales[layer] == pytest.approx(expected, rel=1e-6)
-    assert model.config._attn_implementation == "fp8qkv_sdpa"
-    uninstall(model)
+    # the implementation keeps its name (masks, flash kernel selection key on it); it is wrapped
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     assert model.config._attn_implementation == "sdpa"
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"].__name__ == "fp8qkv_sdpa"
+    uninstall(model)
+    assert not hasattr(model.model.layers[0].self_attn, "_fp8_qkv")
+    with torch.no_grad():
+        model(input_ids=ids)  # passes straight through
 
 
 def test_padding_excluded():

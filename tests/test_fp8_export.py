@@ -151,3 +151,36 @@ def test_vllm_quantization_config_matches_plan():
             prefix = f"model.layers.{i}.{vllm_name}"
             hf = f"model.layers.{i}.{(members or [vllm_name])[0]}"
             assert is_layer_skipped(prefix, vc.ignored_layers, packed) == (not plan[hf][0]), prefix
+
+
+def test_qwen3_end_to_end():
+    """Qwen3 (q_norm/k_norm before RoPE): conversion, calibration and export work the same way."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fp8.calibrate import QKVCalibrator
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=64, num_hidden_layers=2, vocab_size=64,
+                                         tie_word_embeddings=True, attn_implementation="sdpa"))
+    assert len(convert_to_fp8_training(model, FP8Config())) == 14
+    calib = QKVCalibrator(model)
+    ids = torch.randint(0, 64, (2, 10))
+    with calib.capture():
+        model(input_ids=ids, labels=ids).loss.backward()
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    blk = model.model.layers[0]
+    attn = blk.self_attn
+    with torch.no_grad():  # by hand, with the (FP8-emulated) projections and the q/k norms
+        h = blk.input_layernorm(model.model.embed_tokens(ids))
+        q = attn.q_norm(attn.q_proj(h).view(2, 10, -1, 64)).transpose(1, 2)
+        k = attn.k_norm(attn.k_proj(h).view(2, 10, -1, 64)).transpose(1, 2)
+        v = attn.v_proj(h).view(2, 10, -1, 64).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *model.model.rotary_emb(h, torch.arange(10)[None]))
+    assert torch.equal(calib.amax()[0, 0], torch.stack([t.abs().amax() for t in (q, k, v)]))
+    names = [n for n, _ in export_weights(model, FP8Config(), fp8=True, kv_scales=calib.scales())]
+    assert "lm_head.weight" not in names
+    assert "model.layers.1.self_attn.q_norm.weight" in names
+    assert "model.layers.1.self_attn.attn.v_scale" in names
+    assert "model.layers.0.mlp.down_proj.weight_scale_inv" in names

@@ -64,6 +64,18 @@ def test_fused_groups_stay_consistent():
     assert plan["model.layers.0.mlp.gate_proj"][0] is False
     assert plan["model.layers.0.self_attn.q_proj"] == (True, "fp8")
     assert plan["model.layers.1.self_attn.o_proj"] == (True, "fp8")
+    # the per-module rule sees keep_bf16 of siblings by name ...
+    cfg = FP8Config(keep_bf16=["*.up_proj"])
+    assert fp8_eligible("model.layers.0.mlp.gate_proj", model.model.layers[0].mlp.gate_proj, cfg, 2) == (
+        False, "fused with up_proj (keep_bf16 '*.up_proj')")
+    # ... dims need the model: one kv head of 64 -> k/v [64, 256] stay BF16, so q_proj does too
+    torch.manual_seed(0)
+    gqa = LlamaForCausalLM(LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                                       num_key_value_heads=1, head_dim=64, num_hidden_layers=1, vocab_size=64))
+    plan = fp8_plan(gqa, FP8Config())
+    assert plan["model.layers.0.self_attn.k_proj"] == (False, "dims 64x256 not divisible by 128")
+    assert plan["model.layers.0.self_attn.q_proj"] == (False, "fused with k_proj (dims 64x256 not divisible by 128)")
+    assert plan["model.layers.0.self_attn.o_proj"] == (True, "fp8")
 
 
 def test_convert_in_place_keeps_names_and_parameters(capsys):
