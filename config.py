@@ -53,7 +53,9 @@ class ModelConfig:
     (built from model.tiny with a char tokenizer the repo writes; downloads nothing)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Parameter (master weight) dtype of the trainer."""
+    """Parameter (master weight) dtype of the trainer. float32 on CUDA = fp32 master weights with
+    forward/backward under bf16 autocast (small models: bf16 weights round away Adam updates
+    below ~1/256 of their magnitude); bfloat16 = pure bf16 (8B on one GPU)."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """'auto' = flash_attention_2 when flash-attn is installed, else PyTorch SDPA."""
     gradient_checkpointing: bool = False

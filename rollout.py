@@ -341,6 +341,8 @@ class VLLMEngine:
             for name, t in weights:
                 if (e := kv_scale_entry(name)) is not None:
                     kv.setdefault(e[0], {}).update(dict.fromkeys(e[1], float(t)))
+                elif t.dtype == torch.float32 and not name.endswith("_scale_inv"):
+                    yield name, t.to(torch.bfloat16)  # fp32 master weights -> the engine's bf16
                 else:
                     yield name, t
 

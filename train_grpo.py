@@ -20,6 +20,7 @@ Where this departs from textbook GRPO:
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -165,6 +166,10 @@ def train(args) -> Path:
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), flush=True)
     logger = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.log.tensorboard)
     torch.manual_seed(cfg.train.seed)
+    mixed = device.type == "cuda" and cfg.model.dtype == "float32"  # fp32 master weights, bf16 compute
+
+    def amp():
+        return torch.autocast("cuda", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
 
     from modeling import load_model_and_tokenizer, save_config_dir
     from rollout import make_engine
@@ -259,7 +264,7 @@ def train(args) -> Path:
         # ---- trainer logprobs of the behaviour weights, and the engine/trainer mismatch
         t0 = time.perf_counter()
         mb = cfg.train.micro_batch_size
-        with torch.no_grad():
+        with torch.no_grad(), amp():
             old_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
                                   for s in micro_batches(B, mb)])  # [B, L]
             ref_logp = None if ref_model is None else torch.cat(
@@ -285,7 +290,8 @@ def train(args) -> Path:
             optimizer.zero_grad(set_to_none=True)
             for micro in micro_batches(len(idx), mb):
                 j = idx[micro]
-                logp = token_logprobs(model, input_ids[j], attention_mask[j], T)
+                with amp():
+                    logp = token_logprobs(model, input_ids[j], attention_mask[j], T)
                 loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], mask[j], cfg.loss,
                                     ref_logp=None if ref_logp is None else ref_logp[j])
                 # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
@@ -313,7 +319,7 @@ def train(args) -> Path:
         # ---- recalibrate q/k/v scales on the new weights, then push weights (+ scales)
         if calibrator is not None:
             t0 = time.perf_counter()
-            with torch.no_grad(), calibrator.capture():
+            with torch.no_grad(), amp(), calibrator.capture():
                 for s in micro_batches(min(B, cfg.fp8.calib_samples), mb):
                     model(input_ids=input_ids[s], attention_mask=attention_mask[s])
             kv_scales = calibrator.scales()

@@ -311,7 +311,7 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
         name = clean_name(raw_name)
         if not isinstance(mod, nn.Linear) or is_fp8_linear(mod) or not plan.get(name, (False,))[0]:
             continue
-        if use_torchao(cfg, mod.weight.device) and mod.weight.dtype == torch.bfloat16:
+        if use_torchao(cfg, mod.weight.device) and mod.weight.dtype in (torch.bfloat16, torch.float32):
             new, kind = torchao_linear_cls().from_float(mod), "torchao"
             new.train(mod.training)
         else:
