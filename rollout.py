@@ -146,29 +146,14 @@ def vllm_env(cfg: Config) -> dict[str, str]:
     return env
 
 
-def fp8_quantization_config(ignored_layers=()) -> dict:
-    """HF-style quantization_config for an FP8-serialized block-128 checkpoint: vLLM then builds
-    Fp8LinearMethod (block W8A8, dynamic 1x128 activations) and loads our fp8 weights + fp32
-    weight_scale_inv as they are. ignored_layers: HF module names that stay BF16."""
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [BLOCK, BLOCK], "ignored_layers": sorted(ignored_layers)}
-
-
-def fp8_ignored_layers(model: nn.Module, cfg_fp8) -> list[str]:
-    """HF names of the linears the export keeps in BF16 (fp8/linear.py fp8_plan, THE skip list):
-    vLLM must create exactly these as unquantized layers or the loaded dtypes would not match."""
-    from fp8.linear import fp8_plan
-
-    return sorted(name for name, (ok, _) in fp8_plan(model, cfg_fp8).items() if not ok)
-
-
-def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, ignored_layers=(),
+def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_config: dict | None = None,
                        architecture: str | None = None) -> dict:
     """Keyword arguments of vllm.LLM (== vllm.engine.arg_utils.EngineArgs fields) for this run.
 
     architecture: the trainer's class (e.g. LlamaForCausalLM), forced through hf_overrides because
     a config.json saved from model.config has no "architectures" and vLLM 0.26 then resolves the
-    headless LlamaModel. ignored_layers: HF linears kept in BF16 under fp8.rollout."""
+    headless LlamaModel. quant_config: fp8.export.vllm_quantization_config (fp8.rollout), whose
+    ignored_layers are the HF linears THE skip-list keeps in BF16."""
     r, f = cfg.rollout, cfg.fp8
     overrides = {"architectures": [architecture]} if architecture else {}
     kw = dict(
@@ -180,7 +165,9 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, ignored
     )
     if f.rollout:
         kw["quantization"] = "fp8"
-        overrides["quantization_config"] = fp8_quantization_config(ignored_layers)
+        if quant_config is None:
+            raise ValueError("fp8.rollout needs quant_config=fp8.export.vllm_quantization_config(model, cfg.fp8)")
+        overrides["quantization_config"] = quant_config
         if f.linear_backend != "auto":
             kw["linear_backend"] = f.linear_backend  # KernelConfig.linear_backend filters the kernel list
     if f.kv_cache:
@@ -255,9 +242,10 @@ class VLLMEngine:
         if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             # vLLM 0.26 external_launcher joins the trainer's process group (world_size 1 + RANK>0 fails)
             raise RuntimeError("VLLMEngine under torchrun: initialize torch.distributed before the engine")
-        ignored = fp8_ignored_layers(model, cfg.fp8) if cfg.fp8.rollout else []
+        from fp8.export import vllm_quantization_config
+        quant_config = vllm_quantization_config(model, cfg.fp8) if cfg.fp8.rollout else None
         arch = (getattr(getattr(model, "config", None), "architectures", None) or [type(model).__name__])[0]
-        self.engine_kwargs = vllm_engine_kwargs(cfg, model_dir, world_size, ignored, arch)
+        self.engine_kwargs = vllm_engine_kwargs(cfg, model_dir, world_size, quant_config, arch)
         os.environ.update(vllm_env(cfg))  # before the first `import vllm`
         import vllm
 

@@ -94,10 +94,9 @@ def vllm_quantization_config(model: nn.Module, cfg: FP8Config) -> dict:
     """`quantization_config` for the engine's config.json matching export_weights(fp8=True):
     block-128 FP8 with dynamic 1x128 activations; every linear fp8_plan keeps in BF16 is listed
     in ignored_layers (HF names; vLLM maps them and checks fused groups for consistency)."""
-    ignored = [name for name, (ok, _) in fp8_plan(model, cfg).items() if not ok]
+    ignored = sorted(name for name, (ok, _) in fp8_plan(model, cfg).items() if not ok)
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": [BLOCK, BLOCK], "ignored_layers": ignored,
-            "modules_to_not_convert": list(ignored)}  # the key transformers' FP8 config uses
+            "weight_block_size": [BLOCK, BLOCK], "ignored_layers": ignored}
 
 
 @torch.no_grad()

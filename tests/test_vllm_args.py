@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from config import load_config
-from rollout import fp8_ignored_layers, kv_scale_entry, vllm_engine_kwargs, vllm_env, vllm_requests
+from fp8.export import vllm_quantization_config
+from rollout import kv_scale_entry, vllm_engine_kwargs, vllm_env, vllm_requests
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {  # name -> config overrides (the three rollout recipes of configs/)
@@ -60,21 +61,32 @@ def test_env_pins_scales_inprocess_and_backend():
         assert env.get("VLLM_USE_DEEP_GEMM") == deep_gemm
 
 
+QC = {"quant_method": "fp8", "weight_block_size": [128, 128], "ignored_layers": ["lm_head"]}
+
+
+def kwargs(mode, *overrides, **kw):
+    cfg = cfg_for(mode, *overrides)
+    return vllm_engine_kwargs(cfg, "/m", quant_config=QC if cfg.fp8.rollout else None, **kw)
+
+
 def test_kwargs_shape_per_mode():
-    bf16, fp8, fp8kv = (vllm_engine_kwargs(cfg_for(m), "/m") for m in MODES)
+    bf16, fp8, fp8kv = (kwargs(m) for m in MODES)
     for kw in (bf16, fp8, fp8kv):
         assert kw["dtype"] == "bfloat16" and kw["load_format"] == "dummy" and kw["tensor_parallel_size"] == 1
         assert kw["logprobs_mode"] == "processed_logprobs"
         assert kw["max_model_len"] == 64 + 64  # 0 -> data.max_prompt_tokens + rollout.max_new_tokens
         assert "distributed_executor_backend" not in kw
     assert "quantization" not in bf16 and "kv_cache_dtype" not in bf16 and "hf_overrides" not in bf16
-    assert vllm_engine_kwargs(cfg_for("bf16"), "/m", architecture="X")["hf_overrides"] == {"architectures": ["X"]}
+    assert kwargs("bf16", architecture="X")["hf_overrides"] == {"architectures": ["X"]}
+    assert fp8["hf_overrides"]["quantization_config"] is QC
     assert fp8["quantization"] == "fp8" and fp8["linear_backend"] == "cutlass" and "kv_cache_dtype" not in fp8
     assert fp8kv["kv_cache_dtype"] == "fp8" and fp8kv["calculate_kv_scales"] is False
     assert fp8kv["attention_config"] == {"backend": "FLASH_ATTN", "flash_attn_version": 3}
-    assert vllm_engine_kwargs(cfg_for("bf16", "rollout.max_model_len=100"), "/m")["max_model_len"] == 100
-    assert "linear_backend" not in vllm_engine_kwargs(cfg_for("fp8", "fp8.linear_backend=auto"), "/m")
-    dp = vllm_engine_kwargs(cfg_for("fp8kv"), "/m", world_size=4)
+    assert kwargs("bf16", "rollout.max_model_len=100")["max_model_len"] == 100
+    assert "linear_backend" not in kwargs("fp8", "fp8.linear_backend=auto")
+    with pytest.raises(ValueError, match="needs quant_config"):
+        vllm_engine_kwargs(cfg_for("fp8"), "/m")
+    dp = kwargs("fp8kv", world_size=4)
     assert dp["distributed_executor_backend"] == "external_launcher" and dp["tensor_parallel_size"] == 1
 
 
@@ -106,8 +118,8 @@ def test_engine_args_parse(mode, world_size, tiny, monkeypatch):
 
     model, model_dir = tiny
     cfg = cfg_for(mode)
-    ignored = fp8_ignored_layers(model, cfg.fp8) if cfg.fp8.rollout else []
-    kw = vllm_engine_kwargs(cfg, model_dir, world_size, ignored, type(model).__name__)
+    qc = vllm_quantization_config(model, cfg.fp8) if cfg.fp8.rollout else None
+    kw = vllm_engine_kwargs(cfg, model_dir, world_size, qc, type(model).__name__)
     ea = EngineArgs(**kw)  # unknown / misspelt keys raise TypeError here
     assert ea.logprobs_mode == "processed_logprobs" and ea.load_format == "dummy" and ea.dtype == "bfloat16"
     assert ea.enable_sleep_mode is cfg.rollout.sleep_mode and ea.seed == cfg.rollout.seed
@@ -149,7 +161,7 @@ def test_ignored_layers_are_what_vllm_skips(tiny):
 
     model, model_dir = tiny
     cfg = cfg_for("fp8", "fp8.keep_first_layers=1", "fp8.keep_bf16=['*.down_proj']")
-    kw = vllm_engine_kwargs(cfg, model_dir, 1, fp8_ignored_layers(model, cfg.fp8))
+    kw = vllm_engine_kwargs(cfg, model_dir, 1, vllm_quantization_config(model, cfg.fp8))
     qc = Fp8Config.from_config(kw["hf_overrides"]["quantization_config"])
     # what vLLM 0.26 does before creating layers (model_executor/models/interfaces.py SupportsQuant)
     qc.apply_vllm_mapper(LlamaForCausalLM.hf_to_vllm_mapper.get_unstacked_mapper())
