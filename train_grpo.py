@@ -172,7 +172,7 @@ def train(args) -> Path:
         return torch.autocast("cuda", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
 
     from modeling import load_model_and_tokenizer, save_config_dir
-    from rollout import make_engine
+    from rollout import Sample, make_engine
     model, tokenizer = load_model_and_tokenizer(cfg.model, device)
     train_set, val_set = load_splits(cfg.data)
     train_set, dropped = prepare_prompts(train_set, tokenizer, cfg)
@@ -224,6 +224,13 @@ def train(args) -> Path:
             engine.set_kv_scales(kv_scales)
         return time.perf_counter() - t0
 
+    def recalibrate(input_ids, attention_mask):
+        """Per-layer (q, k, v) scales from a no-grad forward over the first calib_samples rows."""
+        with torch.no_grad(), amp(), calibrator.capture():
+            for s in micro_batches(min(len(input_ids), cfg.fp8.calib_samples), cfg.train.micro_batch_size):
+                model(input_ids=input_ids[s], attention_mask=attention_mask[s])
+        return calibrator.scales()
+
     def save(step):
         state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": rng_state(),
@@ -231,6 +238,10 @@ def train(args) -> Path:
         path = save_checkpoint(ckpt_root, step, state, keep=cfg.train.keep_ckpts)
         logger.print(f"checkpoint: {path}")
 
+    if calibrator is not None and kv_scales is None:  # the first rollout already gets calibrated scales
+        prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in train_set[: cfg.fp8.calib_samples]]
+        ids, am, _, _ = collate(prompts, tokenizer.pad_token_id)
+        kv_scales = recalibrate(ids.to(device), am.to(device))
     sync_engine()
     from tqdm import tqdm
     n, T = cfg.rollout.n, cfg.rollout.temperature
@@ -319,10 +330,7 @@ def train(args) -> Path:
         # ---- recalibrate q/k/v scales on the new weights, then push weights (+ scales)
         if calibrator is not None:
             t0 = time.perf_counter()
-            with torch.no_grad(), amp(), calibrator.capture():
-                for s in micro_batches(min(B, cfg.fp8.calib_samples), mb):
-                    model(input_ids=input_ids[s], attention_mask=attention_mask[s])
-            kv_scales = calibrator.scales()
+            kv_scales = recalibrate(input_ids, attention_mask)
             metrics["time/recalibrate"] = time.perf_counter() - t0
             for i, name in enumerate(("q", "k", "v")):
                 metrics[f"fp8/{name}_scale_mean"] = sum(sc[i] for sc in kv_scales.values()) / len(kv_scales)

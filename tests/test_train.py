@@ -68,3 +68,16 @@ def test_bad_input_exits_with_one_line(tmp_path, args, message):
     lines = p.stderr.strip().splitlines()
     assert lines[-1].startswith("error: ") and message in lines[-1], p.stderr[-2000:]
     assert "Traceback" not in p.stderr
+
+
+def test_fp8_kv_cache_recalibrated_every_step(tmp_path):
+    """fp8.kv_cache on the CPU loop: scales recalibrated each step, FP8 attention emulated in the
+    engine only, so the engine/trainer mismatch grows but stays small."""
+    p = run(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "train.run_name=kv", f"train.out_dir={tmp_path}",
+             "train.steps=3", "train.val_every=0", "log.tensorboard=false", "fp8.kv_cache=true"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "kv")
+    assert len(metrics) == 3
+    for m in metrics:
+        assert m["fp8/q_scale_mean"] > 0 and m["fp8/k_scale_mean"] > 0 and m["time/recalibrate"] > 0
+        assert 1.0005 < m["mismatch/token_mult_prob_error"] < 1.1  # without kv emulation: ~1.00001
