@@ -66,6 +66,8 @@ class HFEngine:
         if cfg.fp8.rollout:  # W8A8 block linears on the same skip-list as the trainer and export
             from fp8.linear import convert_to_fp8_rollout
             convert_to_fp8_rollout(self.model, cfg.fp8)
+        if cfg.fp8.kv_cache:  # as vLLM: FP8 attention with scales 1.0 until calibrated scales arrive
+            self.set_kv_scales({i: (1.0, 1.0, 1.0) for i in range(self.model.config.num_hidden_layers)})
 
     @torch.no_grad()
     def update_weights(self, weights):
