@@ -294,6 +294,7 @@ def train(args) -> Path:
         model.train()
         order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(device)
         mini = cfg.train.mini_batch_size or B
+        n_mini = len(micro_batches(B, mini))
         loss_metrics: dict[str, float] = {}
         for mini_slice in micro_batches(B, mini):
             idx = order[mini_slice]
@@ -309,7 +310,7 @@ def train(args) -> Path:
                 weight = mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else len(j) / mini_rows
                 (loss * weight).backward()
                 for k, v in m.items():
-                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / len(micro_batches(B, mini))
+                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / n_mini
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
             if not torch.isfinite(grad_norm):
                 optimizer.zero_grad(set_to_none=True)
