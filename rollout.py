@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from config import Config
+from fp8.linear import BLOCK  # block-FP8 tile (one definition, shared with the trainer)
 
 
 @dataclass
@@ -130,7 +131,6 @@ def make_engine(cfg: Config, model, tokenizer, device, model_dir=None) -> Engine
 # Everything vLLM-specific is imported lazily (CPU CI imports this module without a working vLLM).
 # Internals used below are those of vLLM 0.26.0 (requirements.txt pins it); each such use says so.
 
-BLOCK = 128  # block-FP8 weight tile (fp8/quant.py), also the activation group size
 _KV_SCALE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\..*?\b(q|k|v|kv)_scale$")
 
 
@@ -152,9 +152,9 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
                        architecture: str | None = None) -> dict:
     """Keyword arguments of vllm.LLM (== vllm.engine.arg_utils.EngineArgs fields) for this run.
 
-    architecture: the trainer's class (e.g. LlamaForCausalLM), forced through hf_overrides because
-    a config.json saved from model.config has no "architectures" and vLLM 0.26 then resolves the
-    headless LlamaModel. quant_config: fp8.export.vllm_quantization_config (fp8.rollout), whose
+    architecture: the trainer's class (e.g. LlamaForCausalLM), forced through hf_overrides so a
+    config dir without "architectures" (modeling.save_config_dir writes it; older dirs may lack
+    it) cannot make vLLM 0.26 resolve the headless LlamaModel. quant_config: fp8.export.vllm_quantization_config (fp8.rollout), whose
     ignored_layers are the HF linears THE skip-list keeps in BF16."""
     r, f = cfg.rollout, cfg.fp8
     overrides = {"architectures": [architecture]} if architecture else {}
