@@ -112,6 +112,8 @@ class RolloutConfig:
     top_p: float = 1.0
     """Keep 1.0 for RL: the trainer scores tokens without the top-p mask."""
     max_new_tokens: int = 256
+    ignore_eos: bool = False
+    """Benchmarks only: every sample runs to max_new_tokens (vLLM engine; fixed-length workloads)."""
     # vLLM knobs
     gpu_memory_utilization: float = 0.5
     sleep_mode: bool = True

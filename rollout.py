@@ -186,13 +186,14 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
 
 
 def vllm_requests(prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                  max_new_tokens: int, seed: int | None = None):
+                  max_new_tokens: int, seed: int | None = None, ignore_eos: bool = False):
     """[(prompt_index, TokensPrompt, SamplingParams)] for LLM.generate.
 
     Greedy (temperature 0) is one request per sample (vLLM refuses n > 1 when greedy); sampling
     is one request with n samples per prompt, seeded seed + i * n for prompt i (vLLM gives its
     j-th sample seed + i * n + j: all distinct). logprobs=0 returns only the sampled token's
     logprob; flat_logprobs keeps it in plain lists; no detokenization (the trainer decodes).
+    ignore_eos: fixed-length generation, for benchmarks.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -203,6 +204,7 @@ def vllm_requests(prompt_ids: list[list[int]], n: int, temperature: float, top_p
     for i, ids in enumerate(prompt_ids):
         params = SamplingParams(n=per, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
                                 max_tokens=max_new_tokens, logprobs=0, flat_logprobs=True, detokenize=False,
+                                ignore_eos=ignore_eos,
                                 seed=None if greedy or seed is None else seed + i * n)
         out += [(i, TokensPrompt(prompt_token_ids=list(ids)), params)] * (n // per)
     return out
@@ -397,12 +399,13 @@ class VLLMEngine:
         self._wake()
         if self.v2_runner:  # per-request seeds: free in V2, and no draw from the trainer's numpy RNG
             base = seed + (self._rank << 40) if seed is not None else self._seeds.getrandbits(62)
-            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens, base)
+            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens, base, self.cfg.rollout.ignore_eos)
             outs = self.llm.generate([p for _, p, _ in reqs], [s for _, _, s in reqs], use_tqdm=False)
         else:  # V1 (vLLM 0.26 topk_topp_sampler.random_sample): seeded rows go one by one in Python;
             # unseeded rows use the device's default CUDA generator, in-process ours: seed it for this
             # call, then restore the trainer's RNG state.
-            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens)
+            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens,
+                                 ignore_eos=self.cfg.rollout.ignore_eos)
             with torch.random.fork_rng(devices=[torch.cuda.current_device()], enabled=seed is not None):
                 if seed is not None:
                     torch.cuda.manual_seed(seed + self._rank)
