@@ -44,6 +44,9 @@ class TinyModelConfig:
     max_position_embeddings: int = 512
     vocab: str = "0123456789+-*=?() \n"
     """Characters of the char-level tokenizer the repo builds (plus <pad>, <bos>, <eos>)."""
+    vocab_size: int = 0
+    """0 = the tokenizer's size. Larger pads embeddings and lm_head to a real model's vocab (speed
+    benchmarks at real shapes; ids past the tokenizer's decode to nothing)."""
 
 
 @dataclass
@@ -175,6 +178,8 @@ class TrainConfig:
     val_max_prompts: int = 200
     ckpt_every: int = 0
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
+    save_final: bool = True
+    """Checkpoint after the last step (benchmarks turn it off: an 8B state is ~50 GB)."""
     keep_ckpts: int = 2
     out_dir: str = "runs"
     run_name: str = ""
@@ -193,6 +198,10 @@ class LogConfig:
     dump_episodes_every: int = 10
     """Write sampled episodes to <run_dir>/episodes/step_N.jsonl every N steps (0 = off)."""
     dump_episodes_n: int = 16
+    save_batch_every: int = 0
+    """Save the full rollout batch (token ids, mask, engine / trainer (as used) / trainer-BF16
+    logprobs, rewards, advantages, config) to <run_dir>/batches/step_N.pt every N steps, for
+    notebooks/ (analysis.load_rollout_batch); costs one extra no-grad BF16 forward. 0 = off."""
 
 
 @dataclass

@@ -32,17 +32,19 @@ def build_char_tokenizer(vocab: str) -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(t: TinyModelConfig, tokenizer, dtype: torch.dtype):
-    """A randomly initialised Llama or Qwen3 with the tiny dims (seeded by the caller)."""
+    """A randomly initialised Llama or Qwen3 with the tiny dims (seeded by the caller), built in
+    `dtype` on the current default device (load_model_and_tokenizer builds it on the target device:
+    an 8B-shape benchmark model initialises on the GPU in seconds)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     cls_cfg, cls_model = (LlamaConfig, LlamaForCausalLM) if t.arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
-    hf_cfg = cls_cfg(vocab_size=len(tokenizer), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+    hf_cfg = cls_cfg(vocab_size=max(len(tokenizer), t.vocab_size), hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
                      num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads,
                      num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim,
                      max_position_embeddings=t.max_position_embeddings, tie_word_embeddings=False,
                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id)
-    return cls_model(hf_cfg).to(dtype)
+    return cls_model._from_config(hf_cfg, dtype=dtype)
 
 
 def resolve_attn_implementation(name: str) -> str:
@@ -57,7 +59,8 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device):
     attn = resolve_attn_implementation(cfg.attn_implementation)
     if cfg.name_or_path == "tiny":
         tokenizer = build_char_tokenizer(cfg.tiny.vocab)
-        model = build_tiny_model(cfg.tiny, tokenizer, dtype)
+        with torch.device(device):
+            model = build_tiny_model(cfg.tiny, tokenizer, dtype)
         model.config._attn_implementation = attn
     else:
         path = cfg.name_or_path

@@ -47,7 +47,8 @@ class Engine(Protocol):
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int, seed: int | None = None) -> list[Sample]:
         """n samples per prompt, ordered prompt by prompt (the GRPO group layout).
-        temperature == 0 means greedy."""
+        temperature == 0 means greedy. seed: the call's randomness; the samples use seeds in
+        [seed, seed + len(prompt_ids) * n) (vLLM: sample j of prompt i gets seed + i*n + j)."""
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -89,10 +90,11 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seed=None):
-        from transformers import GenerationConfig
+        """Sampling is Gumbel-max with one generator per sample (sample j of prompt i: seed + i*n + j),
+        so a sample does not depend on which other prompts share the batch (e.g. how prompts are
+        split over ranks), as in vLLM's per-request seeds."""
+        from transformers import GenerationConfig, LogitsProcessorList
 
-        if seed is not None:
-            torch.manual_seed(seed)
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         rows = [ids for ids in prompt_ids for _ in range(n)]  # group by group
         width = max(len(r) for r in rows)
@@ -102,14 +104,17 @@ class HFEngine:
             input_ids[i, width - len(r):] = torch.tensor(r)
             attention_mask[i, width - len(r):] = 1
         greedy = temperature == 0
-        gen_cfg = GenerationConfig(do_sample=not greedy, temperature=None if greedy else temperature,
-                                   top_p=None if greedy else top_p, top_k=0, max_new_tokens=max_new_tokens,
-                                   eos_token_id=eos, pad_token_id=pad, output_scores=True,
-                                   return_dict_in_generate=True)
+        if seed is None:
+            seed = int(torch.randint(2**62, ()))
+        sampler = None if greedy else _GumbelSampler(range(seed, seed + len(rows)), temperature, top_p)
+        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                   pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                  generation_config=gen_cfg)
+                                  generation_config=gen_cfg, logits_processor=LogitsProcessorList(
+                                      [sampler] if sampler else []))
         new_tokens = out.sequences[:, width:]  # [B, T_new]
-        scores = torch.stack(out.scores, dim=1).float()  # [B, T_new, V] processed logits
+        # processed logits: log_softmax(top-p(logits / T)) (greedy: the raw logits)
+        scores = torch.stack(sampler.processed if sampler else out.scores, dim=1).float()  # [B, T_new, V]
         logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B, T_new]
         samples = []
         for i, r in enumerate(rows):
@@ -119,6 +124,27 @@ class HFEngine:
                 toks, finish = toks[: toks.index(eos) + 1], "stop"
             samples.append(Sample(i // n, r, toks, logprobs[i, : len(toks)].tolist(), finish))
         return samples
+
+
+class _GumbelSampler:
+    """HF logits processor that turns greedy decoding into sampling: argmax(l + G) with G ~ Gumbel(0, 1)
+    i.i.d. is an exact draw from softmax(l), for l = top-p(logits / T). Each row has its own generator;
+    `processed` keeps l per step (the distribution the sample came from)."""
+
+    def __init__(self, seeds, temperature: float, top_p: float):
+        self.gens = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.top_p, self.processed = temperature, top_p, []
+
+    def __call__(self, input_ids, scores):
+        from transformers import TopPLogitsWarper
+
+        logits = scores.float() / self.temperature
+        if self.top_p < 1.0:
+            logits = TopPLogitsWarper(self.top_p)(input_ids, logits)
+        self.processed.append(logits)
+        u = torch.stack([torch.rand(logits.shape[-1], generator=g, dtype=torch.float64) for g in self.gens])
+        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        return logits + gumbel.to(logits)
 
 
 def make_engine(cfg: Config, model, tokenizer, device, model_dir=None) -> Engine:
@@ -260,7 +286,7 @@ class VLLMEngine:
         # Gumbel sampler seeds every request from (seed, position) in one kernel; unseeded requests
         # draw a seed from numpy's global RNG. V1 samples seeded requests row by row in Python.
         self.v2_runner = bool(self.llm.llm_engine.model_executor.driver_worker.worker.use_v2_model_runner)
-        # Data-parallel ranks get disjoint seed streams (the trainer passes the same seed on every rank).
+        # Seeded calls: the trainer gives each rank its own range. Unseeded calls: per-rank streams.
         self._rank = int(os.environ.get("RANK", "0"))
         self._seeds = random.Random(f"{cfg.rollout.seed}/{self._rank}")  # for unseeded calls (V2)
         self.sleep_mode = cfg.rollout.sleep_mode
@@ -398,7 +424,7 @@ class VLLMEngine:
                                "weights, and sleep level 2 discards them)")
         self._wake()
         if self.v2_runner:  # per-request seeds: free in V2, and no draw from the trainer's numpy RNG
-            base = seed + (self._rank << 40) if seed is not None else self._seeds.getrandbits(62)
+            base = seed if seed is not None else self._seeds.getrandbits(62)
             reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens, base, self.cfg.rollout.ignore_eos)
             outs = self.llm.generate([p for _, p, _ in reqs], [s for _, _, s in reqs], use_tqdm=False)
         else:  # V1 (vLLM 0.26 topk_topp_sampler.random_sample): seeded rows go one by one in Python;
@@ -408,7 +434,7 @@ class VLLMEngine:
                                  ignore_eos=self.cfg.rollout.ignore_eos)
             with torch.random.fork_rng(devices=[torch.cuda.current_device()], enabled=seed is not None):
                 if seed is not None:
-                    torch.cuda.manual_seed(seed + self._rank)
+                    torch.cuda.manual_seed(seed)
                 outs = self.llm.generate([p for _, p, _ in reqs], [s for _, _, s in reqs], use_tqdm=False)
         samples = []
         for (i, _, _), out in zip(reqs, outs):  # LLM.generate keeps the input order

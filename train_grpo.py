@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import distributed
 from checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from config import Config, UserError, load_config, to_dict
 from data import PromptSampler, format_reward, load_splits, math_reward, reward_stats
@@ -67,6 +68,30 @@ class RunLogger:
         if self.enabled:
             from tqdm import tqdm
             tqdm.write(" ".join(str(a) for a in args))
+
+    def truncate(self, step: int) -> None:
+        """Resume from a checkpoint of `step`: drop the records of steps >= step that the interrupted
+        run logged after it (the resumed run logs them again), so metrics.jsonl keeps one record
+        per step; TensorBoard hides them too (purge_step). Unparsable (torn) lines are dropped."""
+        if not self.enabled:
+            return
+        path = Path(self.file.name)
+        self.file.close()
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] < step:
+                    keep.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                pass
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, path)
+        self.file = open(path, "a")
+        if self.tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb.close()
+            self.tb = SummaryWriter(str(path.parent), purge_step=step)
 
     def close(self) -> None:
         if self.enabled:
@@ -113,21 +138,9 @@ def micro_batches(n: int, size: int):
 
 # ----------------------------------------------------------------------------- setup
 
-def setup_device(cfg: Config):
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        raise UserError(f"WORLD_SIZE={world}: multi-GPU training is not implemented yet (FSDP2 is tracked in "
-                        "the multi-GPU issue); launch with --nproc_per_node 1")
-    name = cfg.train.device
-    if name == "auto":
-        name = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"train.device={name} but CUDA is not available; set train.device=cpu")
-    return torch.device(name), 0
-
-
-def make_run_dir(cfg: Config, config_path: str | None) -> Path:
-    name = cfg.train.run_name or f"{Path(config_path or 'default').stem}-{datetime.now():%Y%m%d-%H%M%S}"
+def make_run_dir(cfg: Config, config_path: str | None, d: distributed.Dist) -> Path:
+    stamp = distributed.broadcast_object(f"{datetime.now():%Y%m%d-%H%M%S}", d)  # one name for all ranks
+    name = cfg.train.run_name or f"{Path(config_path or 'default').stem}-{stamp}"
     run_dir = Path(cfg.train.out_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
@@ -143,12 +156,15 @@ def prepare_prompts(examples, tokenizer, cfg: Config):
     return [{**ex, "prompt_ids": i} for ex, i in zip(kept, ids)], dropped
 
 
-def validate_accuracy(engine, val_set, tokenizer, cfg: Config) -> float:
+def validate_accuracy(engine, val_set, tokenizer, cfg: Config, d: distributed.Dist) -> float:
+    """Greedy accuracy on the first val_max_prompts held-out prompts (ranks split them)."""
     val = val_set[: cfg.train.val_max_prompts]
-    samples = engine.generate([ex["prompt_ids"] for ex in val], n=1, temperature=0.0, top_p=1.0,
+    mine = val[d.rank:: d.world]
+    samples = engine.generate([ex["prompt_ids"] for ex in mine], n=1, temperature=0.0, top_p=1.0,
                               max_new_tokens=cfg.rollout.max_new_tokens)
     texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-    return sum(math_reward(t, ex["answer"]) for t, ex in zip(texts, val)) / len(val)
+    correct = torch.tensor(float(sum(math_reward(t, ex["answer"]) for t, ex in zip(texts, mine))), device=d.device)
+    return float(distributed.all_sum(correct, d)) / len(val)
 
 
 # ----------------------------------------------------------------------------- main loop
@@ -159,11 +175,13 @@ def train(args) -> Path:
     if resume_dir and not (resume_dir / "config.yaml").is_file():
         raise UserError(f"--resume {resume_dir}: not a run directory (no config.yaml)")
     cfg = load_config(config_path, args.overrides)
-    device, rank = setup_device(cfg)
-    run_dir = resume_dir or make_run_dir(cfg, config_path)
-    print(f"run_dir: {run_dir}", flush=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), flush=True)
+    d = distributed.init(cfg)
+    device, rank = d.device, d.rank
+    run_dir = resume_dir or make_run_dir(cfg, config_path, d)
+    if d.main:
+        print(f"run_dir: {run_dir}", flush=True)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), flush=True)
     logger = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.log.tensorboard)
     torch.manual_seed(cfg.train.seed)
     mixed = device.type == "cuda" and cfg.model.dtype == "float32"  # fp32 master weights, bf16 compute
@@ -194,6 +212,10 @@ def train(args) -> Path:
         from fp8.linear import convert_to_fp8_training
         converted = convert_to_fp8_training(model, cfg.fp8)
         logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
+    # after FP8 conversion: FSDP2 all-gathers the weight each FP8 linear then quantizes, as on one GPU
+    distributed.shard(model, d, bf16_compute=mixed)
+    if ref_model is not None:
+        distributed.shard(ref_model, d, bf16_compute=mixed)
     calibrator = QKVCalibrator(model, cfg.fp8.calib_percentile, cfg.fp8.calib_margin) \
         if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
 
@@ -209,12 +231,16 @@ def train(args) -> Path:
         if ckpt is None:
             raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}")
         state = load_checkpoint(ckpt)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        written_by = state.get("world", 1)
+        if (written_by > 1) != (d.world > 1):  # optimizer state is keyed by id (1 rank) or by name (FSDP2)
+            raise UserError(f"{ckpt} was written by {written_by} rank(s); resume it with "
+                            f"{'more than one rank' if written_by > 1 else 'a single process'}")
+        distributed.load_full_state(model, optimizer, state["model"], state["optimizer"], d)
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
-        start_step, kv_scales = state["step"], state["kv_scales"]
+        start_step, kv_scales, bad_steps = state["step"], state["kv_scales"], state.get("bad_steps", 0)
+        logger.truncate(start_step)  # steps the interrupted run logged past the checkpoint are redone
         logger.print(f"resumed from {ckpt} at step {start_step}")
 
     def sync_engine():
@@ -232,11 +258,14 @@ def train(args) -> Path:
         return calibrator.scales()
 
     def save(step):
-        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                 "scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "rng": rng_state(),
-                 "step": step, "kv_scales": kv_scales}
-        path = save_checkpoint(ckpt_root, step, state, keep=cfg.train.keep_ckpts)
-        logger.print(f"checkpoint: {path}")
+        model_sd, optim_sd = distributed.full_state(model, optimizer, d)  # collective: every rank
+        if d.main:
+            state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
+                     "sampler": sampler.state_dict(), "rng": rng_state(), "step": step, "kv_scales": kv_scales,
+                     "bad_steps": bad_steps, "world": d.world}
+            path = save_checkpoint(ckpt_root, step, state, keep=cfg.train.keep_ckpts)
+            logger.print(f"checkpoint: {path}")
+        distributed.barrier(d)
 
     if calibrator is not None and kv_scales is None:  # the first rollout already gets calibrated scales
         prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in train_set[: cfg.fp8.calib_samples]]
@@ -245,19 +274,23 @@ def train(args) -> Path:
     sync_engine()
     from tqdm import tqdm
     n, T = cfg.rollout.n, cfg.rollout.temperature
+    local_prompts = cfg.rollout.prompts_per_step // d.world  # this rank's whole groups
     pbar = tqdm(range(start_step, cfg.train.steps), initial=start_step, total=cfg.train.steps,
                 disable=rank != 0, dynamic_ncols=True)
     for step in pbar:
         metrics, t_step = {}, time.perf_counter()
         if cfg.train.val_every and step % cfg.train.val_every == 0:
-            metrics["val/accuracy"] = validate_accuracy(engine, val_set, tokenizer, cfg)
+            metrics["val/accuracy"] = validate_accuracy(engine, val_set, tokenizer, cfg, d)
 
         # ---- rollout
         t0 = time.perf_counter()
-        batch = next(sampler)
+        batch = next(sampler)[d.rank * local_prompts: (d.rank + 1) * local_prompts]  # same draw on every rank
+        # sample j of global prompt i gets seed step_seed + i*n + j: disjoint across steps and ranks
+        step_seed = (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * n
         engine.wake()
         samples = engine.generate([ex["prompt_ids"] for ex in batch], n=n, temperature=T, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=cfg.train.seed * 1_000_003 + step)
+                                  max_new_tokens=cfg.rollout.max_new_tokens,
+                                  seed=step_seed + d.rank * local_prompts * n)
         engine.sleep()
         metrics["time/rollout"] = time.perf_counter() - t0
 
@@ -281,25 +314,41 @@ def train(args) -> Path:
             ref_logp = None if ref_model is None else torch.cat(
                 [token_logprobs(ref_model, input_ids[s], attention_mask[s], T) for s in micro_batches(B, mb)])
         metrics["time/logprobs"] = time.perf_counter() - t0
-        metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(old_logp, rollout_logp, mask).items()})
+        metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
+            *(distributed.gather_rows(x, d) for x in (old_logp, rollout_logp, mask))).items()})
+        if cfg.log.save_batch_every and step % cfg.log.save_batch_every == 0:  # for notebooks/ (analysis.py)
+            from analysis import save_rollout_batch
+            from fp8.linear import bf16_reference
+            with torch.no_grad(), amp(), bf16_reference(model):  # same weights, linears not quantized
+                bf16_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
+                                       for s in micro_batches(B, mb)])  # [B, L]
+            if rank == 0:  # this rank's rows
+                save_rollout_batch(run_dir / "batches" / f"step_{step:06d}.pt", step, input_ids, attention_mask,
+                                   mask, rollout_logp, old_logp, bf16_logp, rewards, advantages, to_dict(cfg),
+                                   tokenizer, model_dir)
         mult_err = metrics["mismatch/token_mult_prob_error"]
         if mult_err > cfg.train.mismatch_warn:
             logger.print(f"WARNING step {step}: mismatch/token_mult_prob_error={mult_err:.4f} > "
                          f"train.mismatch_warn={cfg.train.mismatch_warn}: rollout and trainer disagree")
         if cfg.train.mismatch_stop and mult_err > cfg.train.mismatch_stop:
-            raise UserError(f"step {step}: token_mult_prob_error {mult_err:.4f} > train.mismatch_stop")
+            raise UserError(f"step {step}: mismatch/token_mult_prob_error={mult_err:.4f} > train.mismatch_stop="
+                            f"{cfg.train.mismatch_stop}: rollout and trainer disagree; check the weight sync and the "
+                            "fp8.* settings of both sides, or raise train.mismatch_stop (0 = never stop)")
 
         # ---- policy update: mini-batches (one optimizer step each) of micro-batches
         t0 = time.perf_counter()
         model.train()
         order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(device)
-        mini = cfg.train.mini_batch_size or B
+        mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
         n_mini = len(micro_batches(B, mini))
         loss_metrics: dict[str, float] = {}
+        skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
         for mini_slice in micro_batches(B, mini):
             idx = order[mini_slice]
-            mini_tokens, mini_rows = mask[idx].sum().clamp(min=1), len(idx)
+            mini_tokens = distributed.all_sum(mask[idx].sum(), d).clamp(min=1)
+            mini_rows = len(idx) * d.world
             optimizer.zero_grad(set_to_none=True)
+            nonfinite_loss = torch.zeros((), device=device)
             for micro in micro_batches(len(idx), mb):
                 j = idx[micro]
                 with amp():
@@ -308,13 +357,14 @@ def train(args) -> Path:
                                     ref_logp=None if ref_logp is None else ref_logp[j])
                 # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
                 weight = mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else len(j) / mini_rows
-                (loss * weight).backward()
+                (loss * weight * distributed.grad_scale(d)).backward()
+                nonfinite_loss += (~torch.isfinite(loss.detach())).float()
                 for k, v in m.items():
                     loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / n_mini
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.max_grad_norm)
-            if not torch.isfinite(grad_norm):
+            grad_norm = distributed.clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
+            if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees
                 optimizer.zero_grad(set_to_none=True)
-                bad_steps += 1
+                bad_steps, skipped = bad_steps + 1, skipped + 1
                 logger.print(f"WARNING step {step}: non-finite loss/grad norm, optimizer step skipped "
                              f"({bad_steps} in a row)")
                 if bad_steps >= cfg.train.max_bad_steps:
@@ -325,7 +375,11 @@ def train(args) -> Path:
             optimizer.step()
             scheduler.step()
             metrics["optim/grad_norm"] = float(grad_norm)
+        if d.world > 1:  # each rank's terms are already weighted by its share of the global batch
+            summed = distributed.all_sum(torch.tensor(list(loss_metrics.values()), device=device), d)
+            loss_metrics = dict(zip(loss_metrics, summed.tolist()))
         metrics.update(loss_metrics)
+        metrics["optim/skipped_steps"] = skipped
         metrics["time/train"] = time.perf_counter() - t0
 
         # ---- recalibrate q/k/v scales on the new weights, then push weights (+ scales)
@@ -337,33 +391,39 @@ def train(args) -> Path:
                 metrics[f"fp8/{name}_scale_mean"] = sum(sc[i] for sc in kv_scales.values()) / len(kv_scales)
         metrics["time/refit"] = sync_engine()
 
-        # ---- log
-        lengths = mask.sum(1)
+        # ---- log (over all ranks' samples)
+        truncated = torch.tensor([float(s.finish_reason == "length") for s in samples])
+        rewards, correct, lengths, truncated = (distributed.gather_rows(x[:, None].to(device).float(), d)[:, 0].cpu()
+                                                for x in (rewards, correct, mask.sum(1), truncated))
+        tokens = float(distributed.all_sum(attention_mask.sum(), d))
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/accuracy": float(correct.mean()),
             "reward/solved_groups": float((correct.view(-1, n).max(1).values > 0).float().mean()),
             "reward/zero_std_groups": float((rewards.view(-1, n).std(1) == 0).float().mean()),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
-            "response/truncated_frac": sum(s.finish_reason == "length" for s in samples) / B,
+            "response/truncated_frac": float(truncated.mean()),
             "optim/lr": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t_step,
-            "perf/tokens_per_s": float(attention_mask.sum()) / (time.perf_counter() - t_step),
+            "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
             **reward_stats(),
         })
         logger.log(step, metrics)
         pbar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in
                           ("reward/mean", "mismatch/token_mult_prob_error", "val/accuracy") if k in metrics})
-        if cfg.log.dump_episodes_every and step % cfg.log.dump_episodes_every == 0:
+        if d.main and cfg.log.dump_episodes_every and step % cfg.log.dump_episodes_every == 0:
             dump_episodes(run_dir, step, samples, texts, answers, rewards, advantages, old_logp, mask, tokenizer,
                           cfg.log.dump_episodes_n)
         if cfg.train.ckpt_every and (step + 1) % cfg.train.ckpt_every == 0:
             save(step + 1)
 
-    final = {"val/accuracy": validate_accuracy(engine, val_set, tokenizer, cfg)} if cfg.train.val_every else {}
+    final = {"val/accuracy": validate_accuracy(engine, val_set, tokenizer, cfg, d)} if cfg.train.val_every else {}
     if final:
         logger.log(cfg.train.steps, final)
     logger.print(f"done: {cfg.train.steps} steps; final {final}; run_dir {run_dir}")
-    save(cfg.train.steps)
+    if cfg.train.save_final and start_step < cfg.train.steps and not (
+            cfg.train.ckpt_every and cfg.train.steps % cfg.train.ckpt_every == 0):
+        save(cfg.train.steps)  # (else the loop has just saved this step, or nothing ran)
     logger.close()
+    distributed.close(d)
     return run_dir
 
 

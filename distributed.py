@@ -1,0 +1,171 @@
+"""Multi-GPU under torchrun: process group, FSDP2 sharding, and the few reductions the loop needs.
+
+    torchrun --nproc_per_node 8 train_grpo.py --config configs/llama31_8b_fp8.yaml
+    torchrun --nnodes 2 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint $HEAD:29500 \
+        train_grpo.py --config configs/llama31_8b_fp8.yaml
+
+Layout: data parallel over prompts. Every rank draws the same global batch of prompts from the
+same sampler and takes its contiguous slice (whole GRPO groups, never split), generates it with
+its own engine (vLLM external_launcher, one TP=1 engine per rank; HF on CPU), scores it, and
+trains on it. The trainer is FSDP2: `fully_shard` per decoder layer, then the root; parameters
+keep their dtype (fp32 master or bf16), compute runs in bf16 where the run asks for it, and
+gradients are reduce-scattered in fp32. FP8 linears (torchao or emulated) are converted before
+sharding, so they see the all-gathered weight exactly like on one GPU. Refit streams the export
+one parameter at a time (`fp8/export.py` gathers each DTensor with `full_tensor()`): no full-model
+copy on any rank.
+
+Loss scaling: a micro-batch's loss is weighted by its share of the GLOBAL mini-batch (tokens or
+rows), and FSDP2's gradient averaging over ranks is undone by `grad_scale` = world size, so the
+summed gradient equals the one-GPU gradient of the same global batch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from config import Config, UserError
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init(cfg: Config) -> Dist:
+    """The device of this process; joins the process group when launched by torchrun with > 1 rank."""
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    name = cfg.train.device
+    if name == "auto":
+        name = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"train.device={name} but CUDA is not available; set train.device=cpu")
+    device = torch.device(name)
+    if world > 1:
+        if cfg.rollout.prompts_per_step % world:
+            raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by the "
+                            f"{world} ranks: each rank generates whole groups; use a multiple of {world}")
+        if cfg.train.mini_batch_size % world:
+            raise UserError(f"train.mini_batch_size={cfg.train.mini_batch_size} is not divisible by the {world} "
+                            "ranks; use a multiple of the world size (0 = the whole step's samples)")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device
+                                    if device.type == "cuda" else None)
+    return Dist(rank, world, device)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of an HF causal LM (model.model.layers)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise UserError(f"{type(model).__name__}: no model.model.layers to shard; FSDP2 sharding expects an HF "
+                        "decoder-only causal LM")
+    return list(layers)
+
+
+def shard(model: nn.Module, d: Dist, bf16_compute: bool) -> nn.Module:
+    """FSDP2 in place: fully_shard each decoder layer, then the root (embeddings, norm, lm_head).
+
+    bf16_compute: all-gather fp32 master weights as bf16 (what autocast would compute with);
+    gradients reduce in fp32 either way. Activation checkpointing is model.gradient_checkpointing
+    (HF's: parameter names stay as in the checkpoint, so export and resume are unchanged)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if d.world == 1:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(d.device.type, (d.world,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16_compute else None, reduce_dtype=torch.float32)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+def grad_scale(d: Dist) -> float:
+    """Multiplier on each rank's loss: FSDP2 averages gradients over ranks; we want their sum."""
+    return float(d.world)
+
+
+def clip_grad_norm(params, max_norm: float) -> Tensor:
+    """Global grad norm (DTensor shards included), clipped in place like clip_grad_norm_."""
+    params = [p for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def all_sum(x: Tensor, d: Dist) -> Tensor:
+    if d.world > 1:
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def gather_rows(x: Tensor, d: Dist, pad: float = 0.0) -> Tensor:
+    """[B_local, L_local] on each rank -> [sum B, max L] on every rank, in rank order (right-padded)."""
+    if d.world == 1:
+        return x
+    lengths = [torch.zeros((), dtype=torch.long, device=x.device) for _ in range(d.world)]
+    dist.all_gather(lengths, torch.tensor(x.shape[1], device=x.device))
+    width = int(max(lengths))
+    x = torch.nn.functional.pad(x, (0, width - x.shape[1]), value=pad)
+    parts = [torch.empty_like(x) for _ in range(d.world)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts with full tensors on CPU, the same format as one GPU writes."""
+    if d.world == 1:
+        return model.state_dict(), optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
+                    d: Dist) -> None:
+    """Inverse of full_state: every rank reads the same file and keeps its shard."""
+    if d.world == 1:
+        model.load_state_dict(model_sd)
+        optimizer.load_state_dict(optim_sd)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=StateDictOptions(full_state_dict=True))
+
+
+def broadcast_object(obj, d: Dist):
+    """Rank 0's obj on every rank."""
+    if d.world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(d: Dist) -> None:
+    if d.world > 1:
+        dist.barrier()
+
+
+def close(d: Dist) -> None:
+    if d.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
