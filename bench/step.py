@@ -1,0 +1,122 @@
+"""One end-to-end GRPO step at 8B shape: bf16 vs fp8 vs fp8kv, with the time breakdown.
+
+    python bench/step.py                                    # bench/step_8b.yaml, all three modes
+    python bench/step.py --modes bf16,fp8kv rollout.max_new_tokens=1024 --out /tmp/out
+
+Each mode runs the real trainer (train_grpo.py, so nothing here can drift from the recipe) in
+its own process (vLLM allows one engine per process) on bench/step_8b.yaml: a random-weight
+Llama-3.1-8B-shape model, vLLM colocated with sleep mode, fixed-length generation. Modes:
+  bf16   BF16 trainer, BF16 rollout
+  fp8    torchao block-FP8 trainer linears, vLLM block-FP8 W8A8 rollout (refit every step)
+  fp8kv  fp8 + FP8 KV cache and FP8 attention in vLLM, q/k/v scales recalibrated every step
+Step 0 (Triton autotune, CUDA-graph capture) is reported separately; the figures are medians
+over steps 1..N-1 of the trainer's own time/* metrics. Writes bench/results/step.json
+(schema: ../shared/DESIGN.md) after every mode, and prints a markdown table.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.common import RESULTS, markdown_table, write_results  # noqa: E402
+
+MODES = {
+    "bf16": ["fp8.train=false", "fp8.rollout=false", "fp8.kv_cache=false"],
+    "fp8": ["fp8.train=true", "fp8.rollout=true", "fp8.kv_cache=false"],
+    "fp8kv": ["fp8.train=true", "fp8.rollout=true", "fp8.kv_cache=true", "fp8.recalibrate=true"],
+}
+PARTS = ("rollout", "logprobs", "train", "recalibrate", "refit")
+
+
+def summarize(metrics: list[dict], mode: str, workload: str) -> dict:
+    """Median step figures over the timed steps (>= 1) of one run's metrics.jsonl records."""
+    timed = [m for m in metrics if m.get("step", 0) >= 1 and "time/step" in m]
+    if not timed:
+        raise ValueError(f"{mode}: no timed step (>= 1) in metrics; run at least 2 steps")
+
+    def med(key):
+        return statistics.median(m.get(key, 0.0) for m in timed)
+
+    row = {"workload": workload, "mode": mode, "step_s": med("time/step"),
+           **{f"{p}_s": med(f"time/{p}") for p in PARTS},
+           "tokens_per_s": med("perf/tokens_per_s"), "first_step_s": metrics[0]["time/step"],
+           "token_mult_prob_error": med("mismatch/token_mult_prob_error"), "timed_steps": len(timed)}
+    row["sync_frac"] = (row["recalibrate_s"] + row["refit_s"]) / row["step_s"]
+    return row
+
+
+def add_speedups(runs: list[dict]) -> None:
+    base = {r["workload"]: r["step_s"] for r in runs if r["mode"] == "bf16" and "step_s" in r}
+    for r in runs:
+        if "step_s" in r and r["workload"] in base:
+            r["speedup"] = base[r["workload"]] / r["step_s"]
+
+
+def run_mode(mode: str, args, overrides: list[str], runs_dir: Path, log_dir: Path) -> dict:
+    name = f"step_{mode}"
+    cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--config", args.config, *MODES[mode],
+           f"train.steps={args.steps}", f"train.out_dir={runs_dir}", f"train.run_name={name}", *overrides]
+    log = log_dir / f"{name}.log"
+    print(f"[{mode}] {' '.join(cmd[1:])}\n[{mode}] log: {log}", flush=True)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - t0
+    path = runs_dir / name / "metrics.jsonl"
+    metrics = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    workload = f"{args.workload} ({args.config})"
+    try:
+        row = summarize(metrics, mode, workload)
+    except ValueError as e:
+        tail = log.read_text().splitlines()[-15:]
+        print(f"[{mode}] FAILED (exit {rc}): {e}\n" + "\n".join(tail), flush=True)
+        return {"workload": workload, "mode": mode, "error": f"exit {rc}: {e}", "wall_s": wall}
+    row["wall_s"] = wall
+    print(f"[{mode}] step {row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, logprobs {row['logprobs_s']:.2f}, "
+          f"train {row['train_s']:.2f}, recal {row['recalibrate_s']:.3f}, refit {row['refit_s']:.3f}); "
+          f"wall {wall:.0f} s", flush=True)
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("overrides", nargs="*", help="section.key=value for train_grpo.py, e.g. rollout.n=16")
+    p.add_argument("--config", default=str(ROOT / "bench" / "step_8b.yaml"))
+    p.add_argument("--modes", default="bf16,fp8,fp8kv")
+    p.add_argument("--steps", type=int, default=3, help="trainer steps per mode (step 0 is warm-up)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per mode")
+    p.add_argument("--out", default=None, help="results + logs dir (default bench/results)")
+    p.add_argument("--runs", default="/tmp/bench_step_runs", help="run dirs of the trainer processes")
+    args = p.parse_args()
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        sys.exit(f"--modes: unknown {unknown}; choose from {list(MODES)}")
+    if args.steps < 2:
+        sys.exit("--steps must be >= 2: step 0 is warm-up")
+    from config import load_config
+
+    cfg = load_config(args.config, [*MODES[modes[0]], *args.overrides])  # fail fast on typos
+    args.workload = (f"{cfg.rollout.prompts_per_step}x{cfg.rollout.n} samples, <= {cfg.data.max_prompt_tokens}"
+                     f"->{cfg.rollout.max_new_tokens} tokens")
+    out = Path(args.out) if args.out else RESULTS
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for mode in modes:
+        runs.append(run_mode(mode, args, args.overrides, Path(args.runs), out))
+        add_speedups(runs)
+        write_results("step", runs, out_dir=out)
+    print(markdown_table(runs, ["mode", "step_s", "rollout_s", "logprobs_s", "train_s", "recalibrate_s", "refit_s",
+                                "sync_frac", "speedup", "first_step_s", "token_mult_prob_error"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""bench/step.py drives the real trainer per mode and summarizes its time/* metrics (CPU run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.step import add_speedups, summarize  # noqa: E402
+
+
+def test_summary_is_the_median_of_timed_steps():
+    metrics = [{"step": 0, "time/step": 100.0}] + [
+        {"step": s, "time/step": t, "time/rollout": t / 2, "time/refit": 0.1, "time/recalibrate": 0.05}
+        for s, t in ((1, 4.0), (2, 6.0), (3, 5.0))]
+    row = summarize(metrics, "fp8kv", "w")
+    assert row["step_s"] == 5.0 and row["rollout_s"] == 2.5 and row["first_step_s"] == 100.0
+    assert row["timed_steps"] == 3 and row["train_s"] == 0.0
+    assert row["sync_frac"] == pytest.approx(0.15 / 5.0)
+    runs = [{"workload": "w", "mode": "bf16", "step_s": 6.0}, row, {"workload": "w", "mode": "fp8", "error": "x"}]
+    add_speedups(runs)
+    assert runs[1]["speedup"] == pytest.approx(1.2) and "speedup" not in runs[2]
+    with pytest.raises(ValueError, match="no timed step"):
+        summarize(metrics[:1], "bf16", "w")
+
+
+def test_driver_runs_each_mode_and_writes_results(tmp_path):
+    p = subprocess.run([sys.executable, str(ROOT / "bench/step.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"),
+                        "--modes", "bf16,fp8kv", "--steps", "2", "--out", str(tmp_path), "--runs", str(tmp_path / "runs"),
+                        "train.val_every=0", "rollout.prompts_per_step=4", "train.micro_batch_size=32",
+                        "log.tensorboard=false"], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((tmp_path / "step.json").read_text())
+    assert [r["mode"] for r in doc["runs"]] == ["bf16", "fp8kv"]
+    assert all(r["step_s"] > 0 and r["timed_steps"] == 1 for r in doc["runs"])
+    assert doc["runs"][1]["recalibrate_s"] > 0 and "speedup" in doc["runs"][1]
+    assert (tmp_path / "step_fp8kv.log").is_file() and "| fp8kv |" in p.stdout
