@@ -1,0 +1,142 @@
+"""Checkpoints and exact resume.
+
+* checkpoint.py: atomic saves, keep-K, a crashed save's temp dir never counts.
+* A run SIGKILLed mid-training and resumed with `--resume` logs, for every step, exactly the
+  metrics (losses, rewards, mismatch, grad norm, lr, kv scales, val accuracy) of an uninterrupted
+  run; only time/ and perf/ differ.
+* A run SIGKILLed in the middle of writing a checkpoint (GRPO_CKPT_FAULT, see checkpoint.py)
+  resumes from the previous complete checkpoint, just as exactly.
+
+metrics.jsonl on resume: records of steps >= the checkpoint's step, which the interrupted run
+logged after saving it, are dropped (RunLogger.truncate) and logged again by the resumed run, so
+the file holds one record per step.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from checkpoint import checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from conftest import TINY_RUN, TINY_STEPS, read_metrics, train_cmd
+
+VOLATILE = ("time/", "perf/")  # wall-clock figures: the only keys allowed to differ
+
+
+def by_step(run_dir) -> dict[int, dict]:
+    """{step: record without time/perf keys}; asserts one record per step."""
+    records = read_metrics(run_dir)
+    steps = [m["step"] for m in records]
+    assert steps == sorted(set(steps)), f"metrics.jsonl steps not unique and ordered: {steps}"
+    return {m["step"]: {k: v for k, v in m.items() if not k.startswith(VOLATILE)} for m in records}
+
+
+def assert_same_run(got_dir, want_dir):
+    got, want = by_step(got_dir), by_step(want_dir)
+    assert list(got) == list(want) == list(range(TINY_STEPS + 1))
+    for step in want:
+        assert got[step] == want[step], f"step {step} differs after resume"
+    assert "mismatch/token_mult_prob_error" in want[5] and "loss/policy" in want[5] and "val/accuracy" in want[6]
+
+
+def resume(run_dir):
+    p = subprocess.run(train_cmd("--resume", str(run_dir), f"train.steps={TINY_STEPS}"), cwd=run_dir.parent,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p.stdout
+
+
+# ---------------------------------------------------------------------------- checkpoint.py
+
+
+def test_atomic_save_keep_k_and_temp_dirs_ignored(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        save_checkpoint(root, step, {"step": step}, keep=2)
+    assert [s for s, _ in checkpoints(root)] == [4, 6]  # last K kept
+    # a crashed save of step 8 (temp dir with a torn state.pt) and a dir without state.pt never count
+    (root / ".tmp-step_000008").mkdir()
+    (root / ".tmp-step_000008" / "state.pt").write_bytes(b"torn")
+    (root / "step_000010").mkdir()
+    assert latest_checkpoint(root) == root / "step_000006"
+    # numeric order, not string order, past 6 digits
+    save_checkpoint(root, 1_000_000, {"step": 1_000_000}, keep=0)
+    assert latest_checkpoint(root).name == "step_1000000"
+    assert not list(root.glob(".tmp-*")), "the next save removes a crashed save's temp dir"
+    # re-saving a step replaces it with the new state
+    save_checkpoint(root, 6, {"step": 6, "again": True}, keep=0)
+    assert load_checkpoint(root / "step_000006")["again"] is True
+    assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_metrics_truncated_on_resume(tmp_path):
+    from train_grpo import RunLogger
+
+    lines = [json.dumps({"step": s, "x": s}) for s in range(5)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "x"')  # torn last line
+    logger = RunLogger(tmp_path, enabled=True, tensorboard=False)
+    logger.truncate(3)
+    logger.log(3, {"x": 30})
+    logger.close()
+    assert read_metrics(tmp_path) == [{"step": 0, "x": 0}, {"step": 1, "x": 1}, {"step": 2, "x": 2},
+                                      {"step": 3, "x": 30}]
+
+
+# ---------------------------------------------------------------------------- end to end
+
+
+def test_sigkill_mid_training_then_resume_is_exact(tiny_run, tmp_path):
+    run_dir = tmp_path / "killed"
+    log = open(tmp_path / "killed.log", "w")
+    p = subprocess.Popen(train_cmd(*TINY_RUN, f"train.out_dir={tmp_path}", "train.run_name=killed",
+                                   "train.steps=1000"), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    ckpt_step, deadline = None, time.time() + 600
+    try:
+        while p.poll() is None and time.time() < deadline:  # wait for a checkpoint and a step logged past it
+            ckpt = latest_checkpoint(run_dir / "checkpoints")
+            if ckpt is not None:
+                ckpt_step = int(ckpt.name.removeprefix("step_"))
+                logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                          if line.endswith("}")]
+                if logged and logged[-1] >= ckpt_step:
+                    break
+            time.sleep(0.02)
+        assert p.poll() is None, (tmp_path / "killed.log").read_text()[-3000:]
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.kill()
+        p.wait()
+        log.close()
+    assert p.returncode == -signal.SIGKILL
+    assert 2 <= ckpt_step < TINY_STEPS, ckpt_step
+    assert max(m["step"] for m in read_metrics(run_dir)) >= ckpt_step  # logged past the checkpoint
+
+    out = resume(run_dir)
+    resumed_from = latest_checkpoint(run_dir / "checkpoints")  # after the kill, before the resumed saves
+    assert f"resumed from {run_dir / 'checkpoints'}/step_{ckpt_step:06d} at step {ckpt_step}" in out, resumed_from
+    assert_same_run(run_dir, tiny_run)
+
+
+def test_sigkill_mid_save_never_leaves_a_checkpoint_and_resume_is_exact(tiny_run, tmp_path):
+    run_dir, root = tmp_path / "crash", tmp_path / "crash" / "checkpoints"
+    p = subprocess.run(train_cmd(*TINY_RUN, f"train.out_dir={tmp_path}", "train.run_name=crash",
+                                 f"train.steps={TINY_STEPS}"), cwd=tmp_path, capture_output=True, text=True,
+                       timeout=900, env={**os.environ, "GRPO_CKPT_FAULT": "4"})
+    assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
+    partial = root / ".tmp-step_000004" / "state.pt"
+    assert partial.is_file() and not (root / "step_000004").exists()
+    with pytest.raises(Exception):  # really torn: half of the bytes
+        torch.load(partial, weights_only=False)
+    assert latest_checkpoint(root) == root / "step_000002"
+
+    out = resume(run_dir)
+    assert f"resumed from {root}/step_000002 at step 2" in out
+    assert not list(root.glob(".tmp-*")), "the crashed save's temp dir was not cleaned up"
+    assert [s for s, _ in checkpoints(root)] == [6, 8]
+    assert_same_run(run_dir, tiny_run)
+    state = load_checkpoint(root / "step_000008")
+    assert state["step"] == 8 and state["kv_scales"] and state["sampler"]["position"] == 8 * 4
