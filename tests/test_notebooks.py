@@ -1,0 +1,283 @@
+"""analysis.py (the notebooks' engine) with hand-checkable values, the trainer's
+log.save_batch_every knob, and both notebooks executed top to bottom on CPU."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+import analysis as A
+from losses.grpo import LossConfig, grpo_loss
+from losses.mismatch import mismatch_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = {
+    "mismatch_analysis": ["log_ratio_hist", "mismatch_by_position", "mismatch_by_step", "is_weights", "is_cap_sweep"],
+    "fp8_sensitivity": ["fp8_sensitivity_linear", "fp8_sensitivity_layer_kind", "fp8_keep_topk", "kv_calibration"],
+}
+
+
+def make_batch(old, rollout, mask=None, **extra):
+    """A minimal batch dict from [B, T] lists: input_ids are 3 + position, mask all ones."""
+    old, rollout = torch.tensor(old, dtype=torch.float32), torch.tensor(rollout, dtype=torch.float32)
+    B, T = old.shape
+    mask = torch.ones(B, T) if mask is None else torch.tensor(mask, dtype=torch.float32)
+    batch = {"old_logp": old, "rollout_logp": rollout, "bf16_logp": old.clone(), "mask": mask,
+             "input_ids": torch.arange(T).repeat(B, 1) + 3, "attention_mask": torch.ones(B, T, dtype=torch.long),
+             "rewards": torch.arange(B, dtype=torch.float32), "advantages": torch.zeros(B), "step": 0,
+             "config": {}, "token_text": {i: chr(ord("a") + i) for i in range(26)}}
+    return {**batch, **extra}
+
+
+# ----------------------------------------------------------------------------- importance weights
+
+def test_effective_sample_size_of_known_weights():
+    assert A.effective_sample_size(torch.ones(5)) == pytest.approx(1.0)
+    assert A.effective_sample_size(torch.tensor([1.0, 0, 0, 0])) == pytest.approx(0.25)
+    assert A.effective_sample_size(torch.tensor([2.0, 1, 1])) == pytest.approx(16 / 6 / 3)
+    assert A.effective_sample_size(torch.zeros(3)) == 0.0
+    # masked-out entries do not count: only [2, 2] remain -> uniform
+    assert A.effective_sample_size(torch.tensor([2.0, 9, 2]), torch.tensor([1, 0, 1])) == pytest.approx(1.0)
+
+
+def test_cap_sweep_truncation_and_ess():
+    w = torch.tensor([[0.5, 1.0, 2.0, 4.0]])
+    batch = make_batch(w.log().tolist(), [[0.0] * 4])
+    sweep = A.is_cap_sweep(batch, [1.5, 10.0], "tis")
+    # cap 1.5: weights 0.5, 1, 1.5, 1.5 -> 2 of 4 truncated, ESS = 4.5^2 / 5.75 / 4
+    assert sweep["truncated_frac"] == pytest.approx([0.5, 0.0])
+    assert sweep["ess"][0] == pytest.approx(4.5 ** 2 / 5.75 / 4)
+    assert sweep["weight_mean"][0] == pytest.approx(4.5 / 4)
+    assert sweep["ess"][1] == pytest.approx(7.5 ** 2 / 21.25 / 4)  # no truncation: the raw weights
+    # icepop with band [0.6, 1.5]: only w = 1 survives
+    ice = A.is_cap_sweep(batch, [1.5], "icepop", is_floor=0.6)
+    assert ice["truncated_frac"] == pytest.approx([0.75]) and ice["ess"] == pytest.approx([0.25])
+
+
+def test_is_weights_by_variant_match_the_loss():
+    torch.manual_seed(0)
+    old, rollout = torch.randn(4, 6) * 0.5 - 2, torch.randn(4, 6) * 0.5 - 2
+    mask = torch.ones(4, 6)
+    mask[1, 4:] = 0
+    batch = make_batch(old.tolist(), rollout.tolist(), mask.tolist(), config={"loss": {"is_cap": 1.2, "is_floor": 0.8}})
+    variants = A.is_weights_by_variant(batch)
+    assert set(variants) == {"none", "tis", "icepop", "seq_mask_tis", "seq_tis"}
+    for kind, v in variants.items():
+        cfg = LossConfig(is_correction=kind, is_cap=1.2, is_floor=0.8)
+        _, m = grpo_loss(old.clone().requires_grad_(), old, rollout, torch.ones(4), mask, cfg)
+        assert v["truncated_frac"] == pytest.approx(m["is/truncated_frac"], abs=1e-6), kind
+        assert v["weight_mean"] == pytest.approx(m["is/weight_mean"], abs=1e-6), kind
+        assert v["weights"].shape == (int(mask.sum()),)
+    assert variants["none"]["ess"] == 1.0 and variants["tis"]["zeroed_frac"] == 0.0
+    assert variants["icepop"]["zeroed_frac"] == pytest.approx(variants["icepop"]["truncated_frac"])
+
+
+# ----------------------------------------------------------------------------- mismatch views
+
+def test_worst_tokens_order_and_context():
+    d = [[0.1, -0.5, 0.2, 0.0], [float("inf"), 0.3, -0.3, 0.05]]
+    batch = make_batch(d, [[0.0] * 4] * 2, [[0, 1, 1, 1], [1, 1, 1, 1]])
+    worst = A.worst_tokens(batch, k=4, context=2, unique=False)  # (both rows hold the same ids)
+    # non-finite first, then |d| descending; the masked 0.1 never appears; ties in row-major order
+    assert [(w["row"], w["position"]) for w in worst] == [(1, 0), (0, 0), (1, 1), (1, 2)]
+    assert [w["log_ratio"] for w in worst[1:]] == pytest.approx([-0.5, 0.3, -0.3])
+    assert worst[1]["token"] == "e" and worst[1]["context"] == "d"  # ids 3 + position -> 'd', 'e', ...
+    assert worst[3]["context"] == "de" and worst[2]["reward"] == 1.0
+    # identical prefixes (two samples of one prompt) are reported once with unique=True
+    twin = make_batch([[0.0, 0.4], [0.0, 0.4]], [[0.0, 0.0]] * 2)
+    assert len(A.worst_tokens(twin, k=5)) == 2 and len(A.worst_tokens(twin, k=5, unique=False)) == 4
+
+
+def test_per_position_mismatch_aligns_responses():
+    # row 0: response at positions 1-2; row 1: response at position 0 only
+    d = [[9.0, 0.1, -0.2], [0.1, 9.0, 9.0]]
+    batch = make_batch(d, [[0.0] * 3] * 2, [[0, 1, 1], [1, 0, 0]])
+    out = A.per_position_mismatch(batch)
+    assert out["position"] == [0, 1] and out["n_tokens"] == [2, 1]
+    assert out["token_mult_prob_error"] == pytest.approx([math.exp(0.1), math.exp(0.2)], rel=1e-6)
+    assert out["kl"] == pytest.approx([-0.1, 0.2], rel=1e-5)
+    binned = A.per_position_mismatch(batch, bin_size=2)
+    assert binned["n_tokens"] == [3]
+    aligned, m = A.response_aligned(torch.tensor(d), batch["mask"])
+    assert torch.equal(aligned, torch.tensor([[0.1, -0.2], [0.1, 0.0]])) and m.tolist() == [[1, 1], [1, 0]]
+
+
+def test_log_ratio_hist_counts_finite_masked_tokens():
+    batch = make_batch([[0.1, -0.2, float("nan"), 0.3]], [[0.0] * 4], [[1, 1, 1, 0]])
+    h = A.log_ratio_hist(batch, bins=4, lim=0.4)
+    assert int(h["counts"].sum()) == 2 and h["values"].tolist() == pytest.approx([0.1, -0.2])
+    assert h["edges"].tolist() == pytest.approx([-0.4, -0.2, 0.0, 0.2, 0.4])
+
+
+def test_mismatch_table_and_run_curves(tmp_path):
+    batch = make_batch([[0.1, 0.2]], [[0.0, 0.0]])
+    table = A.mismatch_table(batch)
+    assert table["trainer vs engine"] == mismatch_metrics(batch["old_logp"], batch["rollout_logp"], batch["mask"])
+    assert table["trainer FP8 vs trainer BF16"]["token_mult_prob_error"] == 1.0
+    rows = [{"step": 0, "mismatch/kl": 0.5, "reward/mean": 1}, {"step": 1, "val/accuracy": 0.2},
+            {"step": 1, "mismatch/kl": 0.25}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert A.run_metric_curves(tmp_path) == {"step": [0, 1], "kl": [0.5, 0.25]}
+    assert A.run_metric_curves(tmp_path / "missing") == {"step": []}
+
+
+# ----------------------------------------------------------------------------- batches on disk
+
+def test_save_load_round_trip_is_bit_exact(tmp_path):
+    from modeling import build_char_tokenizer
+
+    torch.manual_seed(0)
+    tok = build_char_tokenizer("0123456789+=")
+    B, L = 3, 6
+    ids = torch.randint(3, len(tok), (B, L))
+    am = torch.ones(B, L, dtype=torch.long)
+    am[2, 4:] = 0
+    mask = torch.zeros(B, L)
+    mask[:, 3:] = 1
+    mask[2, 4:] = 0
+    logps = [torch.randn(B, L) for _ in range(3)]
+    logps[0][0, 3] = -math.inf
+    rewards, adv = torch.tensor([1.0, 0.0, 0.5]), torch.randn(B)
+    path = tmp_path / "run" / "batches" / "step_000007.pt"
+    A.save_rollout_batch(path, 7, ids, am, mask, *logps, rewards, adv, {"loss": {"is_cap": 3.0}}, tok, "tok/dir")
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # the temp file was renamed away
+    batch = A.load_rollout_batch(path)
+    for name, t in zip(A.TENSOR_FIELDS, (ids, am, mask, *logps, rewards, adv)):
+        assert batch[name].dtype == t.dtype and torch.equal(batch[name], t), name
+    assert batch["step"] == 7 and batch["config"] == {"loss": {"is_cap": 3.0}} and batch["tokenizer_dir"] == "tok/dir"
+    assert batch["run_dir"] == str(tmp_path / "run")
+    assert batch["prompt_ids"] == ids[:, :3].tolist()
+    assert batch["response_ids"] == [ids[0, 3:].tolist(), ids[1, 3:].tolist(), ids[2, 3:4].tolist()]
+    assert A.decode(batch, ids[0].tolist()) == tok.decode(ids[0].tolist())
+    assert A.find_batches(tmp_path / "run") == [path]
+
+
+def test_load_rejects_what_is_not_a_batch(tmp_path):
+    torch.save({"model": {"w": torch.zeros(1)}, "step": 3}, tmp_path / "state.pt")
+    with pytest.raises(ValueError, match="is not a rollout batch"):
+        A.load_rollout_batch(tmp_path / "state.pt")
+    (tmp_path / "notes.pt").write_text("hello")
+    with pytest.raises(ValueError, match="is not a rollout batch"):
+        A.load_rollout_batch(tmp_path / "notes.pt")
+    with pytest.raises(FileNotFoundError):
+        A.load_rollout_batch(tmp_path / "nothing.pt")
+
+
+# ----------------------------------------------------------------------------- the trainer knob
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """3 tiny GRPO steps (8 prompts x 8 samples) saving batches at steps 0 and 2."""
+    out = tmp_path_factory.mktemp("runs")
+    path = A.make_rollout_batch(out, steps=3, overrides=[
+        "rollout.prompts_per_step=8", "train.micro_batch_size=64", "log.dump_episodes_every=2"])
+    return path, A.load_rollout_batch(path)
+
+
+def test_trainer_saves_the_batch_it_logged(tiny_run):
+    path, batch = tiny_run
+    run_dir = path.parent.parent
+    assert path.name == "step_000002.pt" and [p.name for p in A.find_batches(run_dir)] == ["step_000000.pt", path.name]
+    logged = {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    recomputed = mismatch_metrics(batch["old_logp"], batch["rollout_logp"], batch["mask"])
+    for k, v in recomputed.items():
+        assert logged[2][f"mismatch/{k}"] == pytest.approx(v, rel=1e-9, abs=1e-12), k
+    # the episode dump of the same step holds the same trainer logprobs, token for token
+    from modeling import build_char_tokenizer
+
+    tok = build_char_tokenizer(batch["config"]["model"]["tiny"]["vocab"])
+    episodes = [json.loads(line) for line in (run_dir / "episodes" / "step_000002.jsonl").read_text().splitlines()]
+    for i, ep in enumerate(episodes):
+        m = batch["mask"][i] != 0
+        assert batch["old_logp"][i, m].tolist() == ep["trainer_logp"]
+        assert batch["rollout_logp"][i, m].tolist() == pytest.approx(ep["rollout_logp"], abs=1e-7)
+        assert tok.decode(batch["response_ids"][i], skip_special_tokens=True) == ep["completion"]
+        assert A.decode(batch, batch["input_ids"][i]) == tok.decode(batch["input_ids"][i])
+    B = batch["input_ids"].shape[0]
+    assert B == 64 and batch["rewards"].shape == (B,) and batch["config"]["fp8"]["train"] is True
+    # FP8 trainer vs the same weights in BF16: small, nonzero
+    assert 0 < A.mismatch_table(batch)["trainer FP8 vs trainer BF16"]["max_abs_diff"] < 0.1
+
+
+def test_batch_model_reproduces_saved_logprobs_and_fp8_ranking(tiny_run):
+    _, batch = tiny_run
+    model, _, cfg = A.load_batch_model(batch)
+    assert model.batch_weights["exact"] and model.batch_weights["checkpoint"].endswith("step_000002")
+    m = batch["mask"] != 0
+    assert torch.equal(A.batch_logprobs(model, batch)[m], batch["bf16_logp"][m])
+    names = A.convert_fp8(model, cfg)
+    assert len(names) == 14  # 2 layers x 7 linears; lm_head stays BF16
+    assert torch.equal(A.batch_logprobs(model, batch)[m], batch["old_logp"][m])
+
+    rows = list(range(16))
+    ranking = A.fp8_sensitivity(model, batch, "linear", rows=rows)
+    assert [r["unit"] for r in ranking[:-1]] != [] and ranking[-1]["unit"] == "all" and ranking[-1]["n_linears"] == 14
+    drift = [r["mean_abs_diff"] for r in ranking[:-1]]
+    assert drift == sorted(drift, reverse=True) and all(v > 0 for v in drift)
+    # a unit holding every FP8 linear is the whole FP8 model
+    whole = A.fp8_sensitivity(model, batch, {"everything": "*"}, rows=rows)
+    assert whole[0]["mean_abs_diff"] == pytest.approx(whole[-1]["mean_abs_diff"])
+    assert {r["unit"] for r in A.fp8_sensitivity(model, batch, "layer", rows=rows)} == {"layers.0", "layers.1", "all"}
+    assert len(A.fp8_units(model, "kind")) == 7
+
+
+def test_kv_quant_error_saturation_and_error(tiny_run):
+    _, batch = tiny_run
+    model, _, _ = A.load_batch_model(batch)
+    rows = list(range(32))
+    kv = A.kv_quant_error(model, batch, percentiles=(100.0,), margins=(1.0, 0.5), micro_batch=8,
+                          calib_rows=rows, eval_rows=rows)
+    assert len(kv["summary"]) == 2 and len(kv["per_layer"]) == 2 * 2 * 3  # settings x layers x q/k/v
+    full = [r for r in kv["per_layer"] if r["margin"] == 1.0]
+    half = [r for r in kv["per_layer"] if r["margin"] == 0.5]
+    # calibrated on the same rows at the 100th percentile: nothing saturates, e4m3 rounding only
+    assert all(r["saturated_frac"] == 0 for r in full) and all(0 < r["rel_rmse"] < 0.06 for r in full)
+    assert all(r["saturated_frac"] > 0 for r in half)
+    assert kv["summary"][1]["mean_abs_diff"] > kv["summary"][0]["mean_abs_diff"] > 0
+
+
+# ----------------------------------------------------------------------------- notebooks
+
+def test_committed_notebooks_have_no_outputs():
+    for name in NOTEBOOKS:
+        nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert cell.outputs == [] and cell.execution_count is None, (name, cell.source[:60])
+
+
+def execute(name, env, tmp_path):
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        NotebookClient(nb, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    nbformat.write(nb, tmp_path / f"{name}.executed.ipynb")  # for a look when something breaks
+    return nb
+
+
+def test_notebooks_run_top_to_bottom(tmp_path):
+    """mismatch_analysis makes its own tiny batch; fp8_sensitivity is given it through BATCH_PATH."""
+    fig_dir, run_dir = tmp_path / "figs", tmp_path / "runs"
+    env = {"FIG_DIR": str(fig_dir), "RUN_DIR": str(run_dir), "BATCH_PATH": ""}
+    execute("mismatch_analysis", env, tmp_path)
+    (batch_path,) = run_dir.glob("batch-*/batches/step_000011.pt")
+    nb = execute("fp8_sensitivity", {**env, "BATCH_PATH": str(batch_path)}, tmp_path)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    assert "'exact': True" in text and "max |logp - bf16_logp| on response tokens: 0.0" in text
+    for names in NOTEBOOKS.values():
+        for fig in names:
+            png = fig_dir / f"{fig}.png"
+            assert png.is_file() and png.stat().st_size > 1000, fig
+            assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
