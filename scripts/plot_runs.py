@@ -1,0 +1,231 @@
+"""Convergence plots and a summary table from GRPO runs' metrics.jsonl files.
+
+    python scripts/plot_runs.py /tmp/conv_out                         # every *metrics.jsonl under it
+    python scripts/plot_runs.py runs/bf16_s0/metrics.jsonl runs/fp8_tis_s0/metrics.jsonl --out /tmp/figs
+
+A run's name is <config>_s<seed>, read from the file name (conv_fp8_tis_s1_metrics.jsonl, as
+scripts/convergence.sh writes them) or from its run dir (runs/fp8_tis_s1/metrics.jsonl); a name
+without _s<seed> is seed 0. Runs of one config are averaged over seeds: a line for the mean, a
+band from min to max. Writes, into --out (default docs/figures):
+
+    <prefix>_val_accuracy.png   val/accuracy (greedy, held-out) vs step
+    <prefix>_reward.png         reward/mean vs step (trailing mean over --smooth steps)
+    <prefix>_mismatch.png       mismatch/token_mult_prob_error vs step (same smoothing)
+    <prefix>_is_truncated.png   is/truncated_frac (share of tokens whose IS weight hit the cap)
+    <prefix>_summary.png        the four panels in one figure
+    <prefix>_table.md           the table below (also printed)
+
+Table, per config (mean ± half the min-max range over seeds, from the raw logged values):
+  val@0     val/accuracy at step 0 (the SFT model, greedy through the engine)
+  final     each run's last logged val/accuracy (the end-of-run validation, or the last one
+            before the run was stopped); `steps` gives the range of those steps over seeds
+  best      each run's best val/accuracy
+  val@S     val/accuracy at S, the last step at which every run in the table (that validated at
+            all) logged a validation: the like-for-like comparison when runs were cut at
+            different steps
+  mismatch  mean over the run's steps of mismatch/token_mult_prob_error, then over seeds
+  is_trunc  mean of is/truncated_frac, likewise
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PANELS = [  # (metric key, file suffix, y label, smoothed)
+    ("val/accuracy", "val_accuracy", "validation accuracy (greedy)", False),
+    ("reward/mean", "reward", "reward/mean", True),
+    ("mismatch/token_mult_prob_error", "mismatch", "mismatch/token_mult_prob_error", True),
+    ("is/truncated_frac", "is_truncated", "is/truncated_frac", True),
+]
+ORDER = ["bf16", "fp8_tis", "fp8_nois", "fp8kv_tis", "fp8rollout_tis"]
+_NAME = re.compile(r"^(?:conv_)?(?P<config>.+?)(?:_s(?P<seed>\d+))?(?:_metrics)?$")
+
+
+def find_files(paths: list[str]) -> list[Path]:
+    files = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*metrics.jsonl") if f.is_file())
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise SystemExit(f"error: {p}: no such file or directory")
+    if not files:
+        raise SystemExit(f"error: no *metrics.jsonl under {' '.join(paths)}")
+    return files
+
+
+def run_key(path: Path) -> tuple[str, int]:
+    """(config, seed) of a metrics file: from its name, or its run dir's if it is metrics.jsonl."""
+    stem = path.parent.name if path.name == "metrics.jsonl" else path.name.removesuffix(".jsonl")
+    m = _NAME.match(stem)
+    return m.group("config"), int(m.group("seed") or 0)
+
+
+def load_rows(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            pass
+    return [r for r in rows if isinstance(r, dict) and "step" in r]
+
+
+def series(rows: list[dict], key: str) -> dict[int, float]:
+    """{step: value} of one metric (a later row of the same step wins: the final validation)."""
+    return {int(r["step"]): float(r[key]) for r in rows if isinstance(r.get(key), (int, float))}
+
+
+def smooth(s: dict[int, float], k: int) -> dict[int, float]:
+    steps = sorted(s)
+    return {st: sum(s[x] for x in steps[max(0, i - k + 1): i + 1]) / len(steps[max(0, i - k + 1): i + 1])
+            for i, st in enumerate(steps)}
+
+
+def load_runs(files: list[Path]) -> dict[str, dict[int, list[dict]]]:
+    """{config: {seed: rows}}; a (config, seed) given twice is an error."""
+    runs: dict[str, dict[int, list[dict]]] = {}
+    for f in files:
+        config, seed = run_key(f)
+        if seed in runs.setdefault(config, {}):
+            raise SystemExit(f"error: two metrics files for {config} seed {seed} (second: {f})")
+        runs[config][seed] = load_rows(f)
+    return dict(sorted(runs.items(), key=lambda kv: (ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER), kv[0])))
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def _agg(xs: list[float]) -> tuple[float, float] | None:
+    """(mean, half range) over seeds, or None."""
+    return (_mean(xs), (max(xs) - min(xs)) / 2) if xs else None
+
+
+def summarize(runs: dict[str, dict[int, list[dict]]]) -> tuple[list[dict], int | None]:
+    """Per-config table rows and S, the last validation step every run reached."""
+    val_steps = [set(series(rows, "val/accuracy")) for seeds in runs.values() for rows in seeds.values()]
+    val_steps = [s for s in val_steps if s]  # a run that never validated (died at start) is left out
+    common = set.intersection(*val_steps) if val_steps else set()
+    S = max(common) if common else None
+    table = []
+    for config, seeds in runs.items():
+        vals = [series(rows, "val/accuracy") for rows in seeds.values()]
+        vals = [v for v in vals if v]
+        mism = [_mean(list(series(rows, "mismatch/token_mult_prob_error").values())) for rows in seeds.values()]
+        trunc = [_mean(list(series(rows, "is/truncated_frac").values())) for rows in seeds.values()]
+        last = [max(v) for v in vals]
+        table.append({
+            "config": config, "seeds": sorted(seeds),
+            "steps": (min(last), max(last)) if last else None,
+            "val0": _agg([v[0] for v in vals if 0 in v]),
+            "final": _agg([v[max(v)] for v in vals]),
+            "best": _agg([max(v.values()) for v in vals]),
+            "val_at_S": _agg([v[S] for v in vals if S in v]) if S is not None else None,
+            "mismatch": _agg([m for m in mism if m is not None]),
+            "is_trunc": _agg([t for t in trunc if t is not None]),
+        })
+    return table, S
+
+
+def markdown(table: list[dict], S: int | None) -> str:
+    def f(a, digits=3):
+        return "-" if a is None else f"{a[0]:.{digits}f} ± {a[1]:.{digits}f}"
+
+    lines = [f"| config | seeds | steps | val@0 | final val | best val | val@{S if S is not None else 'S'} | "
+             "token_mult_prob_error | is/truncated_frac |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in table:
+        steps = "-" if r["steps"] is None else (str(r["steps"][0]) if r["steps"][0] == r["steps"][1]
+                                                else f"{r['steps'][0]}-{r['steps'][1]}")
+        lines.append(f"| {r['config']} | {','.join(map(str, r['seeds']))} | {steps} | {f(r['val0'])} | "
+                     f"{f(r['final'])} | {f(r['best'])} | {f(r['val_at_S'])} | {f(r['mismatch'], 4)} | "
+                     f"{f(r['is_trunc'], 4)} |")
+    return "\n".join(lines) + "\n"
+
+
+def band(seeds: dict[int, list[dict]], key: str, k: int):
+    """steps, mean, min, max over the seeds that logged each step."""
+    per_seed = [series(rows, key) for rows in seeds.values()]
+    per_seed = [smooth(s, k) if k > 1 else s for s in per_seed if s]
+    steps = sorted(set().union(*per_seed)) if per_seed else []
+    vals = [[s[st] for s in per_seed if st in s] for st in steps]
+    return steps, [_mean(v) for v in vals], [min(v) for v in vals], [max(v) for v in vals]
+
+
+def plot(runs, out: Path, prefix: str, k: int) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {c: colors[i % len(colors)] for i, c in enumerate(runs)}
+    written = []
+
+    def draw(ax, key, label, smoothed):
+        any_data = False
+        for config, seeds in runs.items():
+            steps, mean, lo, hi = band(seeds, key, k if smoothed else 1)
+            if not steps:
+                continue
+            any_data = True
+            ax.plot(steps, mean, color=color[config], marker="o" if key == "val/accuracy" else None, ms=3,
+                    label=f"{config} (n={len(seeds)})")
+            if len(seeds) > 1:
+                ax.fill_between(steps, lo, hi, color=color[config], alpha=0.2, lw=0)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label + (f" (mean of {k} steps)" if smoothed and k > 1 else ""))
+        ax.grid(alpha=0.3)
+        if any_data:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, f"no {key} logged", ha="center", va="center", transform=ax.transAxes)
+
+    for key, suffix, label, smoothed in PANELS:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax, key, label, smoothed)
+        fig.tight_layout()
+        path = out / f"{prefix}_{suffix}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for ax, (key, _, label, smoothed) in zip(axes.flat, PANELS):
+        draw(ax, key, label, smoothed)
+    fig.suptitle("GRPO convergence: line = mean over seeds, band = min..max")
+    fig.tight_layout()
+    path = out / f"{prefix}_summary.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return written + [path]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("paths", nargs="+", help="metrics.jsonl files or directories to search")
+    p.add_argument("--out", default=str(ROOT / "docs/figures"), help="directory for the PNGs and the table")
+    p.add_argument("--prefix", default="convergence")
+    p.add_argument("--table", help="markdown table path (default <out>/<prefix>_table.md)")
+    p.add_argument("--smooth", type=int, default=5, help="trailing mean over this many steps for per-step metrics")
+    args = p.parse_args(argv)
+    runs = load_runs(find_files(args.paths))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table, S = summarize(runs)
+    md = markdown(table, S)
+    table_path = Path(args.table) if args.table else out / f"{args.prefix}_table.md"
+    table_path.write_text(md)
+    print(md, end="")
+    for path in plot(runs, out, args.prefix, args.smooth):
+        print(f"wrote {path}")
+    print(f"wrote {table_path}")
+    return table, S
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The convergence study's tooling: ablation configs, plot/table script, and the one-call driver."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import plot_runs  # noqa: E402
+
+ABLATIONS = {  # name: (fp8.train, fp8.rollout, fp8.kv_cache, loss.is_correction)
+    "bf16": (False, False, False, "tis"),
+    "fp8_tis": (True, True, False, "tis"),
+    "fp8_nois": (True, True, False, "none"),
+    "fp8kv_tis": (True, True, True, "tis"),
+    "fp8rollout_tis": (False, True, False, "tis"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ABLATIONS))
+def test_ablation_configs_load_and_differ_only_where_they_say(name):
+    cfg = load_config(ROOT / "configs/ablations" / f"{name}.yaml")
+    assert (cfg.fp8.train, cfg.fp8.rollout, cfg.fp8.kv_cache, cfg.loss.is_correction) == ABLATIONS[name]
+    base = load_config(ROOT / "configs/ablations/base.yaml")
+    assert (cfg.rollout, cfg.optim, cfg.train, cfg.data) == (base.rollout, base.optim, base.train, base.data)
+    assert cfg.fp8.recalibrate and cfg.loss.is_cap == 2.0
+    assert cfg.model.name_or_path == "/tmp/conv/sft_model" and cfg.model.dtype == "float32"
+    # five runs share one GPU: engines stay resident and small, start-up is short
+    assert cfg.rollout.engine == "vllm" and not cfg.rollout.sleep_mode and cfg.rollout.enforce_eager
+    assert 5 * cfg.rollout.gpu_memory_utilization <= 0.5
+    assert cfg.data.synthetic.disjoint_val and cfg.train.val_every > 0
+
+
+def test_every_ablation_has_a_config():
+    assert {p.stem for p in (ROOT / "configs/ablations").glob("*.yaml")} == set(ABLATIONS) | {"base"}
+
+
+def write_run(path: Path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 9, "reward/me')  # killed mid-line
+
+
+def rows(vals, mism, trunc, steps_per_val=2, final=None):
+    out = []
+    for i, (m, t) in enumerate(zip(mism, trunc)):
+        r = {"step": i, "reward/mean": 0.1 * i, "mismatch/token_mult_prob_error": m, "is/truncated_frac": t}
+        if i % steps_per_val == 0:
+            r["val/accuracy"] = vals[i // steps_per_val]
+        out.append(r)
+    if final is not None:
+        out.append({"step": len(mism), "val/accuracy": final})
+    return out
+
+
+def test_plot_runs_table_and_figures(tmp_path):
+    d = tmp_path / "metrics"
+    d.mkdir()
+    # bf16: 2 seeds, 4 steps + final val at step 4; fp8_tis: 1 seed cut after 3 steps (val at 0, 2)
+    write_run(d / "conv_bf16_s0_metrics.jsonl", rows([0.2, 0.4], [1.01, 1.03, 1.02, 1.00], [0, 0, 0.1, 0], final=0.5))
+    write_run(d / "conv_bf16_s1_metrics.jsonl", rows([0.3, 0.6], [1.00, 1.00, 1.00, 1.00], [0, 0, 0, 0], final=0.4))
+    write_run(d / "conv_fp8_tis_s0_metrics.jsonl", rows([0.25, 0.35], [1.05, 1.07, 1.06], [0.2, 0.1, 0.3]))
+    out = tmp_path / "figs"
+    table, S = plot_runs.main([str(d), "--out", str(out)])
+    names = ["val_accuracy", "reward", "mismatch", "is_truncated", "summary"]
+    for n in names:
+        assert (out / f"convergence_{n}.png").stat().st_size > 1000, n
+    by = {r["config"]: r for r in table}
+    assert list(by) == ["bf16", "fp8_tis"] and by["bf16"]["seeds"] == [0, 1]
+    approx = pytest.approx
+    assert S == 2  # the last validation step every run logged
+    assert by["bf16"]["val0"] == approx(((0.2 + 0.3) / 2, 0.05))
+    assert by["bf16"]["final"] == approx(((0.5 + 0.4) / 2, 0.05)) and by["bf16"]["steps"] == (4, 4)
+    assert by["bf16"]["best"] == approx(((0.5 + 0.6) / 2, 0.05))
+    assert by["bf16"]["val_at_S"] == approx(((0.4 + 0.6) / 2, 0.1))
+    assert by["bf16"]["mismatch"] == approx(((1.015 + 1.0) / 2, 0.0075))
+    assert by["bf16"]["is_trunc"] == approx(((0.025 + 0.0) / 2, 0.0125))
+    assert by["fp8_tis"]["final"] == approx((0.35, 0.0)) and by["fp8_tis"]["steps"] == (2, 2)
+    assert by["fp8_tis"]["mismatch"] == approx((1.06, 0.0)) and by["fp8_tis"]["is_trunc"] == approx((0.2, 0.0))
+    md = (out / "convergence_table.md").read_text()
+    assert "| bf16 | 0,1 | 4 | 0.250 ± 0.050 | 0.450 ± 0.050 | 0.550 ± 0.050 | 0.500 ± 0.100 | 1.0075 ± 0.0075 |" in md
+    assert "| fp8_tis | 0 | 2 |" in md and "val@2" in md
+
+
+def test_run_key_names():
+    assert plot_runs.run_key(Path("x/conv_fp8kv_tis_s12_metrics.jsonl")) == ("fp8kv_tis", 12)
+    assert plot_runs.run_key(Path("runs/fp8_nois_s1/metrics.jsonl")) == ("fp8_nois", 1)
+    assert plot_runs.run_key(Path("runs/tiny_cpu-20261122/metrics.jsonl")) == ("tiny_cpu-20261122", 0)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_convergence_driver_cpu_smoke(tmp_path):
+    """The whole driver on CPU at toy size: SFT, a run (HF engine), collect, plot (~40 s on an idle CPU)."""
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": sys.executable}
+    p = subprocess.run(["bash", str(ROOT / "scripts/convergence.sh"), "--configs", "fp8kv_tis", "--steps", "2",
+                        "--work", str(tmp_path / "work"), "--deadline-s", "500",
+                        "--sft-args", "--toy --device cpu --minutes 0.02 --dev-size 4 --task-overrides "
+                                      "train.val_max_prompts=4",
+                        "--extra", "rollout.engine=hf train.device=cpu rollout.prompts_per_step=2 rollout.n=2 "
+                                   "train.micro_batch_size=4 train.val_max_prompts=4 train.val_every=1"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = tmp_path / "out"
+    lines = (out / "conv_fp8kv_tis_s0_metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
+    assert (out / "conv_fp8kv_tis_s0.log").is_file()
+    assert json.loads((out / "conv_sft_metrics.json").read_text())["steps"] > 0
+    assert (out / "convergence_summary.png").is_file() and "| fp8kv_tis |" in (out / "convergence_table.md").read_text()
+    assert all(f.parent == out for f in out.rglob("*") if f.is_file())  # flat
