@@ -6,12 +6,21 @@
 #   bash scripts/convergence.sh --seeds 0,1 --steps 40 --deadline-s 540
 #   PY=.venv/bin/python OUT=/tmp/out bash scripts/convergence.sh --configs bf16,fp8_tis
 #
-# Options: --seeds 0,1   --steps N (train.steps of every run)   --deadline-s S (from the start of
-# this script; runs still going then get SIGTERM, their metrics.jsonl so far are kept)
-# --sft-minutes M   --configs a,b (names in configs/ablations/)   --work DIR (default /tmp/conv)
-# --stagger-timeout-s S   --sft-args "..." (extra scripts/sft.py args)   --extra "k=v ..." (extra
-# train_grpo.py overrides for every run, e.g. for a CPU smoke test:
-#   --extra "rollout.engine=hf train.device=cpu" --sft-args "--toy --device cpu").
+# Options:
+#   --seeds 0,1          seeds (train.seed = rollout.seed = data.seed; the task split is fixed)
+#   --steps N            train.steps of every run (default 40)
+#   --deadline-s S       seconds from the start of this script (default 520); runs still going
+#                        then get SIGTERM, their metrics.jsonl so far are kept
+#   --sft-minutes M      SFT time budget (default 2.5)
+#   --min-sft-acc A      if the SFT model's greedy accuracy on the task's val set is below A
+#                        (default 0.1), the runs use the highest easier difficulty where it is
+#                        >= A (sft.py never trains on any level's val set); 0 = never
+#   --configs a,b        names in configs/ablations/ (default: all five, started in that order)
+#   --work DIR           SFT model and run dirs (default /tmp/conv)
+#   --stagger-timeout-s  longest wait for a run's engine before starting the next (default 90)
+#   --sft-args "..."     extra scripts/sft.py arguments
+#   --extra "k=v ..."    extra train_grpo.py overrides for every run; a CPU smoke test:
+#     --sft-args "--toy --device cpu --minutes 0.1" --extra "rollout.engine=hf train.device=cpu"
 #
 # Timeline (one H200): SFT ~3 min (scripts/sft.py --minutes 2.5, stops early once dev accuracy
 # reaches --stop-acc) while a second process compiles and autotunes torchao's FP8 kernels into
@@ -31,7 +40,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 export PYTHONUNBUFFERED=1 PY=${PY:-python3} TRITON_CACHE_AUTOTUNING=1 TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
-SEEDS=0; STEPS=40; DEADLINE=520; SFT_MIN=2.5; WORK=/tmp/conv; STAGGER_TIMEOUT=90; SFT_ARGS=""; EXTRA=""
+SEEDS=0; STEPS=40; DEADLINE=520; SFT_MIN=2.5; MIN_SFT_ACC=0.1; WORK=/tmp/conv; STAGGER_TIMEOUT=90; SFT_ARGS=""; EXTRA=""
 CONFIGS=bf16,fp8_tis,fp8_nois,fp8kv_tis,fp8rollout_tis   # started in this order: the last gets the fewest steps
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -39,6 +48,7 @@ while [ $# -gt 0 ]; do
     --steps) STEPS=$2; shift 2 ;;
     --deadline-s) DEADLINE=$2; shift 2 ;;
     --sft-minutes) SFT_MIN=$2; shift 2 ;;
+    --min-sft-acc) MIN_SFT_ACC=$2; shift 2 ;;
     --configs) CONFIGS=$2; shift 2 ;;
     --work) WORK=$2; shift 2 ;;
     --stagger-timeout-s) STAGGER_TIMEOUT=$2; shift 2 ;;
@@ -83,6 +93,22 @@ if [ "$SFT_RC" -ne 0 ] || [ ! -f "$WORK/sft_model/config.json" ]; then
   log "SFT failed (rc $SFT_RC); see $OUT/conv_sft.log"; tail -n 20 "$OUT/conv_sft.log"; exit 1
 fi
 log "SFT done: $(grep -o 'greedy accuracy on the GRPO val set.*' "$OUT/conv_sft.log" | head -c 300)"
+# Fallback: if the SFT model solves fewer than --min-sft-acc of the task's validation problems,
+# GRPO has no signal; run the study one difficulty lower (the highest level the model can do;
+# sft.py never trains on any level's validation set, so it stays held out).
+LEVEL=$($PY - "$WORK/sft_model/sft_metrics.json" "$MIN_SFT_ACC" <<'PYEOF'
+import json, sys
+m = json.load(open(sys.argv[1]))
+acc, task = {int(k): v for k, v in m["val_accuracy_by_difficulty"].items()}, m["task_difficulty"]
+ok = [d for d in sorted(acc) if d <= task and acc[d] >= float(sys.argv[2])]
+print(task if acc[task] >= float(sys.argv[2]) or not ok else max(ok))
+PYEOF
+)
+TASK_LEVEL=$(grep -o '"task_difficulty": [0-9]*' "$WORK/sft_model/sft_metrics.json" | grep -o '[0-9]*$')
+if [ -n "$LEVEL" ] && [ "$LEVEL" != "$TASK_LEVEL" ]; then
+  log "WARNING: SFT accuracy at difficulty $TASK_LEVEL < $MIN_SFT_ACC: GRPO runs use data.synthetic.difficulty=$LEVEL"
+  EXTRA="data.synthetic.difficulty=$LEVEL $EXTRA"
+fi
 
 # ---- 2. GRPO runs, staggered starts, one GPU
 declare -A PIDS

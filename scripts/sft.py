@@ -24,7 +24,8 @@ dev set reaches --stop-acc, whichever comes first.
 Training: fp32 master weights, bf16 autocast on CUDA, AdamW, linear warm-up then cosine decay
 over the time budget, right-padded batches, loss on response tokens only. At the end: greedy
 accuracy on the first train.val_max_prompts GRPO validation problems (what GRPO's step-0
-val/accuracy should reproduce), written with the loss history to <out>/sft_metrics.json.
+val/accuracy should reproduce), and on the validation sets GRPO would use at each level of the
+mix (also never trained on), written with the loss history to <out>/sft_metrics.json.
 
 --warm-fp8: build the same-shaped model, convert it with fp8.linear.convert_to_fp8_training and
 run forward/backward passes, so that torchao's Triton kernels are compiled and autotuned into
@@ -35,6 +36,7 @@ SFT so the FP8 GRPO runs skip the ~100 s first-step autotune.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -215,6 +217,15 @@ def build(args, device):
     return model, tokenizer
 
 
+def held_out_sets(data_cfg, levels, n: int) -> dict[int, list[dict]]:
+    """{d: the first n validation problems train_grpo.py uses with data.synthetic.difficulty=d}."""
+    out = {}
+    for d in sorted(levels):
+        cfg_d = dataclasses.replace(data_cfg, synthetic=dataclasses.replace(data_cfg.synthetic, difficulty=d))
+        out[d] = load_splits(cfg_d)[1][:n]
+    return out
+
+
 def pick_device(name: str) -> torch.device:
     return torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
 
@@ -230,10 +241,13 @@ def train(args) -> dict:
     t_start = time.perf_counter()
     device = pick_device(args.device)
     cfg = load_config(args.task_config, args.task_overrides)
-    _, val = load_splits(cfg.data)
-    val = val[: cfg.train.val_max_prompts]
     level = cfg.data.synthetic.difficulty
-    exclude = {p["question"] for p in val}
+    # the GRPO validation set of the task level, and of every level in the mix (what GRPO would
+    # validate on with data.synthetic.difficulty=d: convergence.sh falls back to a lower level
+    # when the SFT model cannot do the task yet); none of them is ever trained on
+    vals = held_out_sets(cfg.data, set(parse_mix(args.mix)) | {level}, cfg.train.val_max_prompts)
+    val = vals[level]
+    exclude = {p["question"] for v in vals.values() for p in v}
     dev, seen = [], set(exclude)
     for p in synthetic_arithmetic(20 * args.dev_size + 100, level, seed=999_983):
         if p["question"] not in seen and len(dev) < args.dev_size:
@@ -295,25 +309,22 @@ def train(args) -> dict:
     final_loss = float(loss.detach()) if step else float("nan")
     print(f"sft: stopped after {step} steps, {train_s:.0f}s ({stop_reason}); final loss {final_loss:.4f}", flush=True)
 
-    val_acc = greedy_accuracy(model, codec, tokenizer, val, cfg.data, max_new, device, amp)
+    by_level = {str(d): greedy_accuracy(model, codec, tokenizer, v, cfg.data, max_new, device, amp)
+                for d, v in vals.items()}
+    val_acc = by_level[str(level)]
     dev_acc = greedy_accuracy(model, codec, tokenizer, dev, cfg.data, max_new, device, amp)
-    by_level = {}
-    for d in sorted(parse_mix(args.mix)):
-        probs = [p for p in synthetic_arithmetic(4 * args.dev_size, d, seed=424_242) if p["question"] not in exclude]
-        by_level[str(d)] = greedy_accuracy(model, codec, tokenizer, probs[: args.dev_size], cfg.data, max_new,
-                                           device, amp)
     out = save_model_dir(model, tokenizer, args.out)
     result = {
         "model_dir": str(out), "params": n_params, "spec": vars(model_spec(args)), "device": str(device),
         "steps": step, "tokens": tokens, "train_s": round(train_s, 1), "total_s": round(time.perf_counter() - t_start, 1),
         "stop_reason": stop_reason, "final_loss": final_loss, "task_difficulty": level,
         "val_accuracy": val_acc, "val_size": len(val), "dev_accuracy": dev_acc,
-        "accuracy_by_difficulty": by_level, "evals": evals, "loss_history": history,
+        "val_accuracy_by_difficulty": by_level, "evals": evals, "loss_history": history,
         "args": {k: v for k, v in vars(args).items()},
     }
     (out / "sft_metrics.json").write_text(json.dumps(result, indent=1))
     print(f"sft: greedy accuracy on the GRPO val set {val_acc:.3f} ({len(val)} problems, difficulty {level}); "
-          f"dev {dev_acc:.3f}; by difficulty {by_level}; saved {out}", flush=True)
+          f"dev {dev_acc:.3f}; val accuracy by difficulty {by_level}; saved {out}", flush=True)
     return result
 
 

@@ -58,6 +58,14 @@ def test_stream_matches_grpo_prompts_and_skips_excluded():
     assert seen == 20 * 64
 
 
+def test_held_out_sets_are_grpo_val_sets_at_each_level():
+    base = load_config(TASK)
+    sets = sft.held_out_sets(base.data, {2, 4, 5}, base.train.val_max_prompts)
+    for d, problems in sets.items():
+        cfg = load_config(TASK, [f"data.synthetic.difficulty={d}"])
+        assert problems == load_splits(cfg.data)[1][: cfg.train.val_max_prompts] and problems, d
+
+
 def test_toy_sft_learns_and_train_grpo_loads_it(tmp_path):
     out = tmp_path / "sft_model"
     result = sft.main(["--out", str(out), "--toy", "--device", "cpu", "--minutes", "5", "--max-steps", "40",
@@ -68,6 +76,7 @@ def test_toy_sft_learns_and_train_grpo_loads_it(tmp_path):
     assert result["steps"] == 40 and losses[-1] < 0.75 * losses[0], losses
     saved = json.loads((out / "sft_metrics.json").read_text())
     assert saved["val_size"] == 8 and 0.0 <= saved["val_accuracy"] <= 1.0 and (out / "config.json").is_file()
+    assert set(saved["val_accuracy_by_difficulty"]) == {"2", "5"} and saved["task_difficulty"] == 5
     # the SFT dir is a model dir train_grpo.py runs from (CPU: HF engine, emulated FP8, FP8 KV)
     p = subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs/ablations/fp8kv_tis.yaml"),
                         f"model.name_or_path={out}", "rollout.engine=hf", "train.device=cpu", f"train.out_dir={tmp_path}",
