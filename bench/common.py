@@ -26,19 +26,50 @@ def cuda_time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def write_results(name: str, runs: list[dict], out_dir: Path = RESULTS) -> Path:
+def write_results(name: str, runs: list[dict], out_dir: Path = RESULTS, device: str | None = None,
+                  **extra) -> Path:
+    """Write out_dir/name.json: {"device", "date", "command", "runs", **extra} (../shared/DESIGN.md).
+
+    device: name of the GPU the runs measured (default: this process's GPU 0, or "cpu"); a parent
+    process whose children did the measuring passes theirs instead of touching CUDA itself.
+    The file is replaced atomically, so a reader (or a kill mid-write) never sees half a file."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    doc = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-           "date": date.today().isoformat(), "command": " ".join(["python"] + sys.argv), "runs": runs}
+    if device is None:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    doc = {"device": device, "date": date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
+           "runs": runs, **extra}
     path = out_dir / f"{name}.json"
-    path.write_text(json.dumps(doc, indent=1))
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
     return path
+
+
+def read_results(path: Path) -> dict | None:
+    """A results document written by write_results, or None if the file is absent or unreadable."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("runs"), list) else None
+
+
+def merge_runs(old: list[dict], new: list[dict], key) -> list[dict]:
+    """old runs whose key(run) no new run has, then the new runs (a re-measured run replaces its old one)."""
+    fresh = {key(r) for r in new}
+    return [r for r in old if key(r) not in fresh] + list(new)
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+    return "" if v is None else str(v)
 
 
 def markdown_table(runs: list[dict], cols: list[str]) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in runs:
-        lines.append("| " + " | ".join(f"{r[c]:.3g}" if isinstance(r.get(c), float) else str(r.get(c, ""))
-                                       for c in cols) + " |")
+        lines.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
     return "\n".join(lines)
 

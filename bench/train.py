@@ -1,25 +1,65 @@
 """Trainer throughput: BF16 vs torchao block-wise FP8 (Hopper).
 
     python bench/train.py linear            # isolated linears at Llama-3.1-8B shapes
+    python bench/train.py stack             # a stack of Llama-3.1-8B decoder layers, fwd + bwd + AdamW
+    python bench/train.py all               # stack, then linear (autotuning is shared: ~ the cost of one)
+    python bench/train.py stack --layers 8 --tokens 16384 --seq-len 4096 --modes bf16,fp8
 
 `linear`: forward + backward of one bias-free linear, M tokens x K in -> N out, at the four
 Llama-3.1-8B projection shapes (q/o 4096->4096, k/v 4096->1024, gate/up 4096->14336,
 down 14336->4096) and 8192 / 16384 tokens. FP8 = torchao Float8BlockwiseLinear (1x128
 activation tiles, 128x128 weight blocks, quantization included in the timing, as in
-training). Writes bench/results/train.json and prints a markdown table.
+training).
+
+`stack`: --layers (default 4) Llama-3.1-8B decoder layers (transformers LlamaModel: hidden 4096,
+intermediate 14336, 32 heads, 8 KV heads, rope theta 500000; a 128-entry embedding that is never
+used; SDPA attention: flash-attn is not on the GPU host), bf16 parameters, train mode. One
+iteration = zero_grad + forward of a packed micro-batch of --tokens (8192, 16384) hidden states
+(requires_grad, as if from an embedding) + backward of a random output gradient + fused AdamW
+step. A micro-batch is tokens / seq_len causal rows of --seq-len (default 2048; 0 = one row):
+packed documents of that length, without a varlen kernel; the token count (a multiple of 128,
+which torchao's wgrad needs) is what the linears see. Modes:
+  bf16         nn.Linear everywhere
+  fp8          fp8.linear.convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8
+  fp8_kv_bf16  fp8 with FP8Config.keep_bf16 = ['*.k_proj', '*.v_proj']; the shared skip-list (fp8_plan)
+               keeps q_proj in BF16 with them (vLLM fuses q/k/v into one qkv_proj that is all FP8 or
+               all BF16), so attention's input projections are BF16, o_proj and the MLP FP8
+  fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
+Reported: ms/iter (median of --iters after --warmup, CUDA events), tok_s, tflops (6 x linear params
+x tokens + 6 x seq_len^2 x hidden x rows x layers for causal attention, fwd + bwd), speedup vs bf16,
+peak memory, rel_err of the stack's output vs bf16 (same weights, before any step).
+
+Both write OUT/train.json (default bench/results): runs of the other subcommand already in that
+file from the same GPU model are kept, re-measured ones replaced; and print a markdown table.
+TRITON_CACHE_AUTOTUNING=1 is set (unless already set) before torchao is imported, so Triton
+(3.6, triton/knobs.py `autotuning.cache`) stores autotune results in its disk cache (~/.triton/cache)
+and later processes on the same host skip the ~17 s per kernel and shape; within one process
+(`all`) the in-memory cache already shares them.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-import torch
+os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # read when torchao's @triton.autotune kernels are defined
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import cuda_time_ms, markdown_table, write_results  # noqa: E402
+from bench.common import RESULTS, cuda_time_ms, markdown_table, merge_runs, read_results, write_results  # noqa: E402
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (4096, 1024),
           "gate/up_proj": (4096, 14336), "down_proj": (14336, 4096)}
+STACK_MODES = {  # mode -> FP8Config.keep_bf16 (None = no conversion)
+    "bf16": None,
+    "fp8": [],
+    "fp8_kv_bf16": ["*.k_proj", "*.v_proj"],
+    "fp8_mlp": ["*.self_attn.*"],
+}
+DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_kv_bf16"]
+LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                  head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072)
 
 
 def bench_linear(tokens=(8192, 16384)) -> list[dict]:
@@ -48,17 +88,183 @@ def bench_linear(tokens=(8192, 16384)) -> list[dict]:
     return runs
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["linear"])
-    p.add_argument("--out", default=None, help="results dir (default bench/results)")
-    args = p.parse_args()
+# ----------------------------------------------------------------------------------- stack
+
+
+def stack_config(layers: int, **overrides):
+    """LlamaConfig of `layers` Llama-3.1-8B decoder layers, a 128-token vocab, SDPA attention."""
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**{**LLAMA31_8B, **overrides}, num_hidden_layers=layers, vocab_size=128,
+                      tie_word_embeddings=False, use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build_stack(hf_cfg, mode: str, device, seed: int = 0):
+    """(LlamaModel in bf16, train mode, on device; converted linear names). Same seed, same weights."""
+    from transformers import LlamaModel
+
+    from config import FP8Config
+    from fp8.linear import convert_to_fp8_training
+
+    if mode not in STACK_MODES:
+        raise ValueError(f"stack mode {mode!r} not in {list(STACK_MODES)}")
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaModel(hf_cfg)
+    model = model.to(torch.bfloat16).train()
+    converted = []
+    if STACK_MODES[mode] is not None:
+        converted = convert_to_fp8_training(model, FP8Config(train=True, keep_bf16=list(STACK_MODES[mode])))
+    return model, converted
+
+
+def stack_inputs(hf_cfg, tokens: int, seq_len: int, device, seed: int = 0):
+    """x [rows, seq, hidden] bf16 (requires grad), position_ids [rows, seq], grad_out like x."""
+    seq_len = seq_len or tokens
+    if tokens % seq_len or tokens % 128:
+        raise ValueError(f"--tokens {tokens} must be a multiple of 128 and of --seq-len {seq_len}")
+    rows = tokens // seq_len
+    g = torch.Generator(device=device).manual_seed(seed)
+    shape = (rows, seq_len, hf_cfg.hidden_size)
+    x = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16).requires_grad_(True)
+    grad = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+    pos = torch.arange(seq_len, device=device).expand(rows, seq_len)
+    return x, pos, grad
+
+
+def make_optimizer(model):
+    fused = all(p.is_cuda for p in model.parameters())
+    return torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=fused or None)
+
+
+def stack_step(model, opt, x, pos, grad) -> None:
+    """One training iteration: zero_grad, forward, backward, AdamW step."""
+    opt.zero_grad(set_to_none=True)
+    x.grad = None
+    out = model(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state  # [rows, seq, hidden]
+    out.backward(grad)
+    opt.step()
+
+
+def stack_flops(hf_cfg, tokens: int, seq_len: int) -> float:
+    """fwd + bwd model FLOPs: 6 x linear params x tokens + 6 x S^2 x hidden x rows x layers (causal)."""
+    h, i, L = hf_cfg.hidden_size, hf_cfg.intermediate_size, hf_cfg.num_hidden_layers
+    kv = hf_cfg.num_key_value_heads * (getattr(hf_cfg, "head_dim", None) or h // hf_cfg.num_attention_heads)
+    linear_params = L * (2 * h * h + 2 * h * kv + 3 * h * i)
+    seq_len = seq_len or tokens
+    return 6 * linear_params * tokens + 6 * seq_len**2 * h * (tokens // seq_len) * L
+
+
+def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, modes=DEFAULT_STACK_MODES,
+                warmup: int = 3, iters: int = 10, device="cuda", timer=None) -> list[dict]:
+    timer = timer or (lambda fn: cuda_time_ms(fn, warmup=warmup, iters=iters))
+    hf_cfg = stack_config(layers)
+    runs, ref, bf16_ms = [], {}, {}
+    for mode in modes:
+        model, converted = build_stack(hf_cfg, mode, device)
+        opt = make_optimizer(model)
+        n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+        for t in tokens:
+            x, pos, grad = stack_inputs(hf_cfg, t, seq_len, device)
+            with torch.no_grad():  # before any optimizer step: the same weights in every mode
+                out = model(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state.float()
+            if mode == "bf16":
+                ref[t] = out
+            rel = float((out - ref[t]).norm() / ref[t].norm()) if t in ref else None
+            del out
+            if device != "cpu" and torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            ms = timer(lambda: stack_step(model, opt, x, pos, grad))
+            if mode == "bf16":
+                bf16_ms[t] = ms
+            rows = t // (seq_len or t)
+            run = {"workload": f"stack {layers}x Llama-3.1-8B layers {t} tok ({rows}x{seq_len or t})", "mode": mode,
+                   "ms": ms, "tok_s": t / ms * 1e3, "tflops": stack_flops(hf_cfg, t, seq_len) / ms / 1e9,
+                   "speedup": bf16_ms[t] / ms if t in bf16_ms else None, "rel_err": rel, "layers": layers,
+                   "tokens": t, "seq_len": seq_len or t, "fp8_linears": len(converted),
+                   "bf16_linears": n_linear - len(converted)}
+            if device != "cpu" and torch.cuda.is_available():
+                run["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            runs.append(run)
+            sp = f"x{run['speedup']:.2f} vs bf16" if run["speedup"] else ""
+            print(f"{run['workload']} {mode}: {ms:.1f} ms/iter, {run['tok_s']:,.0f} tok/s, "
+                  f"{run['tflops']:.0f} TFLOP/s {sp}", flush=True)
+            del x, pos, grad
+        del model, opt
+        if device != "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return runs
+
+
+# ----------------------------------------------------------------------------------- results
+
+
+def save_train_results(new_runs: list[dict], out_dir: Path, device: str | None = None) -> Path:
+    """OUT/train.json: runs already there (same device) that were not re-measured, then new_runs."""
+    device = device or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
+    old = read_results(Path(out_dir) / "train.json")
+    kept = old["runs"] if old and old.get("device") == device else []
+    runs = merge_runs(kept, new_runs, lambda r: (r.get("workload"), r.get("mode")))
+    return write_results("train", runs, Path(out_dir), device=device)
+
+
+LINEAR_COLS = ["workload", "mode", "ms", "tflops", "speedup", "rel_err"]
+STACK_COLS = ["workload", "mode", "ms", "tok_s", "tflops", "speedup", "peak_mem_gib", "rel_err", "bf16_linears"]
+
+
+def parse_ints(text: str) -> list[int]:
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    return out
+
+
+def parse_stack_modes(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [m for m in out if m not in STACK_MODES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"modes {bad or text!r}: choose from {list(STACK_MODES)}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["linear", "stack", "all"])
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results)")
+    p.add_argument("--layers", type=int, default=4, help="stack: decoder layers")
+    p.add_argument("--tokens", type=parse_ints, default=[8192, 16384], help="stack: tokens per micro-batch")
+    p.add_argument("--seq-len", type=int, default=2048, help="stack: row length (0 = one row of --tokens)")
+    p.add_argument("--modes", type=parse_stack_modes, default=DEFAULT_STACK_MODES,
+                   help=f"stack: comma list of {list(STACK_MODES)}")
+    p.add_argument("--warmup", type=int, default=3, help="stack: untimed iterations (autotuning happens here)")
+    p.add_argument("--iters", type=int, default=10, help="stack: timed iterations")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.layers < 1 or args.iters < 1 or args.warmup < 0 or args.seq_len < 0:
+        sys.exit("bench/train.py: --layers and --iters must be >= 1, --warmup and --seq-len >= 0")
+    for t in args.tokens:
+        if t % 128 or (args.seq_len and t % args.seq_len):
+            sys.exit(f"bench/train.py: --tokens {t} must be a multiple of 128 and of --seq-len {args.seq_len}")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench/train.py needs a Hopper (SM90) GPU: torchao's block-wise FP8 kernels are SM90-only")
-    runs = bench_linear()
-    kw = {"out_dir": Path(args.out)} if args.out else {}
-    print(f"wrote {write_results('train', runs, **kw)}")
-    print(markdown_table(runs, ["workload", "mode", "ms", "tflops", "speedup", "rel_err"]))
+    out = Path(args.out)
+    if args.what in ("stack", "all"):
+        runs = bench_stack(args.layers, args.tokens, args.seq_len, args.modes, args.warmup, args.iters)
+        print(f"wrote {save_train_results(runs, out)}")
+        print(markdown_table(runs, STACK_COLS))
+    if args.what in ("linear", "all"):
+        runs = bench_linear()
+        print(f"wrote {save_train_results(runs, out)}")
+        print(markdown_table(runs, LINEAR_COLS))
 
 
 if __name__ == "__main__":

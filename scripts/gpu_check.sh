@@ -4,6 +4,13 @@
 #   bash scripts/gpu_check.sh vllm     tests/gpu/test_vllm_engine.py
 #   bash scripts/gpu_check.sh align    bench/alignment.py
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
+#   bash scripts/gpu_check.sh rollout  [ARGS]  bench/rollout.py: 8B-shape VLLMEngine throughput -> $OUT/rollout.json
+#                                      (default Llama-3.1-8B, bf16/fp8kv/fp8; e.g. --models qwen3; stops at 540 s)
+#   bash scripts/gpu_check.sh capacity [ARGS]  bench/rollout.py --capacity-only: Qwen3-8B KV capacity per mode
+#                                      -> $OUT/rollout_capacity.json
+#   bash scripts/gpu_check.sh stack [all|stack|linear] [ARGS]  bench/train.py (default all: decoder-layer stack,
+#                                      then the linears) -> $OUT/train.json
+# Child logs of the rollout parts: $OUT/logs/.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PY=${PY:-python3}
@@ -16,5 +23,9 @@ case "$1" in
   tiny)  $PY train_grpo.py --config configs/tiny_gpu.yaml train.out_dir=/tmp/runs train.run_name=tiny_gpu \
            "${@:2}" 2>&1 | tee "$OUT/tiny_gpu.log"
          cp /tmp/runs/tiny_gpu/metrics.jsonl "$OUT/tiny_gpu_metrics.jsonl" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|tiny" >&2; exit 2 ;;
+  rollout)  $PY bench/rollout.py --out "$OUT" --time-limit 540 "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
+  capacity) $PY bench/rollout.py --capacity-only --out "$OUT" --time-limit 540 "${@:2}" 2>&1 \
+              | tee "$OUT/bench_capacity.log" ;;
+  stack)    $PY bench/train.py "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|rollout|capacity|stack" >&2; exit 2 ;;
 esac

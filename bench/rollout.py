@@ -1,0 +1,796 @@
+"""Rollout throughput of rollout.VLLMEngine at 8B shapes (random weights): BF16 vs FP8 vs FP8 + FP8 KV.
+
+    python bench/rollout.py                          # Llama-3.1-8B shape, bf16/fp8kv/fp8, 2 workloads
+    python bench/rollout.py --models qwen3           # Qwen3-8B shape
+    python bench/rollout.py --workloads '512x256->1024,64x1024->8192' --modes bf16,fp8kv
+    python bench/rollout.py --capacity-only          # Qwen3-8B KV-cache capacity per mode vs NeMo RL's
+    python bench/rollout.py --merge a/rollout.json b/rollout.json --out bench/results   # combine calls
+
+What runs: the engine the trainer uses (rollout.VLLMEngine: in-process vLLM 0.26, dummy load, then
+`update_weights(export_weights(...))`; CUDA graphs; fp8 = block W8A8 linears (cutlass), fp8kv = + FP8
+KV cache and FA3 FP8 attention with q/k/v scales 1.0). The model dir holds only config.json (with
+`architectures`) + the repo's char tokenizer; prompts are random token ids below the model vocab;
+`rollout.ignore_eos=true` makes every sample exactly gen_len tokens; nothing is detokenized. The
+trainer-side model (HF, bf16, random normal(0, 0.02) init, ~16 GB on the GPU) exists only to be
+exported: refit_s = median wall time of `engine.update_weights(export_weights(model, ...))`,
+export (FP8 quantization) included. Sampling: T=1, top_p=1, n=1, seeded.
+
+Per run: out_tok_s = generated tokens / generate() wall time (after one small warm-up generate),
+startup_s (vllm.LLM construction: load, profile, torch.compile, CUDA graphs), the KV-cache capacity
+vLLM computed (kv_capacity_tokens = cache_config.num_gpu_blocks * block_size; kv_max_concurrency =
+cache_config.kv_cache_max_concurrency, i.e. sequences of max_model_len that fit; seqs_fit = capacity
+// (prompt_len + gen_len)), refit_s, gpu_memory_utilization. One process per (model, mode): vLLM
+allows one engine per process (../shared/gpu/README.md). The parent spawns `--worker` children (one
+per GPU at a time: all visible GPUs run in parallel), streams their `[bench]` lines, keeps each
+child's full log in OUT/logs/, and rewrites OUT/rollout.json after every child (a failed or killed
+child loses only its own results). Runs already in OUT/rollout.json from the same device are kept
+unless re-measured. Speed-ups are vs bf16 of the same model and workload.
+
+gpu_memory_utilization 'auto': 0.80, lowered so that the trainer model + 10 GiB stay outside vLLM's
+share (H200 141 GB: 0.80; H100 80 GB: ~0.68). The engine starts before the trainer model exists
+(the engine only needs its module shapes: the same model on the meta device).
+
+--capacity-only (default model Qwen3-8B): engine start with enforce_eager, no weights, no
+generation; records the capacity per mode. NeMo RL reports for Qwen3-8B BF16 249,952 tokens,
+FP8 linears 299,344 (x1.20), FP8 linears + KV 598,672 (x2.40), at a gpu_memory_utilization we do
+not know. KV memory = util * total - weights - activation peak - non-torch memory, so a different
+util shifts every mode's KV bytes by the same amount; kv_tokens_at_nemo_budget applies the shift
+that makes our BF16 capacity equal NeMo's to every mode (ratios comparable with theirs).
+Writes OUT/rollout_capacity.json.
+
+Default sizes (H200, estimates): a process spends ~20 s importing, 60-120 s in engine start, ~30 s
+building the trainer model and refitting, then 512x256->1024 (~30 s at 16-20k tok/s) and
+64x1024->4096 (~20-40 s): ~3 min per mode, ~9 min for the default 3 modes on one GPU, ~3-4 min on
+3+ GPUs. --time-limit S stops launching children that cannot finish and kills running ones at S,
+then writes what it has (scripts/gpu_check.sh uses 540). Modes run bf16, fp8kv, fp8 by default (the
+full recipe before the ablation, in case the limit cuts the last one). Workloads: PxL->G (P prompts
+of L tokens, G generated) or PxL:G (no quoting needed in a shell).
+"""
+
+import argparse
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.common import RESULTS, markdown_table, merge_runs, read_results, write_results  # noqa: E402
+
+GiB = 1024**3
+MODES = {  # bench mode -> config overrides (fp8.rollout, fp8.kv_cache)
+    "bf16": ["fp8.rollout=false", "fp8.kv_cache=false"],
+    "fp8": ["fp8.rollout=true", "fp8.kv_cache=false"],
+    "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
+}
+DEFAULT_MODES = ["bf16", "fp8kv", "fp8"]
+# HF config fields of the real checkpoints (meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B); weights are random.
+MODELS = {
+    "llama3.1-8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    "qwen3-8b": dict(arch="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                     max_window_layers=36),
+}
+ALIASES = {"llama": "llama3.1-8b", "llama3.1": "llama3.1-8b", "qwen3": "qwen3-8b"}
+NEMO_QWEN3_8B_KV_TOKENS = {"bf16": 249952, "fp8": 299344, "fp8kv": 598672}  # NeMo RL's FP8 docs
+CHAR_VOCAB = "".join(chr(c) for c in range(32, 127))  # the engine never decodes: any small vocab works
+FIRST_TOKEN = 3  # prompts use ids >= 3: 0, 1, 2 are the char tokenizer's <pad>, <bos>, <eos>
+
+
+# ----------------------------------------------------------------------------------- parsing
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: int
+    prompt_len: int
+    gen_len: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.prompts}x{self.prompt_len}->{self.gen_len}"
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+
+_WORKLOAD_RE = re.compile(r"^\s*(\d+)\s*x\s*(\d+)\s*(?:->|:)\s*(\d+)\s*$")
+DEFAULT_WORKLOADS = "512x256->1024,64x1024->4096"
+
+
+def parse_workload(text: str) -> Workload:
+    m = _WORKLOAD_RE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"workload {text!r} must look like PROMPTSxPROMPT_LEN->GEN_LEN "
+                                         "(e.g. 512x256->1024, or 512x256:1024)")
+    w = Workload(*(int(g) for g in m.groups()))
+    if min(w.prompts, w.prompt_len, w.gen_len) < 1:
+        raise argparse.ArgumentTypeError(f"workload {text!r}: every number must be >= 1")
+    return w
+
+
+def parse_workloads(text: str) -> list[Workload]:
+    out = [parse_workload(t) for t in text.split(",") if t.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("no workload given")
+    return out
+
+
+def parse_models(text: str) -> list[str]:
+    out = []
+    for t in (t.strip() for t in text.split(",") if t.strip()):
+        name = ALIASES.get(t.lower(), t.lower())
+        if name not in MODELS:
+            raise argparse.ArgumentTypeError(f"model {t!r} is not one of {sorted(MODELS) + sorted(ALIASES)}")
+        out.append(name)
+    return out
+
+
+def parse_modes(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [m for m in out if m not in MODES]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"modes {bad or text!r}: choose from {list(MODES)}")
+    return out
+
+
+def parse_gpu_mem(text: str) -> str:
+    if text != "auto":
+        try:
+            v = float(text)
+        except ValueError:
+            v = -1.0
+        if not 0.05 <= v <= 0.98:
+            raise argparse.ArgumentTypeError(f"--gpu-mem {text!r}: 'auto' or a fraction in [0.05, 0.98]")
+    return text
+
+
+# ----------------------------------------------------------------------------------- model, dir, config
+
+
+def hf_config(model_name: str):
+    """The transformers config of an 8B shape (LlamaConfig / Qwen3Config), special ids of the char tokenizer."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    spec = dict(MODELS[model_name])
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[spec.pop("arch")]
+    return cls(**spec, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def meta_model(hf_cfg):
+    """The HF causal LM on the meta device, bf16: shapes and names only (no memory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def write_model_dir(model, path, tokenizer=None) -> Path:
+    """config.json (+ architectures) + the char tokenizer + generation_config.json: what vLLM needs
+    for load_format='dummy'."""
+    from modeling import build_char_tokenizer, save_config_dir
+
+    return save_config_dir(model, tokenizer or build_char_tokenizer(CHAR_VOCAB), path)
+
+
+def bench_config(mode: str, workloads: list[Workload], gpu_mem: float, capacity_only: bool = False):
+    """The run config the engine is built from: mode's fp8 switches, fixed-length sampling, no sleep
+    mode, max_model_len = the longest workload, CUDA graphs unless capacity_only."""
+    from config import load_config
+
+    return load_config(None, [
+        "rollout.engine=vllm", "model.dtype=bfloat16", f"rollout.gpu_memory_utilization={gpu_mem}",
+        "rollout.sleep_mode=false", f"rollout.enforce_eager={'true' if capacity_only else 'false'}",
+        f"rollout.max_model_len={max(w.seq_len for w in workloads)}",
+        f"rollout.max_new_tokens={max(w.gen_len for w in workloads)}",
+        f"data.max_prompt_tokens={max(w.prompt_len for w in workloads)}",
+        "rollout.ignore_eos=true", "rollout.temperature=1.0", "rollout.top_p=1.0", "fp8.linear_backend=cutlass",
+        *MODES[mode]])
+
+
+def auto_gpu_memory_utilization(total_bytes: int, trainer_bytes: int, reserve_gib: float = 10.0,
+                                cap: float = 0.80) -> float:
+    """min(cap, the share that leaves the trainer model + reserve_gib outside vLLM), 2 decimals."""
+    u = math.floor(100 * (total_bytes - trainer_bytes - reserve_gib * GiB) / total_bytes) / 100
+    if u < 0.3:
+        raise RuntimeError(f"GPU of {total_bytes / GiB:.0f} GiB: after the {trainer_bytes / GiB:.1f} GiB trainer "
+                           f"model and {reserve_gib} GiB reserve only {u:.2f} is left for vLLM; pass --gpu-mem")
+    return min(cap, u)
+
+
+def kv_bytes_per_token(hf_cfg, fp8_kv: bool) -> int:
+    """K and V of every layer for one token, in the cache dtype."""
+    head_dim = getattr(hf_cfg, "head_dim", None) or hf_cfg.hidden_size // hf_cfg.num_attention_heads
+    return 2 * hf_cfg.num_hidden_layers * hf_cfg.num_key_value_heads * head_dim * (1 if fp8_kv else 2)
+
+
+def random_prompts(w: Workload, vocab_size: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(FIRST_TOKEN, vocab_size, (w.prompts, w.prompt_len), generator=g).tolist()
+
+
+# ----------------------------------------------------------------------------------- worker (one engine)
+
+
+def engine_capacity(engine) -> dict:
+    """KV-cache figures vLLM 0.26 computed at start (EngineCore._initialize_kv_caches writes them into
+    the shared VllmConfig: cache_config.num_gpu_blocks, block_size, kv_cache_size_tokens,
+    kv_cache_max_concurrency) and the worker's memory profile (gpu_worker.Worker.determine_available_memory)."""
+    vc = engine.llm.llm_engine.vllm_config
+    cc, mc, sc = vc.cache_config, vc.model_config, vc.scheduler_config
+    if not cc.num_gpu_blocks or not cc.block_size:
+        raise RuntimeError(f"vLLM cache_config.num_gpu_blocks={cc.num_gpu_blocks!r} block_size={cc.block_size!r} "
+                           "after engine start: the vLLM 0.26 attributes this bench reads have moved")
+    out = {"num_gpu_blocks": int(cc.num_gpu_blocks), "block_size": int(cc.block_size),
+           "kv_capacity_tokens": int(cc.num_gpu_blocks) * int(cc.block_size),
+           "kv_cache_size_tokens": cc.kv_cache_size_tokens, "kv_max_concurrency": cc.kv_cache_max_concurrency,
+           "kv_cache_dtype": str(cc.cache_dtype), "max_model_len": int(mc.max_model_len),
+           "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens}
+    worker = engine.llm.llm_engine.model_executor.driver_worker.worker
+    kv_bytes = getattr(worker, "available_kv_cache_memory_bytes", None)
+    out["kv_cache_bytes"] = int(kv_bytes) if kv_bytes is not None else None
+    for key, value in [("kv_cache_gib", kv_bytes),
+                       ("weights_gib", getattr(worker.model_runner, "model_memory_usage", None)),
+                       ("peak_activation_gib", getattr(worker, "peak_activation_memory", None)),
+                       ("non_torch_gib", getattr(worker, "non_torch_memory", None)),
+                       ("cudagraph_estimate_gib", getattr(worker, "cudagraph_memory_estimate", None))]:
+        out[key] = round(value / GiB, 3) if value is not None else None
+    return out
+
+
+def materialize(model, device, seed: int = 0):
+    """The meta model on `device` (bf16): norms 1, everything else normal(0, 0.02). Never run forward
+    here (its rotary buffers stay uninitialised; they are not exported)."""
+    import torch
+
+    model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    torch.cuda.synchronize()
+    return model
+
+
+def _emit(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+
+
+def _say(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+def run_worker(args) -> int:
+    """One (model, mode): engine, capacity, refits, warm-up, the workloads. Appends one JSON line per
+    result to args.result_file as soon as it has it."""
+    t_proc = time.perf_counter()
+    (model_name,), (mode,) = args.models, args.modes
+    workloads = args.workloads
+    base = {"model": model_name, "mode": mode}
+    try:
+        import torch
+
+        from modeling import build_char_tokenizer
+
+        hf_cfg = hf_config(model_name)
+        model = meta_model(hf_cfg)
+        tokenizer = build_char_tokenizer(CHAR_VOCAB)
+        model_dir = write_model_dir(model, tempfile.mkdtemp(prefix=f"bench_rollout_{model_name}_"), tokenizer)
+        trainer_bytes = 0 if args.capacity_only else param_bytes(model)
+        if args.dry_run:
+            device_name, total = "dry-run", 141 * 10**9
+        else:
+            if not torch.cuda.is_available():
+                raise RuntimeError("bench/rollout.py needs a CUDA GPU (vLLM)")
+            device_name, total = torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1]
+        gpu_mem = (auto_gpu_memory_utilization(total, trainer_bytes) if args.gpu_mem == "auto"
+                   else float(args.gpu_mem))
+        cfg = bench_config(mode, workloads, gpu_mem, args.capacity_only)
+        base.update(device=device_name, gpu_memory_utilization=gpu_mem, enforce_eager=cfg.rollout.enforce_eager,
+                    gpu_total_gib=round(total / GiB, 1), trainer_gib=round(param_bytes(model) / GiB, 2),
+                    kv_bytes_per_token=kv_bytes_per_token(hf_cfg, cfg.fp8.kv_cache))
+        _say(f"{model_name} {mode}: {param_bytes(model) / 1e9:.2f} GB bf16 model, gpu_memory_utilization "
+             f"{gpu_mem}, max_model_len {cfg.rollout.max_model_len}, enforce_eager {cfg.rollout.enforce_eager}")
+        if args.dry_run:
+            engine = _DryEngine(cfg, args)
+        else:
+            from rollout import VLLMEngine
+
+            engine = VLLMEngine(cfg, model, tokenizer, torch.device("cuda"), model_dir=str(model_dir))
+        cap = engine_capacity(engine) if not args.dry_run else engine.capacity()
+        base.update(cap, startup_s=round(engine.startup_s, 2), process_ready_s=round(time.perf_counter() - t_proc, 2))
+        _say(f"engine up: vllm.LLM {engine.startup_s:.1f} s (process {base['process_ready_s']:.1f} s); KV cache "
+             f"{cap['kv_capacity_tokens']:,} tokens ({cap['num_gpu_blocks']:,} blocks x {cap['block_size']}, "
+             f"{cap['kv_cache_gib']} GiB {cap['kv_cache_dtype']}), max concurrency "
+             f"{cap['kv_max_concurrency'] or 0:.1f} at max_model_len {cap['max_model_len']}; vLLM weights "
+             f"{cap['weights_gib']} GiB")
+        if args.capacity_only:
+            _emit(args.result_file, {"kind": "run", "workload": f"{model_name} capacity", **base})
+            return 0
+
+        # ---- trainer model and refit (the first update_weights is also what makes generate legal)
+        if not args.dry_run:
+            free = torch.cuda.mem_get_info()[0]
+            if free < trainer_bytes + 4 * GiB:
+                raise RuntimeError(f"after engine start {free / GiB:.1f} GiB are free, the trainer model needs "
+                                   f"{trainer_bytes / GiB:.1f} + 4 GiB: lower --gpu-mem")
+            materialize(model, torch.device("cuda"), args.seed)
+        from fp8.export import export_weights
+
+        kv_scales = ({i: (1.0, 1.0, 1.0) for i in range(hf_cfg.num_hidden_layers)} if cfg.fp8.kv_cache else None)
+        refit, reload = [], []
+        for i in range(args.refits):
+            t0 = time.perf_counter()
+            engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout, kv_scales=kv_scales)
+                                  if not args.dry_run else iter(()))
+            if not args.dry_run:
+                torch.cuda.synchronize()
+            refit.append(time.perf_counter() - t0)
+            reload.append(engine.last_refit_s)
+            _say(f"refit {i + 1}/{args.refits}: {refit[-1]:.2f} s (engine reload {reload[-1]:.2f} s)")
+        base.update(refit_s=round(statistics.median(refit), 3), refit_all_s=[round(t, 3) for t in refit],
+                    refit_reload_s=round(statistics.median(reload), 3))
+        if not args.dry_run:
+            base["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / GiB, 2)
+
+        warm = Workload(min(32, workloads[0].prompts), min(64, workloads[0].prompt_len), 16)
+        t0 = time.perf_counter()
+        engine.generate(random_prompts(warm, hf_cfg.vocab_size, args.seed + 999), n=1, temperature=1.0,
+                        top_p=1.0, max_new_tokens=warm.gen_len, seed=args.seed)
+        _say(f"warm-up {warm.name}: {time.perf_counter() - t0:.1f} s")
+
+        for k, w in enumerate(workloads):
+            row = {"kind": "run", "workload": f"{model_name} {w.name}", "prompts": w.prompts,
+                   "prompt_len": w.prompt_len, "gen_len": w.gen_len, **base,
+                   "seqs_fit": base["kv_capacity_tokens"] // w.seq_len}
+            if args.deadline and time.time() > args.deadline - 20:
+                _say(f"{w.name}: skipped (time limit)")
+                _emit(args.result_file, {"kind": "error", **base, "workload": row["workload"],
+                                         "error": "skipped: --time-limit reached before this workload"})
+                continue
+            prompts = random_prompts(w, hf_cfg.vocab_size, args.seed + k)
+            t0 = time.perf_counter()
+            samples = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=w.gen_len,
+                                      seed=args.seed + 1000 * (k + 1))
+            dt = time.perf_counter() - t0
+            lens = [len(s.token_ids) for s in samples]
+            gen = sum(lens)
+            row.update(gen_s=round(dt, 3), gen_tokens=gen, out_tok_s=round(gen / dt, 1),
+                       total_tok_s=round((gen + w.prompts * w.prompt_len) / dt, 1),
+                       fixed_length=len(samples) == w.prompts and all(n == w.gen_len for n in lens))
+            if not row["fixed_length"]:
+                _say(f"WARNING {w.name}: {len(samples)} samples, lengths {min(lens)}..{max(lens)} (ignore_eos?)")
+            _say(f"{w.name}: {gen:,} tokens in {dt:.1f} s = {gen / dt:,.0f} out tok/s "
+                 f"(KV fits {row['seqs_fit']} of these sequences)")
+            _emit(args.result_file, row)
+        return 0
+    except Exception as e:  # recorded for the parent; the traceback goes to the log
+        traceback.print_exc()
+        _emit(args.result_file, {"kind": "error", **base, "workload": f"{model_name} *",
+                                 "error": f"{type(e).__name__}: {str(e)[:2000]}",
+                                 "traceback": traceback.format_exc()[-4000:]})
+        return 1
+
+
+class _DryEngine:
+    """Stand-in engine for --dry-run (CPU test of the orchestration): fixed figures, fake samples."""
+
+    def __init__(self, cfg, args):
+        from rollout import Sample
+
+        self.cfg, self.args, self._sample = cfg, args, Sample
+        self.startup_s, self.last_refit_s = 0.01, 0.001
+        if args.dry_run_fail == args.modes[0]:
+            raise RuntimeError(f"dry-run failure requested for mode {args.modes[0]}")
+        time.sleep(args.dry_run_sleep if args.dry_run_sleep_mode in ("", args.modes[0]) else 0.0)
+
+    def capacity(self) -> dict:
+        tokens = {"bf16": 100000, "fp8": 120000, "fp8kv": 240000}[self.args.modes[0]]
+        bpt = 147456 // (2 if self.cfg.fp8.kv_cache else 1)
+        return {"num_gpu_blocks": tokens // 16, "block_size": 16, "kv_capacity_tokens": tokens,
+                "kv_cache_size_tokens": tokens, "kv_max_concurrency": tokens / self.cfg.rollout.max_model_len,
+                "kv_cache_dtype": "fp8" if self.cfg.fp8.kv_cache else "auto",
+                "max_model_len": self.cfg.rollout.max_model_len, "max_num_seqs": 1024,
+                "max_num_batched_tokens": 16384, "kv_cache_bytes": tokens * bpt, "kv_cache_gib": tokens * bpt / GiB,
+                "weights_gib": 15.0, "peak_activation_gib": 1.0, "non_torch_gib": 0.5, "cudagraph_estimate_gib": 0.0}
+
+    def update_weights(self, weights):
+        for _ in weights:
+            pass
+
+    def generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seed=None):
+        speed = {"bf16": 1.0, "fp8": 1.1, "fp8kv": 1.2}[self.args.modes[0]]
+        time.sleep(0.01 / speed)
+        return [self._sample(i, p, [FIRST_TOKEN] * max_new_tokens, [0.0] * max_new_tokens, "length")
+                for i, p in enumerate(prompt_ids) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------- parent
+
+
+def derive(runs: list[dict]) -> list[dict]:
+    """Add cross-run figures in place: speedup (out_tok_s vs bf16 of the same workload), kv_ratio_vs_bf16,
+    and for Qwen3-8B the capacities projected to NeMo RL's budget (see the module doc)."""
+    bf16 = {r["workload"]: r for r in runs if r.get("mode") == "bf16"}
+    for r in runs:
+        b = bf16.get(r["workload"])
+        r["speedup"] = (round(r["out_tok_s"] / b["out_tok_s"], 3)
+                        if b and r.get("out_tok_s") and b.get("out_tok_s") else None)
+        r["kv_ratio_vs_bf16"] = (round(r["kv_capacity_tokens"] / b["kv_capacity_tokens"], 3)
+                                 if b and r.get("kv_capacity_tokens") and b.get("kv_capacity_tokens") else None)
+        if (r.get("model") == "qwen3-8b" and r.get("mode") in NEMO_QWEN3_8B_KV_TOKENS
+                and str(r.get("workload", "")).endswith(" capacity")):
+            nemo = NEMO_QWEN3_8B_KV_TOKENS
+            r["nemo_kv_tokens"] = nemo[r["mode"]]
+            r["nemo_kv_ratio_vs_bf16"] = round(nemo[r["mode"]] / nemo["bf16"], 3)
+            if b and all(x.get(k) for x in (r, b) for k in ("kv_cache_bytes", "kv_bytes_per_token")):
+                shift = nemo["bf16"] * b["kv_bytes_per_token"] - b["kv_cache_bytes"]  # bytes added to the budget
+                base_tokens = (b["kv_cache_bytes"] + shift) // b["kv_bytes_per_token"]
+                r["kv_tokens_at_nemo_budget"] = int((r["kv_cache_bytes"] + shift) // r["kv_bytes_per_token"])
+                r["kv_ratio_at_nemo_budget"] = round(r["kv_tokens_at_nemo_budget"] / base_tokens, 3)
+    return runs
+
+
+def _run_key(r: dict) -> tuple:
+    return r.get("workload"), r.get("mode")
+
+
+def _order(runs: list[dict]) -> list[dict]:
+    """Workloads in order of first appearance, modes bf16, fp8, fp8kv within each."""
+    mode_rank = {m: i for i, m in enumerate(MODES)}
+    first: dict = {}
+    for r in runs:
+        first.setdefault(r.get("workload", ""), len(first))
+    return sorted(runs, key=lambda r: (first[r.get("workload", "")], mode_rank.get(r.get("mode"), 99)))
+
+
+THROUGHPUT_COLS = ["workload", "mode", "out_tok_s", "speedup", "startup_s", "refit_s", "kv_capacity_tokens",
+                   "kv_max_concurrency", "seqs_fit", "gpu_memory_utilization"]
+CAPACITY_COLS = ["workload", "mode", "kv_capacity_tokens", "kv_ratio_vs_bf16", "kv_tokens_at_nemo_budget",
+                 "kv_ratio_at_nemo_budget", "nemo_kv_tokens", "nemo_kv_ratio_vs_bf16", "weights_gib", "kv_cache_gib",
+                 "gpu_memory_utilization"]
+
+
+def report(runs: list[dict], capacity: bool) -> str:
+    """Markdown table + one speed-up line per (workload, mode) vs bf16."""
+    runs = _order(runs)
+    text = markdown_table(runs, CAPACITY_COLS if capacity else THROUGHPUT_COLS)
+    lines = []
+    for r in runs:
+        if r.get("mode") == "bf16":
+            continue
+        if capacity and r.get("kv_ratio_vs_bf16"):
+            lines.append(f"{r['workload']} {r['mode']}: KV capacity x{r['kv_ratio_vs_bf16']:.2f} vs bf16"
+                         + (f" (at NeMo's budget x{r['kv_ratio_at_nemo_budget']:.2f}; "
+                            f"NeMo x{r['nemo_kv_ratio_vs_bf16']:.2f})" if r.get("kv_ratio_at_nemo_budget") else ""))
+        elif not capacity and r.get("speedup"):
+            lines.append(f"{r['workload']} {r['mode']}: x{r['speedup']:.2f} output tok/s vs bf16")
+    return text + ("\n\n" + "\n".join(lines) if lines else "")
+
+
+class Results:
+    """The results document of this invocation: runs of the children merged into what OUT already held
+    (same device only), rewritten after every child."""
+
+    def __init__(self, out_dir: Path, name: str):
+        self.out_dir, self.name = Path(out_dir), name
+        self.existing = read_results(self.out_dir / f"{name}.json")
+        self.runs: list[dict] = []
+        self.errors: list[dict] = []
+        self.device: str | None = None
+
+    def add(self, records: list[dict]) -> None:
+        for r in records:
+            if r.get("device") and self.device in (None, "unknown"):
+                self.device = r["device"]
+            (self.runs if r.get("kind") == "run" else self.errors).append(r)
+
+    def _device(self) -> str:
+        # no child reported a device yet (all failed early): keep the file's, so its runs survive
+        return self.device or (self.existing or {}).get("device") or "unknown"
+
+    def all_runs(self) -> list[dict]:
+        old = []
+        if self.existing and self.existing.get("device") == self._device():
+            old = list(self.existing["runs"])
+        runs = merge_runs(old, [{k: v for k, v in r.items() if k != "kind"} for r in self.runs], _run_key)
+        return derive(_order(runs))
+
+    def write(self) -> Path:
+        extra = {"errors": [{k: r.get(k) for k in ("workload", "mode", "error")} for r in self.errors]}
+        return write_results(self.name, self.all_runs(), self.out_dir, device=self._device(),
+                             **(extra if self.errors else {}))
+
+
+def visible_gpus(spec: str) -> list[str | None]:
+    """GPU ids for the children's CUDA_VISIBLE_DEVICES; [None] = one slot, environment unchanged."""
+    if spec != "auto":
+        return [g.strip() for g in spec.split(",") if g.strip()] or [None]
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()] or [None]
+    try:
+        import torch
+
+        n = torch.cuda.device_count()  # NVML count: no CUDA context in the parent
+    except Exception:
+        n = 0
+    return [str(i) for i in range(n)] or [None]
+
+
+def worker_argv(args, model: str, mode: str, result_file: Path, deadline: float | None) -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--models", model, "--modes", mode,
+            "--workloads", ",".join(w.name for w in args.workloads), "--refits", str(args.refits),
+            "--gpu-mem", str(args.gpu_mem), "--seed", str(args.seed), "--result-file", str(result_file)]
+    if args.capacity_only:
+        argv.append("--capacity-only")
+    if deadline:
+        argv += ["--deadline", f"{deadline:.1f}"]
+    if args.dry_run:
+        argv += ["--dry-run", "--dry-run-fail", args.dry_run_fail, "--dry-run-sleep", str(args.dry_run_sleep),
+                 "--dry-run-sleep-mode", args.dry_run_sleep_mode]
+    return argv
+
+
+def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM then SIGKILL to the child's process group (the child and what it spawned, e.g. compile workers)."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=wait)
+            if sig == signal.SIGKILL:
+                return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@dataclass
+class _Job:
+    model: str
+    mode: str
+    label: str
+    log: Path
+    result: Path
+    proc: subprocess.Popen | None = None
+    gpu: str | None = None
+    started: float = 0.0
+    offset: int = 0
+    partial: str = ""
+    killed: bool = False
+
+
+def _tail(job: _Job) -> None:
+    """Print the child's new `[bench]` lines."""
+    try:
+        with open(job.log, "rb") as f:
+            f.seek(job.offset)
+            data = f.read()
+    except OSError:
+        return
+    job.offset += len(data)
+    text = job.partial + data.decode(errors="replace")
+    lines = text.split("\n")
+    job.partial = lines.pop()
+    for line in lines:
+        if "[bench]" in line:
+            print(f"[{job.label} +{time.time() - job.started:.0f}s] {line.split('[bench]', 1)[1].strip()}", flush=True)
+
+
+def _read_records(path: Path) -> list[dict]:
+    out = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a line cut by a kill
+    return out
+
+
+def run_parent(args) -> int:
+    t0 = time.time()
+    deadline = t0 + args.time_limit if args.time_limit else None
+    out = Path(args.out)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    name = "rollout_capacity" if args.capacity_only else "rollout"
+    models = args.models or (["qwen3-8b"] if args.capacity_only else ["llama3.1-8b"])
+    modes = args.modes or DEFAULT_MODES
+    suffix = "_capacity" if args.capacity_only else ""
+    pending = []
+    for model in models:
+        for mode in modes:
+            stem = f"rollout{suffix}_{model}_{mode}"
+            (logs / f"{stem}.jsonl").unlink(missing_ok=True)
+            pending.append(_Job(model, mode, f"{model}/{mode}", logs / f"{stem}.log", logs / f"{stem}.jsonl"))
+    gpus = visible_gpus(args.gpus)
+    min_left = args.min_job_s if args.min_job_s is not None else (45 if args.capacity_only else 120)
+    results = Results(out, name)
+    print(f"[rollout] {len(pending)} runs ({', '.join(j.label for j in pending)}) on GPU slots {gpus}; "
+          f"workloads {', '.join(w.name for w in args.workloads)}; "
+          f"{'capacity only (enforce_eager); ' if args.capacity_only else ''}"
+          f"time limit {args.time_limit or 'none'} s; child logs in {logs}", flush=True)
+    env_base = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)}
+    free, running, failed = list(gpus), [], 0
+    last_launch = 0.0
+    while pending or running:
+        now = time.time()
+        if pending and free and now - last_launch >= args.stagger_s:  # staggered: no port races at init
+            if deadline and deadline - now < min_left:
+                for job in pending:
+                    print(f"[rollout] {job.label}: not started, {deadline - now:.0f} s left < {min_left} s", flush=True)
+                    results.add([{"kind": "error", "model": job.model, "mode": job.mode, "workload": f"{job.model} *",
+                                  "error": "not started: --time-limit"}])
+                    failed += 1
+                pending = []
+            else:
+                job, gpu = pending.pop(0), free.pop(0)
+                env = dict(env_base)
+                if gpu is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = gpu
+                with open(job.log, "w") as logf:
+                    job.proc = subprocess.Popen(worker_argv(args, job.model, job.mode, job.result, deadline),
+                                                stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                                start_new_session=True)
+                job.started, job.gpu = time.time(), gpu
+                last_launch = job.started
+                running.append(job)
+                print(f"[rollout] {job.label}: started on GPU {gpu if gpu is not None else '(default)'} "
+                      f"(pid {job.proc.pid}, log {job.log})", flush=True)
+        for job in list(running):
+            _tail(job)
+            rc = job.proc.poll()
+            if rc is None and deadline and time.time() > deadline:
+                print(f"[rollout] {job.label}: killed at the time limit", flush=True)
+                job.killed = True
+                _kill_group(job.proc)
+                rc = job.proc.wait()
+            if rc is None:
+                continue
+            _kill_group(job.proc, grace=2.0)  # leftovers of an exited child (no-op if none)
+            _tail(job)
+            running.remove(job)
+            free.append(job.gpu)
+            records = _read_records(job.result)
+            ok = [r for r in records if r.get("kind") == "run"]
+            if rc != 0 or job.killed:
+                failed += 1
+                if not any(r.get("kind") == "error" for r in records):
+                    records.append({"kind": "error", "model": job.model, "mode": job.mode,
+                                    "workload": f"{job.model} *",
+                                    "error": "killed at --time-limit" if job.killed else f"exit code {rc}"})
+                tail = job.log.read_text(errors="replace").splitlines()[-args.log_tail:] if job.log.is_file() else []
+                print(f"[rollout] {job.label}: FAILED (exit {rc}) after {time.time() - job.started:.0f} s, "
+                      f"{len(ok)} result(s) kept; last log lines:\n    " + "\n    ".join(tail), flush=True)
+            else:
+                print(f"[rollout] {job.label}: done in {time.time() - job.started:.0f} s, {len(ok)} result(s)",
+                      flush=True)
+            results.add(records)
+            path = results.write()
+            print(f"[rollout] wrote {path} ({len(results.runs)} new runs so far)", flush=True)
+        if running or pending:
+            time.sleep(args.poll_s)
+    path = results.write()
+    runs = [r for r in results.all_runs()]
+    print(f"\nwrote {path} after {time.time() - t0:.0f} s\n")
+    print(report(runs, args.capacity_only))
+    if results.errors:
+        print("\nerrors:\n" + "\n".join(f"  {e.get('workload')} {e.get('mode')}: {e.get('error')}"
+                                        for e in results.errors))
+    return 1 if failed else 0
+
+
+def run_merge(args) -> int:
+    docs = []
+    for f in args.merge:
+        doc = read_results(Path(f))
+        if doc is None:
+            sys.exit(f"--merge: {f} is not a results file (missing, unreadable or without 'runs')")
+        docs.append(doc)
+    devices = {d["device"] for d in docs}
+    if len(devices) > 1:
+        print(f"warning: merging results of different devices {sorted(devices)}; keeping the first's name")
+    runs: list[dict] = []
+    for d in docs:
+        runs = merge_runs(runs, d["runs"], _run_key)
+    name = Path(args.merge[0]).stem
+    capacity = all(str(r.get("workload", "")).endswith(" capacity") for r in runs)
+    path = write_results(name, derive(_order(runs)), Path(args.out), device=docs[0]["device"])
+    print(f"wrote {path}")
+    print(report(runs, capacity))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", type=parse_models, default=None,
+                   help="comma list of llama3.1-8b (llama), qwen3-8b (qwen3); "
+                        "default llama, qwen3 with --capacity-only")
+    p.add_argument("--modes", type=parse_modes, default=None,
+                   help=f"comma list of {list(MODES)}, run in this order (default {','.join(DEFAULT_MODES)})")
+    p.add_argument("--workloads", type=parse_workloads, default=parse_workloads(DEFAULT_WORKLOADS),
+                   help=f"comma list of PxL->G or PxL:G (default {DEFAULT_WORKLOADS})")
+    p.add_argument("--capacity-only", action="store_true",
+                   help="engine start (enforce_eager) and KV capacity only; writes rollout_capacity.json")
+    p.add_argument("--gpu-mem", type=parse_gpu_mem, default="auto", help="gpu_memory_utilization, or 'auto'")
+    p.add_argument("--refits", type=int, default=3, help="update_weights calls timed (median reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results); logs in OUT/logs")
+    p.add_argument("--time-limit", type=float, default=0.0,
+                   help="seconds: start no child after (limit - min job time), kill children at the limit (0 = none)")
+    p.add_argument("--min-job-s", type=float, default=None,
+                   help="do not start a child with less time left (default 120, 45 with --capacity-only)")
+    p.add_argument("--gpus", default="auto", help="GPU ids for children, one child per GPU at a time ('auto' = all)")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge results files into OUT and print the table")
+    p.add_argument("--log-tail", type=int, default=40, help="log lines printed when a child fails")
+    # internal: the child side, and the CPU test hooks of the orchestration
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result-file", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--dry-run-fail", default="", help=argparse.SUPPRESS)
+    p.add_argument("--dry-run-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--dry-run-sleep-mode", default="", help=argparse.SUPPRESS)
+    p.add_argument("--stagger-s", type=float, default=5.0, help=argparse.SUPPRESS)
+    p.add_argument("--poll-s", type=float, default=1.0, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.refits < 1:
+        p.error("--refits must be >= 1")
+    if args.merge:
+        return run_merge(args)
+    if args.worker:
+        if not args.result_file or not args.models or not args.modes or len(args.models) != 1 or len(args.modes) != 1:
+            p.error("--worker needs --result-file and exactly one --models and one --modes")
+        try:
+            rc = run_worker(args)
+        except BaseException:  # (run_worker records its own errors; this is for anything else)
+            traceback.print_exc()
+            rc = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)  # skip interpreter teardown of the in-process engine (can hang; nothing left to save)
+    return run_parent(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,434 @@
+"""The CPU-testable parts of bench/rollout.py and bench/train.py (the GPU runs them for real).
+
+rollout: workload/model/mode parsing, the 8B configs and model dirs (checked by vLLM's own
+EngineArgs/ModelConfig, as tests/test_vllm_args.py does), the worker's records (--dry-run engine),
+the parent's orchestration (spawn, stream, partial writes, a failing and a timed-out child), the
+derived figures and the table. train: the stack's FP8 plan per mode, one CPU step, FLOPs, inputs,
+results merging, the Triton autotune-cache knob.
+"""
+
+import importlib
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import common
+from bench import rollout as br
+from bench import train as bt
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _vllm():
+    try:
+        return importlib.import_module("vllm")
+    except Exception as e:
+        pytest.skip(f"vllm does not import here ({type(e).__name__}: {e})")
+
+
+# ----------------------------------------------------------------------------------- parsing
+
+
+def test_workloads_parse():
+    w = br.parse_workload("512x256->1024")
+    assert (w.prompts, w.prompt_len, w.gen_len, w.seq_len, w.name) == (512, 256, 1024, 1280, "512x256->1024")
+    assert br.parse_workload(" 128 x 1024 : 8192 ") == br.Workload(128, 1024, 8192)  # shell-safe form
+    assert [x.name for x in br.parse_workloads(br.DEFAULT_WORKLOADS)] == ["512x256->1024", "64x1024->4096"]
+    for bad in ["512x256", "512*256->1", "0x256->1024", "ax1->2", ""]:
+        with pytest.raises(Exception):
+            br.parse_workloads(bad)
+    assert br.parse_models("llama,qwen3-8b,QWEN3") == ["llama3.1-8b", "qwen3-8b", "qwen3-8b"]
+    assert br.parse_modes("bf16,fp8kv") == ["bf16", "fp8kv"]
+    for fn, bad in [(br.parse_models, "mistral"), (br.parse_modes, "fp4"), (br.parse_gpu_mem, "1.5"),
+                    (br.parse_gpu_mem, "x")]:
+        with pytest.raises(Exception):
+            fn(bad)
+    assert br.parse_gpu_mem("auto") == "auto" and br.parse_gpu_mem("0.7") == "0.7"
+
+
+def test_cli_errors(tmp_path, capsys):
+    for argv, msg in [(["--workloads", "512x256"], "PROMPTSxPROMPT_LEN->GEN_LEN"), (["--modes", "fp4"], "choose from"),
+                      (["--refits", "0"], "--refits"), (["--worker", "--models", "llama"], "--worker needs")]:
+        with pytest.raises(SystemExit) as e:
+            br.main([*argv, "--out", str(tmp_path)])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="not a results file"):
+        br.main(["--merge", str(tmp_path / "missing.json")])
+
+
+def test_worker_argv_round_trips():
+    args = br.build_parser().parse_args(["--workloads", "8x16->32,4x8:64", "--refits", "2", "--gpu-mem", "0.6",
+                                         "--capacity-only", "--seed", "7"])
+    argv = br.worker_argv(args, "qwen3-8b", "fp8kv", Path("/tmp/r.jsonl"), 123.0)
+    assert argv[:2] == [sys.executable, str(REPO / "bench/rollout.py")]
+    w = br.build_parser().parse_args(argv[2:])
+    assert w.worker and w.models == ["qwen3-8b"] and w.modes == ["fp8kv"] and w.capacity_only
+    assert w.workloads == args.workloads and w.refits == 2 and w.gpu_mem == "0.6" and w.seed == 7
+    assert w.result_file == "/tmp/r.jsonl" and w.deadline == 123.0 and not w.dry_run
+
+
+# ----------------------------------------------------------------------------------- models and configs
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{name: (hf_cfg, meta model, model dir)} for both 8B shapes."""
+    out = {}
+    for name in br.MODELS:
+        cfg = br.hf_config(name)
+        model = br.meta_model(cfg)
+        out[name] = (cfg, model, br.write_model_dir(model, tmp_path_factory.mktemp(name)))
+    return out
+
+
+def test_8b_shapes(models):
+    cfg, model, _ = models["llama3.1-8b"]
+    assert type(model).__name__ == "LlamaForCausalLM" and next(model.parameters()).is_meta
+    assert abs(br.param_bytes(model) / 2 - 8.03e9) < 0.01e9  # Llama-3.1-8B: 8.03 B parameters
+    assert model.model.layers[0].mlp.gate_proj.weight.shape == (14336, 4096)
+    assert model.model.layers[0].self_attn.k_proj.weight.shape == (1024, 4096)
+    assert len(model.model.layers) == 32 and model.lm_head.weight.shape == (128256, 4096)
+    assert cfg.rope_parameters["rope_theta"] == 500000.0 and cfg.rope_parameters["rope_type"] == "llama3"
+    cfg, model, _ = models["qwen3-8b"]
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert abs(br.param_bytes(model) / 2 - 8.19e9) < 0.01e9  # Qwen3-8B: 8.19 B parameters
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (4096, 4096) and attn.k_proj.weight.shape == (1024, 4096)
+    assert attn.q_norm.weight.shape == (128,) and attn.k_norm.weight.shape == (128,)  # qk-norm
+    assert len(model.model.layers) == 36 and model.lm_head.weight.shape == (151936, 4096)
+    assert model.model.layers[0].mlp.down_proj.weight.shape == (4096, 12288)
+    assert br.kv_bytes_per_token(cfg, False) == 2 * 36 * 8 * 128 * 2 == 147456
+    assert br.kv_bytes_per_token(cfg, True) == 73728
+    assert br.kv_bytes_per_token(models["llama3.1-8b"][0], False) == 131072
+
+
+def test_model_dir(models):
+    from transformers import AutoConfig, AutoTokenizer
+
+    for name, arch in [("llama3.1-8b", "LlamaForCausalLM"), ("qwen3-8b", "Qwen3ForCausalLM")]:
+        cfg, _, path = models[name]
+        raw = json.loads((path / "config.json").read_text())
+        assert raw["architectures"] == [arch] and raw["tie_word_embeddings"] is False
+        back = AutoConfig.from_pretrained(path)
+        for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "vocab_size"):
+            assert getattr(back, k) == getattr(cfg, k), (name, k)
+        tok = AutoTokenizer.from_pretrained(path)
+        assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+        assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == 2
+    prompts = br.random_prompts(br.Workload(4, 8, 1), 151936, seed=3)
+    assert len(prompts) == 4 and all(len(p) == 8 and br.FIRST_TOKEN <= min(p) and max(p) < 151936 for p in prompts)
+    assert prompts == br.random_prompts(br.Workload(4, 8, 1), 151936, seed=3)  # same prompts in every mode
+
+
+def test_bench_config_per_mode():
+    ws = br.parse_workloads("512x256->1024,64x1024->8192")
+    for mode, (fp8, kv) in {"bf16": (False, False), "fp8": (True, False), "fp8kv": (True, True)}.items():
+        cfg = br.bench_config(mode, ws, 0.8)
+        assert (cfg.fp8.rollout, cfg.fp8.kv_cache) == (fp8, kv)
+        r = cfg.rollout
+        assert r.engine == "vllm" and r.ignore_eos and not r.sleep_mode and not r.enforce_eager
+        assert r.max_model_len == 1024 + 8192 and r.max_new_tokens == 8192 and r.gpu_memory_utilization == 0.8
+        assert cfg.fp8.linear_backend == "cutlass" and r.temperature == 1.0 and r.top_p == 1.0
+    assert br.bench_config("bf16", ws, 0.5, capacity_only=True).rollout.enforce_eager
+
+
+def test_auto_gpu_memory_utilization():
+    trainer = int(8.03e9 * 2)
+    assert br.auto_gpu_memory_utilization(150_754_820_096, trainer) == 0.8  # H200 (140.4 GiB)
+    h100 = br.auto_gpu_memory_utilization(85_045_919_744, trainer)  # H100 (79.2 GiB)
+    assert 0.6 <= h100 < 0.75 and 85_045_919_744 * (1 - h100) >= trainer + 10 * br.GiB
+    assert br.auto_gpu_memory_utilization(85_045_919_744, 0) == 0.8
+    with pytest.raises(RuntimeError, match="--gpu-mem"):
+        br.auto_gpu_memory_utilization(24 * br.GiB, trainer)
+
+
+@pytest.mark.parametrize("name", list(br.MODELS))
+def test_engine_args_accept_bench_configs(name, models, monkeypatch):
+    """What VLLMEngine would pass to vllm.LLM for each mode: parsed by EngineArgs, and the model config
+    vLLM derives from our dir has the 8B shape, the causal-LM class, max_model_len and quantization."""
+    _vllm()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    from fp8.export import vllm_quantization_config
+    from rollout import vllm_engine_kwargs
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cfg_hf, model, path = models[name]
+    ws = br.parse_workloads(br.DEFAULT_WORKLOADS)
+    for mode in br.MODES:
+        cfg = br.bench_config(mode, ws, 0.8)
+        qc = vllm_quantization_config(model, cfg.fp8) if cfg.fp8.rollout else None  # fp8_plan on the meta model
+        arch = model.config.architectures[0]
+        kw = vllm_engine_kwargs(cfg, str(path), 1, qc, arch)  # as VLLMEngine.__init__ builds them
+        ea = EngineArgs(**kw)
+        assert ea.load_format == "dummy" and not ea.enable_sleep_mode and not ea.enforce_eager
+        assert ea.kv_cache_dtype == ("fp8" if cfg.fp8.kv_cache else "auto")
+        mc = ea.create_model_config()
+        assert mc.architecture == arch and mc.max_model_len == 1024 + 4096
+        text = mc.hf_text_config
+        assert (text.hidden_size, text.num_hidden_layers, text.num_key_value_heads, mc.get_head_size(),
+                mc.get_vocab_size()) == (cfg_hf.hidden_size, cfg_hf.num_hidden_layers, 8, 128, cfg_hf.vocab_size)
+        if cfg.fp8.rollout:
+            assert mc.quantization == "fp8"
+            q = Fp8Config.from_config(mc.hf_config.quantization_config)
+            assert q.weight_block_size == [128, 128] and q.ignored_layers == ["lm_head"]
+        else:
+            assert mc.quantization is None
+
+
+# ----------------------------------------------------------------------------------- worker records
+
+
+def _worker_args(tmp_path, mode, *extra):
+    return br.build_parser().parse_args(["--worker", "--dry-run", "--models", "qwen3", "--modes", mode,
+                                         "--workloads", "8x16->32,4x8->64", "--result-file",
+                                         str(tmp_path / f"{mode}.jsonl"), *extra])
+
+
+def test_worker_records(tmp_path):
+    assert br.run_worker(_worker_args(tmp_path, "fp8kv")) == 0
+    recs = br._read_records(tmp_path / "fp8kv.jsonl")
+    assert [r["workload"] for r in recs] == ["qwen3-8b 8x16->32", "qwen3-8b 4x8->64"]
+    for r in recs:
+        assert r["kind"] == "run" and r["mode"] == "fp8kv" and r["fixed_length"]
+        assert set(br.THROUGHPUT_COLS) - {"speedup"} <= set(r)  # everything the table shows
+        assert r["gen_tokens"] == r["prompts"] * r["gen_len"] and r["out_tok_s"] > 0
+        assert r["gpu_memory_utilization"] == 0.8 and r["max_model_len"] == 72 and r["kv_bytes_per_token"] == 73728
+        assert len(r["refit_all_s"]) == 3
+    assert br.run_worker(_worker_args(tmp_path, "bf16", "--capacity-only")) == 0
+    (cap,) = br._read_records(tmp_path / "bf16.jsonl")
+    assert cap["workload"] == "qwen3-8b capacity" and cap["enforce_eager"] and "out_tok_s" not in cap
+    assert br.run_worker(_worker_args(tmp_path, "fp8", "--dry-run-fail", "fp8")) == 1
+    (err,) = br._read_records(tmp_path / "fp8.jsonl")
+    assert err["kind"] == "error" and "dry-run failure" in err["error"] and err["mode"] == "fp8"
+
+
+# ----------------------------------------------------------------------------------- derived figures, files
+
+
+def _run(workload, mode, **kw):
+    return {"workload": workload, "mode": mode, "model": workload.split()[0], **kw}
+
+
+def test_derive_speedups_and_nemo_projection():
+    bpt = {"bf16": 147456, "fp8": 147456, "fp8kv": 73728}
+    gib = br.GiB
+    kv = {"bf16": 60 * gib, "fp8": 66.5 * gib, "fp8kv": 66.5 * gib}  # fp8 linears free 6.5 GiB for KV
+    runs = [_run("qwen3-8b capacity", m, kv_cache_bytes=int(kv[m]), kv_bytes_per_token=bpt[m],
+                 kv_capacity_tokens=int(kv[m]) // bpt[m]) for m in ("fp8kv", "bf16", "fp8")]
+    runs += [_run("llama3.1-8b 8x16->32", "bf16", out_tok_s=100.0, kv_capacity_tokens=1000),
+             _run("llama3.1-8b 8x16->32", "fp8", out_tok_s=120.0, kv_capacity_tokens=1100),
+             _run("llama3.1-8b 4x8->64", "fp8kv", out_tok_s=50.0)]  # no bf16 run: no speed-up
+    out = {(r["workload"], r["mode"]): r for r in br.derive(br._order(runs))}
+    assert out[("llama3.1-8b 8x16->32", "fp8")]["speedup"] == 1.2
+    assert out[("llama3.1-8b 8x16->32", "fp8")]["kv_ratio_vs_bf16"] == 1.1
+    assert out[("llama3.1-8b 8x16->32", "bf16")]["speedup"] == 1.0
+    assert out[("llama3.1-8b 4x8->64", "fp8kv")]["speedup"] is None
+    assert "nemo_kv_tokens" not in out[("llama3.1-8b 8x16->32", "bf16")]
+    b, f, k = (out[("qwen3-8b capacity", m)] for m in ("bf16", "fp8", "fp8kv"))
+    assert abs(b["kv_tokens_at_nemo_budget"] - 249952) <= 1 and b["kv_ratio_at_nemo_budget"] == 1.0
+    shift = 249952 * 147456 - 60 * gib  # the budget difference applies to every mode
+    assert f["kv_tokens_at_nemo_budget"] == int((66.5 * gib + shift) // 147456)
+    assert k["kv_tokens_at_nemo_budget"] == int((66.5 * gib + shift) // 73728)
+    assert f["nemo_kv_ratio_vs_bf16"] == round(299344 / 249952, 3) and k["nemo_kv_ratio_vs_bf16"] == 2.395
+    assert abs(k["kv_ratio_at_nemo_budget"] - 2 * f["kv_ratio_at_nemo_budget"]) < 0.002
+    assert [r["mode"] for r in br._order(runs)][:3] == ["bf16", "fp8", "fp8kv"]
+    text = br.report(runs, capacity=True)
+    assert text.startswith("| workload | mode | kv_capacity_tokens") and "fp8kv: KV capacity x" in text
+    text = br.report(runs, capacity=False)
+    assert "| llama3.1-8b 8x16->32 | fp8 | 120 | 1.2 |" in text and "fp8: x1.20 output tok/s vs bf16" in text
+
+
+def test_results_files(tmp_path):
+    path = common.write_results("rollout", [{"workload": "w", "mode": "bf16", "out_tok_s": 16400.4}], tmp_path,
+                                device="GPU A", errors=[{"mode": "fp8"}])
+    doc = json.loads(path.read_text())
+    assert set(doc) == {"device", "date", "command", "runs", "errors"} and doc["device"] == "GPU A"
+    assert common.read_results(path)["runs"][0]["out_tok_s"] == 16400.4
+    assert not list(tmp_path.glob("*.tmp"))
+    (tmp_path / "bad.json").write_text("{")
+    assert common.read_results(tmp_path / "bad.json") is None and common.read_results(tmp_path / "no.json") is None
+    assert common.markdown_table([{"a": 16400.4, "b": 0.01234, "c": None, "d": 3}], list("abcd")).splitlines()[-1] \
+        == "| 16400 | 0.0123 |  | 3 |"
+    # the parent keeps the file's other runs (same device), replaces re-measured ones, drops other devices'
+    old = [{"workload": "w", "mode": "bf16", "out_tok_s": 1.0}, {"workload": "w", "mode": "fp8", "out_tok_s": 2.0}]
+    common.write_results("rollout", old, tmp_path, device="GPU A")
+    res = br.Results(tmp_path, "rollout")
+    res.add([{"kind": "run", "workload": "w", "mode": "fp8", "out_tok_s": 3.0, "device": "GPU A"},
+             {"kind": "error", "workload": "w", "mode": "fp8kv", "error": "boom"}])
+    doc = json.loads(res.write().read_text())
+    assert [(r["mode"], r["out_tok_s"], r["speedup"]) for r in doc["runs"]] == [("bf16", 1.0, 1.0), ("fp8", 3.0, 3.0)]
+    assert doc["errors"] == [{"workload": "w", "mode": "fp8kv", "error": "boom"}]
+    assert all("kind" not in r for r in doc["runs"])
+    res = br.Results(tmp_path, "rollout")
+    res.add([{"kind": "run", "workload": "w", "mode": "fp8", "out_tok_s": 4.0, "device": "GPU B"}])
+    assert [r["out_tok_s"] for r in res.all_runs()] == [4.0]
+    res = br.Results(tmp_path, "rollout")  # nothing measured: the file's runs survive a rewrite
+    res.add([{"kind": "error", "workload": "w", "mode": "fp8", "error": "died early"}])
+    assert len(json.loads(res.write().read_text())["runs"]) == 2
+    # --merge of two calls' files
+    a = common.write_results("rollout", [{"workload": "w", "mode": "bf16", "out_tok_s": 10.0}], tmp_path / "a", "G")
+    b = common.write_results("rollout", [{"workload": "w", "mode": "fp8kv", "out_tok_s": 15.0}], tmp_path / "b", "G")
+    assert br.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m")]) == 0
+    doc = json.loads((tmp_path / "m" / "rollout.json").read_text())
+    assert [(r["mode"], r["speedup"]) for r in doc["runs"]] == [("bf16", 1.0), ("fp8kv", 1.5)]
+
+
+# ----------------------------------------------------------------------------------- parent orchestration
+
+FAKE_CHILD = textwrap.dedent("""
+    import json, sys, time
+    mode, result = sys.argv[1], sys.argv[2]
+    print("vllm noise that is not echoed", flush=True)
+    print(f"[bench] {mode} engine up", flush=True)
+    rec = {"kind": "run", "workload": "m 1x1->1", "mode": mode, "device": "FakeGPU", "model": "m",
+           "out_tok_s": {"bf16": 10.0, "fp8": 12.0}.get(mode, 20.0)}
+    if mode == "fp8kv":
+        time.sleep(60)
+    with open(result, "a") as f:
+        f.write(json.dumps(rec) + "\\n")
+    if mode == "fp8":
+        print("Traceback: boom", flush=True)
+        sys.exit(3)
+""")
+
+
+def test_parent_streams_keeps_partial_results_and_kills_at_limit(tmp_path, monkeypatch, capsys):
+    """Three children in parallel: bf16 succeeds, fp8 writes a result then fails, fp8kv hangs and is killed
+    at --time-limit; the file holds bf16 and fp8 and names both failures."""
+    def fake_argv(args, model, mode, result_file, deadline):
+        return [sys.executable, "-c", FAKE_CHILD, mode, str(result_file)]
+
+    monkeypatch.setattr(br, "worker_argv", fake_argv)
+    args = br.build_parser().parse_args(["--out", str(tmp_path), "--gpus", "0,1,2", "--time-limit", "6",
+                                         "--min-job-s", "0", "--stagger-s", "0", "--poll-s", "0.1"])
+    assert br.run_parent(args) == 1  # failures -> non-zero exit
+    out = capsys.readouterr().out
+    assert re.search(r"\[llama3.1-8b/bf16 \+\d+s\] bf16 engine up", out)
+    assert out.count("vllm noise") == 2  # not streamed; only in the log tails of the two failed children
+    assert "llama3.1-8b/fp8: FAILED (exit 3)" in out and "Traceback: boom" in out
+    assert "llama3.1-8b/fp8kv: killed at the time limit" in out
+    doc = json.loads((tmp_path / "rollout.json").read_text())
+    assert doc["device"] == "FakeGPU"
+    assert [(r["mode"], r["speedup"]) for r in doc["runs"]] == [("bf16", 1.0), ("fp8", 1.2)]
+    assert {(e["mode"], e["error"]) for e in doc["errors"]} == {("fp8", "exit code 3"),
+                                                                ("fp8kv", "killed at --time-limit")}
+    assert (tmp_path / "logs" / "rollout_llama3.1-8b_bf16.log").is_file()
+
+
+def test_dry_run_end_to_end(tmp_path):
+    """The real CLI and child process (imports, argv, result file, exit) with a stand-in engine."""
+    r = subprocess.run([sys.executable, str(REPO / "bench/rollout.py"), "--dry-run", "--out", str(tmp_path),
+                        "--modes", "fp8kv", "--workloads", "8x16->32", "--stagger-s", "0", "--poll-s", "0.2"],
+                       capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads((tmp_path / "rollout.json").read_text())
+    assert [(x["workload"], x["mode"], x["fixed_length"]) for x in doc["runs"]] == [
+        ("llama3.1-8b 8x16->32", "fp8kv", True)]
+    assert "errors" not in doc and "| llama3.1-8b 8x16->32 | fp8kv |" in r.stdout
+    assert "] 8x16->32: 256 tokens in" in r.stdout  # the child's progress, streamed by the parent
+
+
+# ----------------------------------------------------------------------------------- bench/train.py stack
+
+
+TINY = dict(hidden_size=256, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
+
+
+def test_stack_fp8_plan_per_mode():
+    cfg = bt.stack_config(2, **TINY)
+    assert cfg._attn_implementation == "sdpa" and cfg.num_hidden_layers == 2 and cfg.vocab_size == 128
+    full = bt.stack_config(4)
+    assert (full.hidden_size, full.intermediate_size, full.num_key_value_heads) == (4096, 14336, 8)
+    want = {"bf16": [], "fp8": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+            "fp8_kv_bf16": ["o_proj", "gate_proj", "up_proj", "down_proj"],  # q goes with k/v (vLLM's qkv_proj)
+            "fp8_mlp": ["gate_proj", "up_proj", "down_proj"]}
+    for mode, leaves in want.items():
+        model, converted = bt.build_stack(cfg, mode, "cpu")
+        parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+        assert sorted(converted) == sorted(f"layers.{i}.{parent.get(leaf, 'mlp')}.{leaf}" for i in range(2)
+                                           for leaf in leaves)
+        assert next(model.parameters()).dtype == torch.bfloat16 and model.training
+    with pytest.raises(ValueError):
+        bt.build_stack(cfg, "fp4", "cpu")
+
+
+def test_stack_bench_runs_on_cpu(monkeypatch):
+    """bench_stack end to end with tiny dims and a wall-clock timer: one real fwd + bwd + AdamW per mode."""
+    orig = bt.stack_config
+    monkeypatch.setattr(bt, "stack_config", lambda layers: orig(layers, **TINY))
+    calls = []
+
+    def timer(fn):
+        fn()
+        calls.append(1)
+        return 2.0
+
+    runs = bt.bench_stack(1, tokens=[256], seq_len=128, modes=["bf16", "fp8_kv_bf16"], device="cpu", timer=timer)
+    assert len(calls) == 2 and [r["mode"] for r in runs] == ["bf16", "fp8_kv_bf16"]
+    bf16, fp8 = runs
+    assert bf16["rel_err"] == 0.0 and 0 < fp8["rel_err"] < 0.05 and fp8["speedup"] == 1.0
+    assert (fp8["fp8_linears"], fp8["bf16_linears"]) == (4, 3) and fp8["tokens"] == 256 and fp8["seq_len"] == 128
+    assert fp8["workload"] == "stack 1x Llama-3.1-8B layers 256 tok (2x128)"
+    model, _ = bt.build_stack(bt.stack_config(1), "fp8", "cpu")
+    opt = bt.make_optimizer(model)
+    x, pos, grad = bt.stack_inputs(model.config, 256, 128, "cpu")
+    before = model.layers[0].mlp.down_proj.weight.detach().clone()
+    bt.stack_step(model, opt, x, pos, grad)
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+    assert not torch.equal(before, model.layers[0].mlp.down_proj.weight)  # AdamW stepped
+
+
+def test_stack_inputs_and_flops():
+    cfg = bt.stack_config(4)
+    x, pos, grad = bt.stack_inputs(bt.stack_config(1, **TINY), 512, 128, "cpu")
+    assert x.shape == grad.shape == (4, 128, 256) and x.requires_grad and pos[3].tolist() == list(range(128))
+    assert bt.stack_inputs(bt.stack_config(1, **TINY), 256, 0, "cpu")[0].shape == (1, 256, 256)  # one row
+    with pytest.raises(ValueError):
+        bt.stack_inputs(cfg, 8192 + 64, 0, "cpu")
+    linear = 4 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # 4 layers' linear params (218 M each)
+    assert bt.stack_flops(cfg, 16384, 2048) == 6 * linear * 16384 + 6 * 2048**2 * 4096 * 8 * 4
+    args = bt.build_parser().parse_args(["stack", "--tokens", "8192,16384", "--modes", "bf16,fp8_kv_bf16"])
+    assert args.tokens == [8192, 16384] and args.modes == ["bf16", "fp8_kv_bf16"] and args.layers == 4
+    assert bt.build_parser().parse_args(["all"]).modes == ["bf16", "fp8", "fp8_kv_bf16"]
+    with pytest.raises(SystemExit):
+        bt.build_parser().parse_args(["stack", "--modes", "fp4"])
+
+
+def test_train_results_keep_the_other_subcommand(tmp_path):
+    lin = [{"workload": "linear down_proj 8192x14336->4096", "mode": "fp8", "ms": 1.0}]
+    stack = [{"workload": "stack 4x Llama-3.1-8B layers 8192 tok (4x2048)", "mode": "fp8", "ms": 9.0}]
+    bt.save_train_results(lin, tmp_path, device="H200")
+    bt.save_train_results(stack, tmp_path, device="H200")
+    assert [r["workload"].split()[0] for r in json.loads((tmp_path / "train.json").read_text())["runs"]] == \
+        ["linear", "stack"]
+    bt.save_train_results([{**stack[0], "ms": 8.0}], tmp_path, device="H200")
+    runs = json.loads((tmp_path / "train.json").read_text())["runs"]
+    assert len(runs) == 2 and runs[-1]["ms"] == 8.0
+    bt.save_train_results(stack, tmp_path, device="H100")  # another GPU: the old runs do not mix in
+    assert len(json.loads((tmp_path / "train.json").read_text())["runs"]) == 1
+
+
+def test_triton_autotune_cache_knob():
+    assert os.environ.get("TRITON_CACHE_AUTOTUNING") == "1"  # set by importing bench.train
+    try:
+        from triton import knobs
+    except Exception as e:
+        pytest.skip(f"triton does not import here: {e}")
+    assert knobs.autotuning.cache is True  # the knob the name maps to in triton 3.6
+
+
+def test_gpu_check_script_parses():
+    r = subprocess.run(["bash", "-n", str(REPO / "scripts/gpu_check.sh")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    text = (REPO / "scripts/gpu_check.sh").read_text()
+    assert "bench/rollout.py" in text and "bench/train.py" in text
