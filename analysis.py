@@ -1,7 +1,7 @@
 """Mismatch and FP8-sensitivity analysis: the engine behind notebooks/ (tests/test_notebooks.py).
 
     python train_grpo.py --config configs/llama31_8b_fp8.yaml log.save_batch_every=50   # GPU: save batches
-    BATCH_PATH=runs/<run>/batches/step_000050.pt jupyter lab notebooks/mismatch_analysis.ipynb
+    BATCH_PATH=runs/<run>/batches/step_000050.pt FIG_DIR=figs jupyter execute notebooks/mismatch_analysis.ipynb
 
 A *rollout batch* is one step's whole batch as the trainer saw it, written by the trainer
 (log.save_batch_every) to <run_dir>/batches/step_NNNNNN.pt with save_rollout_batch. Rows are
@@ -110,13 +110,16 @@ def load_rollout_batch(path) -> dict:
 
 
 def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "configs" / "tiny_cpu.yaml",
-                       quiet: bool = True) -> Path:
+                       quiet: bool = True, threads: int | None = 1) -> Path:
     """Train the tiny CPU model for `steps` steps in a new run dir under out_dir; return the batch
     path of the last step.
 
     Batches are saved at step 0 and at the last step; a checkpoint is written after steps - 1
     updates, i.e. the exact weights that sampled the last batch (load_batch_model finds it).
     Validation, TensorBoard and episode dumps are off; `overrides` ("key.sub=value") win.
+    threads: torch intra-op threads while it runs (None = leave as is). The tiny model's GEMMs
+    are too small to gain from threads, and on a busy 2-core machine 2 threads spin-waiting
+    for each other made 12 steps take 300 s instead of 20 s.
     """
     import train_grpo
 
@@ -129,7 +132,11 @@ def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "co
             f"train.steps={steps}", f"log.save_batch_every={steps - 1}", f"train.ckpt_every={steps - 1}",
             "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", *overrides]
     out = io.StringIO()
+    prev_threads = torch.get_num_threads()
     with contextlib.ExitStack() as stack:
+        if threads is not None:
+            torch.set_num_threads(threads)
+            stack.callback(torch.set_num_threads, prev_threads)
         if quiet:
             stack.enter_context(contextlib.redirect_stdout(out))
             stack.enter_context(contextlib.redirect_stderr(out))
