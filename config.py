@@ -142,7 +142,8 @@ class FP8Config:
     keep_first_layers: int = 0
     keep_last_layers: int = 0
     emulate: bool = False
-    """Use the emulated FP8 linear even on SM90 (debugging the torchao path)."""
+    """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
+    the emulation (same numerics, slower than BF16), with a warning unless this is set."""
     linear_backend: Literal["auto", "cutlass", "deep_gemm"] = "cutlass"
     """vLLM block-FP8 GEMM backend; cutlass starts in ~1 min, deep_gemm JITs for minutes."""
     calib_percentile: float = 99.9

@@ -2,7 +2,7 @@
 
     python export_hf.py runs/tiny_cpu-20261122-101500 out/tiny                # latest checkpoint
     python export_hf.py runs/tiny_cpu-20261122-101500/checkpoints/step_000080 out/tiny-fp8 --fp8
-    vllm serve out/tiny-fp8 [--kv-cache-dtype fp8]                            # (scales inside: see below)
+    VLLM_USE_DEEP_GEMM_E8M0=0 vllm serve out/tiny-fp8 [--kv-cache-dtype fp8]  # (scales inside: see below)
 
 Plain: the trainer's master weights (in their dtype, or --dtype) as safetensors, with
 config.json, generation_config.json and the tokenizer. transformers' logits from this dir equal
@@ -15,7 +15,9 @@ bfloat16, what vLLM computes in); config.json gets `quantization_config` =
 vllm_quantization_config (block-128 FP8, dynamic 1x128 activations, ignored_layers = the BF16
 skip-list). A checkpoint trained with fp8.kv_cache adds its calibrated q/k/v scales as
 `model.layers.{i}.self_attn.attn.{q,k,v}_scale`, which vLLM loads with --kv-cache-dtype fp8
-(without it vLLM ignores them). transformers loads the dir too (dequantized on CPU).
+(without it vLLM ignores them). For the trainer's exact numerics serve with
+VLLM_USE_DEEP_GEMM_E8M0=0 (else vLLM may re-round the block scales to powers of two, as
+rollout.vllm_env notes). transformers loads the dir too (it dequantizes to BF16 on CPU).
 
 The output appears atomically: it is written to a temp sibling dir and renamed into place.
 """

@@ -29,7 +29,7 @@ from typing import Iterable, Protocol
 import torch
 import torch.nn as nn
 
-from config import Config
+from config import Config, UserError
 from fp8.linear import BLOCK  # block-FP8 tile (one definition, shared with the trainer)
 
 
@@ -277,7 +277,13 @@ class VLLMEngine:
         arch = (getattr(getattr(model, "config", None), "architectures", None) or [type(model).__name__])[0]
         self.engine_kwargs = vllm_engine_kwargs(cfg, model_dir, world_size, quant_config, arch)
         os.environ.update(vllm_env(cfg))  # before the first `import vllm`
-        import vllm
+        try:
+            import vllm
+        except (ImportError, OSError) as e:  # not installed, or a build that does not match this CUDA/torch
+            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+            raise UserError(f"rollout.engine=vllm but vllm does not import ({why}); install it on a Linux CUDA "
+                            "host with `pip install vllm==0.26.0` (requirements.txt), or set "
+                            "rollout.engine=hf") from None
 
         t0 = time.perf_counter()
         self.llm = vllm.LLM(**self.engine_kwargs)

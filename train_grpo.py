@@ -152,7 +152,7 @@ def prepare_prompts(examples, tokenizer, cfg: Config):
 
     kept, dropped = filter_long_prompts(examples, tokenizer, cfg.data)
     special = not uses_chat_template(tokenizer, cfg.data)  # chat templates write their own BOS
-    ids = tokenizer([ex["prompt"] for ex in kept], add_special_tokens=special)["input_ids"]
+    ids = tokenizer([ex["prompt"] for ex in kept], add_special_tokens=special)["input_ids"] if kept else []
     return [{**ex, "prompt_ids": i} for ex, i in zip(kept, ids)], dropped
 
 

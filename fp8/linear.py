@@ -48,6 +48,7 @@ import fnmatch
 import functools
 import logging
 import re
+import sys
 from typing import TYPE_CHECKING
 
 import torch
@@ -158,6 +159,10 @@ def _log_summary(kind: str, plan: dict[str, tuple[bool, str]]) -> None:
     parts = [f"{reason} x{len(names)} [{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}]"
              for reason, names in kept.items()]
     msg = f"fp8: converted {n_fp8} linears to {kind}, kept {len(plan) - n_fp8} in BF16: " + ("; ".join(parts) or "-")
+    if plan and not n_fp8:
+        msg += (f"\nWARNING fp8: no linear is FP8, the whole model runs in BF16: block FP8 needs bias-free "
+                f"linears whose dims are multiples of {BLOCK} (see fp8.keep_bf16 / keep_*_layers), or set "
+                "fp8.train/rollout=false")
     logger.info(msg)
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
@@ -286,11 +291,32 @@ def is_fp8_linear(m: nn.Module) -> bool:
 
 
 def use_torchao(cfg: FP8Config, device: torch.device | str | None = None) -> bool:
-    """torchao kernels: not cfg.emulate, a CUDA device of capability exactly (9, 0) (H100/H200)."""
+    """torchao kernels: not cfg.emulate, a CUDA device of capability exactly (9, 0) (H100/H200).
+
+    Any other CUDA GPU (Ampere, Ada, Blackwell) falls back to the emulated linear - same numerics,
+    but quantize-dequantize + an fp32 GEMM, slower than BF16 - with a one-time warning that says
+    so; fp8.emulate=true asks for the emulation explicitly (no warning)."""
     if cfg.emulate or not torch.cuda.is_available():
         return False
     device = torch.device(device) if device is not None else torch.device("cuda")
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    if device.type != "cuda":
+        return False
+    capability = torch.cuda.get_device_capability(device)
+    if capability != (9, 0):
+        _warn_not_sm90(torch.cuda.get_device_name(device), capability)
+        return False
+    return True
+
+
+@functools.cache
+def _warn_not_sm90(name: str, capability: tuple[int, int]) -> None:
+    msg = (f"WARNING fp8: {name} is sm_{capability[0]}{capability[1]}, torchao's block-FP8 training kernels need "
+           "SM90 (H100/H200): the trainer's FP8 linears are EMULATED (same numerics, slower than BF16). Set "
+           "fp8.emulate=true to make this explicit, or fp8.train=false to train in BF16")
+    logger.warning(msg)
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

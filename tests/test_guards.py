@@ -1,0 +1,97 @@
+"""Run-time guards of the training loop, on tiny_cpu in-process (a few seconds per run).
+
+* a non-finite loss (even with finite gradients) or grad norm skips the optimizer step, counts it
+  (optim/skipped_steps) and leaves weights, optimizer and schedule untouched; train.max_bad_steps
+  in a row abort with a message that names the knob and what to try;
+* token_mult_prob_error above train.mismatch_warn warns, above train.mismatch_stop stops;
+* groups whose rewards are all equal get zero advantage: zero loss and gradient, no NaN;
+* prompts longer than data.max_prompt_tokens are dropped and counted.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+import train_grpo
+from checkpoint import load_checkpoint
+from conftest import ROOT, read_metrics
+
+
+def train(tmp_path, *overrides):
+    """train_grpo.main on a 4 prompts x 8 samples batch: one micro-batch, one optimizer step per step."""
+    return train_grpo.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}",
+                            "train.run_name=r", "log.tensorboard=false", "log.dump_episodes_every=0",
+                            "train.val_every=0", "rollout.prompts_per_step=4", "train.micro_batch_size=32", *overrides])
+
+
+def corrupt_loss(monkeypatch, by_step):
+    """grpo_loss whose loss on step s (one call per step here) goes through by_step[s]."""
+    real, calls = train_grpo.grpo_loss, []
+
+    def grpo_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        calls.append(None)
+        return by_step.get(len(calls) - 1, lambda x: x)(loss), metrics
+    monkeypatch.setattr(train_grpo, "grpo_loss", grpo_loss)
+
+
+def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch, capsys):
+    # step 1: a NaN loss whose gradients stay finite (only the loss check can see it);
+    # step 2: NaN gradients (the grad-norm check)
+    corrupt_loss(monkeypatch, {1: lambda x: x + math.nan, 2: lambda x: x * math.nan})
+    run_dir = train(tmp_path, "train.steps=4", "train.ckpt_every=1", "train.keep_ckpts=0")
+    m = read_metrics(run_dir)
+    assert [r["optim/skipped_steps"] for r in m] == [0, 1, 1, 0]
+    assert ["optim/grad_norm" in r for r in m] == [True, False, False, True]
+    out = capsys.readouterr().out
+    assert "WARNING step 1: non-finite loss/grad norm, optimizer step skipped (1 in a row)" in out
+    assert "WARNING step 2: non-finite loss/grad norm, optimizer step skipped (2 in a row)" in out
+    # skipped steps changed nothing: weights, Adam state, lr schedule; the next step trains again
+    s1, s3, s4 = (load_checkpoint(run_dir / "checkpoints" / f"step_{i:06d}") for i in (1, 3, 4))
+    assert all(torch.equal(s1["model"][k], s3["model"][k]) for k in s1["model"])
+    assert s1["optimizer"]["state"][0]["step"] == s3["optimizer"]["state"][0]["step"] == 1
+    assert s1["scheduler"] == s3["scheduler"] and s3["bad_steps"] == 2 and s4["bad_steps"] == 0
+    assert not all(torch.equal(s3["model"][k], s4["model"][k]) for k in s3["model"])
+    assert all(torch.isfinite(t).all() for t in s4["model"].values())
+
+
+def test_consecutive_nonfinite_steps_abort(tmp_path, monkeypatch, capsys):
+    corrupt_loss(monkeypatch, {s: lambda x: x * math.nan for s in range(10)})
+    with pytest.raises(SystemExit) as e:
+        train(tmp_path, "train.steps=5", "train.max_bad_steps=2")
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("error: 2 consecutive non-finite steps (train.max_bad_steps); lower optim.lr, check the data, "
+                   "or try fp8.train=false to isolate FP8")
+    assert len(read_metrics(tmp_path / "r")) == 1  # step 0 logged, step 1 aborted
+
+
+def test_mismatch_warns_then_stops(tmp_path, capsys):
+    # FP8 KV cache in the engine only: token_mult_prob_error ~1.008 > 1.001 on the first step
+    with pytest.raises(SystemExit) as e:
+        train(tmp_path, "train.steps=3", "fp8.kv_cache=true", "train.mismatch_warn=1.001", "train.mismatch_stop=1.001")
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert "WARNING step 0: mismatch/token_mult_prob_error=1.0" in captured.out
+    assert "> train.mismatch_warn=1.001: rollout and trainer disagree" in captured.out
+    err = captured.err.strip().splitlines()[-1]
+    assert err.startswith("error: step 0: mismatch/token_mult_prob_error=1.0") and "> train.mismatch_stop=1.001" in err
+    assert "raise train.mismatch_stop" in err
+
+
+def test_equal_rewards_overlong_prompts_and_warn_only(tmp_path, monkeypatch, capsys):
+    rows = [{"problem": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
+    rows += [{"problem": f"{d}+" * 20 + "1=", "answer": "0"} for d in (1, 2, 3)]  # 43 chars > max_prompt_tokens=32
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(train_grpo, "math_reward", lambda completion, answer: 0.0)  # every group: zero std
+    run_dir = train(tmp_path, "train.steps=2", "data.source=jsonl", f"data.path={tmp_path / 'd.jsonl'}",
+                    "data.val_size=0", "train.mismatch_warn=0.5")
+    out = capsys.readouterr().out
+    assert "data: 36 train prompts (3 dropped as overlong)" in out
+    assert "WARNING step 1: mismatch/token_mult_prob_error" in out  # warned, kept going
+    for r in read_metrics(run_dir):
+        assert r["reward/zero_std_groups"] == 1.0 and r["reward/mean"] == 0.0
+        assert r["loss/policy"] == 0.0 and r["optim/grad_norm"] == 0.0 and r["optim/skipped_steps"] == 0
+        assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
