@@ -188,7 +188,8 @@ def run(mode):
     # bf16 activations and kernel accumulation order (plus FP8 attention in fp8kv) on logits of std ~2.5
     assert mean < 0.1 and mx < 1.0, (mean, mx)
     assert mean_wrong > 4 * mean, (mean, mean_wrong)
-    assert same >= len(prompts) // 2, same
+    # no assertion on `same`: on a random-init model near-tied logits make greedy sequences
+    # diverge after one flipped token (H200, 2026-11-22: 2/8 equal at a mean gap of 0.044)
     log(f"{mode}: OK")
 
 
