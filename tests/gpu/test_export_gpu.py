@@ -15,7 +15,8 @@ quantization_config of config.json) with the engine settings the trainer uses
 
 Then greedy generation: vLLM's logprobs of its own greedy tokens match the CPU engine's
 emulation of the same export (rollout.HFEngine on the GPU) within kernel tolerance and are far
-from those of another model; most greedy outputs agree (random-init models have near-ties).
+from those of another model. How many greedy sequences agree is only logged: on a random-init
+model near-ties make them diverge after one flipped token.
 """
 
 import importlib.util
@@ -30,18 +31,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_vllm import MAX_NEW, PROMPTS, TINY
+
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = "".join(chr(c) for c in range(32, 127))
 MODES = {
     "fp8": ["fp8.rollout=true", "fp8.keep_first_layers=1"],
     "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
 }
-TINY = ["rollout.engine=vllm", "model.dtype=bfloat16", "data.max_prompt_tokens=16", "rollout.max_new_tokens=24",
-        "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true", "rollout.sleep_mode=false",
-        "fp8.linear_backend=cutlass", "model.tiny.hidden_size=1024", "model.tiny.intermediate_size=2816",
-        "model.tiny.num_layers=2", "model.tiny.num_heads=8", "model.tiny.num_kv_heads=8", "model.tiny.head_dim=128"]
-PROMPTS = ["1+1=", "23+4=", "7*8=", "(9-3)=", "hello", "x", "42?", "a b c"]
-MAX_NEW = 24
+TINY = TINY + ["rollout.sleep_mode=false"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

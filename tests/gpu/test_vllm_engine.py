@@ -30,6 +30,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_vllm import MAX_NEW, PROMPTS, TINY
+
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = "".join(chr(c) for c in range(32, 127))  # > 50 tokens: an implicit top-k would show
 MODES = {
@@ -39,12 +41,7 @@ MODES = {
     "kv": ["fp8.kv_cache=true"],
     "fp8kv-graphs": ["fp8.rollout=true", "fp8.kv_cache=true", "rollout.enforce_eager=false"],
 }
-TINY = ["rollout.engine=vllm", "model.dtype=bfloat16", "data.max_prompt_tokens=16", "rollout.max_new_tokens=24",
-        "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true", "rollout.sleep_mode=true",
-        "fp8.linear_backend=cutlass", "model.tiny.hidden_size=1024", "model.tiny.intermediate_size=2816",
-        "model.tiny.num_layers=2", "model.tiny.num_heads=8", "model.tiny.num_kv_heads=8", "model.tiny.head_dim=128"]
-PROMPTS = ["1+1=", "23+4=", "7*8=", "(9-3)=", "hello", "x", "42?", "a b c"]
-MAX_NEW = 24
+TINY = TINY + ["rollout.sleep_mode=true"]
 
 
 # ---------------------------------------------------------------------------- pytest entry
