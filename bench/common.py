@@ -73,3 +73,13 @@ def markdown_table(runs: list[dict], cols: list[str]) -> str:
         lines.append("| " + " | ".join(_cell(r.get(c)) for c in cols) + " |")
     return "\n".join(lines)
 
+
+def parse_choices(text: str, choices) -> list[str]:
+    """argparse helper: 'a,b' -> ['a', 'b'], each one of `choices` (a non-empty list)."""
+    import argparse
+
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [m for m in out if m not in choices]
+    if bad or not out:
+        raise argparse.ArgumentTypeError(f"modes {bad or text!r}: choose from {list(choices)}")
+    return out

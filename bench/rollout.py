@@ -64,7 +64,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.common import RESULTS, markdown_table, merge_runs, read_results, write_results  # noqa: E402
+from bench.common import (RESULTS, markdown_table, merge_runs, parse_choices, read_results,  # noqa: E402
+                          write_results)
 
 GiB = 1024**3
 MODES = {  # bench mode -> config overrides (fp8.rollout, fp8.kv_cache)
@@ -142,11 +143,7 @@ def parse_models(text: str) -> list[str]:
 
 
 def parse_modes(text: str) -> list[str]:
-    out = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [m for m in out if m not in MODES]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"modes {bad or text!r}: choose from {list(MODES)}")
-    return out
+    return parse_choices(text, MODES)
 
 
 def parse_gpu_mem(text: str) -> str:

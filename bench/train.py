@@ -47,7 +47,8 @@ os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # read when torchao's @tr
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RESULTS, cuda_time_ms, markdown_table, merge_runs, read_results, write_results  # noqa: E402
+from bench.common import (RESULTS, cuda_time_ms, markdown_table, merge_runs, parse_choices,  # noqa: E402
+                          read_results, write_results)
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (4096, 1024),
           "gate/up_proj": (4096, 14336), "down_proj": (14336, 4096)}
@@ -225,11 +226,7 @@ def parse_ints(text: str) -> list[int]:
 
 
 def parse_stack_modes(text: str) -> list[str]:
-    out = [t.strip() for t in text.split(",") if t.strip()]
-    bad = [m for m in out if m not in STACK_MODES]
-    if bad or not out:
-        raise argparse.ArgumentTypeError(f"modes {bad or text!r}: choose from {list(STACK_MODES)}")
-    return out
+    return parse_choices(text, STACK_MODES)
 
 
 def build_parser() -> argparse.ArgumentParser:
