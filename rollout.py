@@ -132,15 +132,16 @@ class _GumbelSampler:
     `processed` keeps l per step (the distribution the sample came from)."""
 
     def __init__(self, seeds, temperature: float, top_p: float):
-        self.gens = [torch.Generator().manual_seed(s) for s in seeds]
-        self.temperature, self.top_p, self.processed = temperature, top_p, []
-
-    def __call__(self, input_ids, scores):
         from transformers import TopPLogitsWarper
 
+        self.gens = [torch.Generator().manual_seed(s) for s in seeds]
+        self.temperature, self.processed = temperature, []
+        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
+
+    def __call__(self, input_ids, scores):
         logits = scores.float() / self.temperature
-        if self.top_p < 1.0:
-            logits = TopPLogitsWarper(self.top_p)(input_ids, logits)
+        if self.top_p is not None:
+            logits = self.top_p(input_ids, logits)
         self.processed.append(logits)
         u = torch.stack([torch.rand(logits.shape[-1], generator=g, dtype=torch.float64) for g in self.gens])
         gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
