@@ -137,6 +137,11 @@ class FP8Config:
     """FP8 KV cache + FP8 attention in the engine (needs q/k/v scales: see recalibrate)."""
     recalibrate: bool = True
     """Recompute q/k/v scales from the trainer's attention inputs after every step."""
+    calib_pass: Literal["separate", "logprobs"] = "separate"
+    """Where the per-step q/k/v amax comes from. separate: a no-grad forward of the updated weights
+    over calib_samples rows after the optimizer step (fresh, costs a forward). logprobs: captured in
+    the old_logp forward that runs anyway (free, all rows of the step, but measured on the weights
+    before this step's update, so the next rollout's scales are one optimizer step old)."""
     keep_bf16: list[str] = field(default_factory=list)
     """fnmatch patterns of module names kept in BF16 (e.g. '*.down_proj')."""
     keep_first_layers: int = 0
@@ -150,7 +155,8 @@ class FP8Config:
     """Percentile over micro-batches of the per-layer amax of q/k/v."""
     calib_margin: float = 1.05
     calib_samples: int = 64
-    """Samples of the step's batch the recalibration forward runs over."""
+    """Samples of the step's batch the recalibration forward runs over (calib_pass=separate; also
+    the prompts of the calibration before the first rollout)."""
 
 
 @dataclass

@@ -308,9 +308,12 @@ def train(args) -> Path:
         # ---- trainer logprobs of the behaviour weights, and the engine/trainer mismatch
         t0 = time.perf_counter()
         mb = cfg.train.micro_batch_size
+        capture = calibrator.capture() if calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
+            else contextlib.nullcontext()  # q/k/v amax of this forward -> the next rollout's scales
         with torch.no_grad(), amp():
-            old_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
-                                  for s in micro_batches(B, mb)])  # [B, L]
+            with capture:
+                old_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
+                                      for s in micro_batches(B, mb)])  # [B, L]
             ref_logp = None if ref_model is None else torch.cat(
                 [token_logprobs(ref_model, input_ids[s], attention_mask[s], T) for s in micro_batches(B, mb)])
         metrics["time/logprobs"] = time.perf_counter() - t0
@@ -382,10 +385,12 @@ def train(args) -> Path:
         metrics["optim/skipped_steps"] = skipped
         metrics["time/train"] = time.perf_counter() - t0
 
-        # ---- recalibrate q/k/v scales on the new weights, then push weights (+ scales)
+        # ---- recalibrate q/k/v scales (on the new weights, or from the old_logp capture), then push
+        # weights (+ scales)
         if calibrator is not None:
             t0 = time.perf_counter()
-            kv_scales = recalibrate(input_ids, attention_mask)
+            kv_scales = recalibrate(input_ids, attention_mask) if cfg.fp8.calib_pass == "separate" \
+                else calibrator.scales()
             metrics["time/recalibrate"] = time.perf_counter() - t0
             for i, name in enumerate(("q", "k", "v")):
                 metrics[f"fp8/{name}_scale_mean"] = sum(sc[i] for sc in kv_scales.values()) / len(kv_scales)

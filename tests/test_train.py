@@ -66,3 +66,21 @@ def test_fp8_kv_cache_recalibrated_every_step(tmp_path):
     for m in metrics:
         assert m["fp8/q_scale_mean"] > 0 and m["fp8/k_scale_mean"] > 0 and m["time/recalibrate"] > 0
         assert 1.0005 < m["mismatch/token_mult_prob_error"] < 1.1  # without kv emulation: ~1.00001
+
+
+def test_calib_pass_logprobs_equals_separate_pass_when_weights_do_not_move(tmp_path):
+    """fp8.calib_pass=logprobs takes the q/k/v amax from the old_logp forward instead of a separate
+    forward after the update. With lr=0 the weights never move and the separate pass covers every row
+    (calib_samples >= batch), so both must give the same scales, step by step, exactly."""
+    common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=2",
+              "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "fp8.kv_cache=true",
+              "optim.lr=0", "fp8.calib_samples=100000", "rollout.prompts_per_step=4"]
+    runs = {}
+    for calib_pass in ("separate", "logprobs"):
+        p = run([*common, f"train.run_name={calib_pass}", f"fp8.calib_pass={calib_pass}"], cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[calib_pass] = read_metrics(tmp_path / calib_pass)
+    for sep, lp in zip(runs["separate"], runs["logprobs"]):
+        for k in ("fp8/q_scale_mean", "fp8/k_scale_mean", "fp8/v_scale_mean", "mismatch/token_mult_prob_error"):
+            assert sep[k] == lp[k], (k, sep[k], lp[k])
+        assert sep["fp8/k_scale_mean"] > 0
