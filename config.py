@@ -124,6 +124,11 @@ class RolloutConfig:
     enforce_eager: bool = False
     max_model_len: int = 0
     """0 = max prompt tokens + max_new_tokens."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism over consecutive torchrun ranks (a group of this many ranks holds one
+    engine, sharded; for a model whose weights + KV do not fit one GPU's share). The group generates
+    its ranks' prompts together and each rank trains on its own; must divide the world size. The HF
+    engine (CPU) runs the same data flow with every rank of a group generating the group's prompts."""
     seed: int = 0
 
 

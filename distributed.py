@@ -7,9 +7,13 @@
 Layout: data parallel over prompts. Every rank draws the same global batch of prompts from the
 same sampler and takes its contiguous slice (whole GRPO groups, never split), generates it with
 its own engine (vLLM external_launcher, one TP=1 engine per rank; HF on CPU), scores it, and
-trains on it. The trainer is FSDP2: `fully_shard` per decoder layer, then the root; parameters
-keep their dtype (fp32 master or bf16), compute runs in bf16 where the run asks for it, and
-gradients are reduce-scattered in fp32. FP8 linears (torchao or emulated) are converted before
+trains on it. With rollout.tensor_parallel_size=k, k consecutive ranks share one vLLM engine
+(tensor parallel; vLLM's "external DP" x TP layout): they generate the union of their slices
+together, identically, and each keeps its own slice (`rollout_share`).
+
+The trainer is FSDP2: `fully_shard` per decoder layer, then the root; parameters keep their
+dtype (fp32 master or bf16), compute runs in bf16 where the run asks for it, and gradients are
+reduce-scattered in fp32. FP8 linears (torchao or emulated) are converted before
 sharding, so they see the all-gathered weight exactly like on one GPU. Refit streams the export
 one parameter at a time (`fp8/export.py` gathers each DTensor with `full_tensor()`): no full-model
 copy on any rank.
@@ -36,10 +40,22 @@ class Dist:
     rank: int = 0
     world: int = 1
     device: torch.device = torch.device("cpu")
+    tp: int = 1  # rollout.tensor_parallel_size: ranks per engine (consecutive ranks)
 
     @property
     def main(self) -> bool:
         return self.rank == 0
+
+
+def rollout_share(d: Dist, prompts_per_step: int) -> tuple[slice, slice]:
+    """(gen, own): the slice of the step's prompts this rank's engine generates, and within those
+    the prompts this rank trains on. Each rank trains on its contiguous 1/world of the prompts (whole
+    groups); a tensor-parallel engine group of d.tp ranks generates the union of its ranks' shares
+    (every rank of the group must call generate with the same prompts and seed)."""
+    local = prompts_per_step // d.world
+    start = d.rank // d.tp * d.tp * local
+    own = d.rank % d.tp * local
+    return slice(start, start + d.tp * local), slice(own, own + local)
 
 
 def init(cfg: Config) -> Dist:
@@ -51,6 +67,10 @@ def init(cfg: Config) -> Dist:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"train.device={name} but CUDA is not available; set train.device=cpu")
     device = torch.device(name)
+    tp = cfg.rollout.tensor_parallel_size
+    if tp < 1 or world % tp:
+        raise UserError(f"rollout.tensor_parallel_size={tp} must be >= 1 and divide the {world} rank(s); launch "
+                        f"with torchrun --nproc_per_node a multiple of {max(tp, 1)}, or set it to 1")
     if world > 1:
         if cfg.rollout.prompts_per_step % world:
             raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by the "
@@ -63,7 +83,7 @@ def init(cfg: Config) -> Dist:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device
                                     if device.type == "cuda" else None)
-    return Dist(rank, world, device)
+    return Dist(rank, world, device, tp)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -186,7 +186,7 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
     r, f = cfg.rollout, cfg.fp8
     overrides = {"architectures": [architecture]} if architecture else {}
     kw = dict(
-        model=str(model_dir), dtype="bfloat16", tensor_parallel_size=1, seed=r.seed,
+        model=str(model_dir), dtype="bfloat16", tensor_parallel_size=r.tensor_parallel_size, seed=r.seed,
         load_format="dummy",  # real weights arrive through update_weights (reload_weights)
         gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.sleep_mode,
         enforce_eager=r.enforce_eager, max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
@@ -205,8 +205,11 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
         # FA3 reads q/k/v descales from device tensors at launch, so set_kv_scales' in-place
         # updates reach it (also inside CUDA graphs); FlashInfer would bake host floats.
         kw["attention_config"] = {"backend": "FLASH_ATTN", "flash_attn_version": 3}
-    if world_size > 1:  # torchrun data parallel: one independent TP=1 engine per rank
+    if world_size > 1:  # torchrun: vLLM lays ranks out as external DP x TP (parallel_state.py); each group
+        # of tensor_parallel_size consecutive ranks is one engine, the groups generate independently
         kw["distributed_executor_backend"] = "external_launcher"
+    elif r.tensor_parallel_size > 1:
+        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs as many torchrun ranks")
     if overrides:
         kw["hf_overrides"] = overrides
     return kw
@@ -293,9 +296,10 @@ class VLLMEngine:
         # Gumbel sampler seeds every request from (seed, position) in one kernel; unseeded requests
         # draw a seed from numpy's global RNG. V1 samples seeded requests row by row in Python.
         self.v2_runner = bool(self.llm.llm_engine.model_executor.driver_worker.worker.use_v2_model_runner)
-        # Seeded calls: the trainer gives each rank its own range. Unseeded calls: per-rank streams.
-        self._rank = int(os.environ.get("RANK", "0"))
-        self._seeds = random.Random(f"{cfg.rollout.seed}/{self._rank}")  # for unseeded calls (V2)
+        # Seeded calls: the trainer gives each engine its own range. Unseeded calls: one stream per engine
+        # (the ranks of a TP group must draw the same seeds: they run the same requests in lockstep).
+        self._engine_id = int(os.environ.get("RANK", "0")) // cfg.rollout.tensor_parallel_size
+        self._seeds = random.Random(f"{cfg.rollout.seed}/{self._engine_id}")  # for unseeded calls (V2)
         self.sleep_mode = cfg.rollout.sleep_mode
         # 2: discard weights + KV cache (we reload all weights every step anyway); 1 would copy the
         # weights to pinned CPU memory and back for nothing. Level 2 also discards what vLLM 0.26

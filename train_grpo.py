@@ -22,6 +22,7 @@ Where this departs from textbook GRPO:
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import sys
@@ -159,11 +160,13 @@ def prepare_prompts(examples, tokenizer, cfg: Config):
 def validate_accuracy(engine, val_set, tokenizer, cfg: Config, d: distributed.Dist) -> float:
     """Greedy accuracy on the first val_max_prompts held-out prompts (ranks split them)."""
     val = val_set[: cfg.train.val_max_prompts]
-    mine = val[d.rank:: d.world]
+    mine = val[d.rank // d.tp:: d.world // d.tp]  # one share per engine (a TP group generates it together)
     samples = engine.generate([ex["prompt_ids"] for ex in mine], n=1, temperature=0.0, top_p=1.0,
                               max_new_tokens=cfg.rollout.max_new_tokens)
     texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-    correct = torch.tensor(float(sum(math_reward(t, ex["answer"]) for t, ex in zip(texts, mine))), device=d.device)
+    counted = d.rank % d.tp == 0  # the group's first rank counts its engine's answers
+    correct = torch.tensor(float(counted * sum(math_reward(t, ex["answer"]) for t, ex in zip(texts, mine))),
+                           device=d.device)
     return float(distributed.all_sum(correct, d)) / len(val)
 
 
@@ -274,7 +277,7 @@ def train(args) -> Path:
     sync_engine()
     from tqdm import tqdm
     n, T = cfg.rollout.n, cfg.rollout.temperature
-    local_prompts = cfg.rollout.prompts_per_step // d.world  # this rank's whole groups
+    gen, own = distributed.rollout_share(d, cfg.rollout.prompts_per_step)  # whole groups; see rollout_share
     pbar = tqdm(range(start_step, cfg.train.steps), initial=start_step, total=cfg.train.steps,
                 disable=rank != 0, dynamic_ncols=True)
     for step in pbar:
@@ -284,14 +287,16 @@ def train(args) -> Path:
 
         # ---- rollout
         t0 = time.perf_counter()
-        batch = next(sampler)[d.rank * local_prompts: (d.rank + 1) * local_prompts]  # same draw on every rank
+        prompts = next(sampler)[gen]  # same draw on every rank
         # sample j of global prompt i gets seed step_seed + i*n + j: disjoint across steps and ranks
         step_seed = (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * n
         engine.wake()
-        samples = engine.generate([ex["prompt_ids"] for ex in batch], n=n, temperature=T, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=cfg.rollout.max_new_tokens,
-                                  seed=step_seed + d.rank * local_prompts * n)
+        samples = engine.generate([ex["prompt_ids"] for ex in prompts], n=n, temperature=T, top_p=cfg.rollout.top_p,
+                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=step_seed + gen.start * n)
         engine.sleep()
+        batch = prompts[own]  # this rank's prompts and their samples (all of them without TP)
+        samples = [dataclasses.replace(s, prompt_index=s.prompt_index - own.start)
+                   for s in samples[own.start * n: own.stop * n]]
         metrics["time/rollout"] = time.perf_counter() - t0
 
         # ---- reward and advantages
