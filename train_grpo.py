@@ -330,10 +330,12 @@ def train(args) -> Path:
             with torch.no_grad(), amp(), bf16_reference(model):  # same weights, linears not quantized
                 bf16_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
                                        for s in micro_batches(B, mb)])  # [B, L]
-            if rank == 0:  # this rank's rows
-                save_rollout_batch(run_dir / "batches" / f"step_{step:06d}.pt", step, input_ids, attention_mask,
-                                   mask, rollout_logp, old_logp, bf16_logp, rewards, advantages, to_dict(cfg),
-                                   tokenizer, model_dir)
+            rows = [distributed.gather_rows(x, d, pad=tokenizer.pad_token_id if x is input_ids else 0)
+                    for x in (input_ids, attention_mask, mask, rollout_logp, old_logp, bf16_logp)]
+            rows += [distributed.gather_rows(x[:, None].to(device).float(), d)[:, 0].cpu() for x in (rewards, advantages)]
+            if rank == 0:  # every rank's rows, in rank order
+                save_rollout_batch(run_dir / "batches" / f"step_{step:06d}.pt", step, *rows, to_dict(cfg), tokenizer,
+                                   model_dir)
         mult_err = metrics["mismatch/token_mult_prob_error"]
         if mult_err > cfg.train.mismatch_warn:
             logger.print(f"WARNING step {step}: mismatch/token_mult_prob_error={mult_err:.4f} > "
