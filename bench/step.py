@@ -1,7 +1,8 @@
 """One end-to-end GRPO step at 8B shape: bf16 vs fp8 vs fp8kv, with the time breakdown.
 
-    python bench/step.py                                    # bench/step_8b.yaml, all three modes
+    python bench/step.py                                    # bench/step_8b.yaml, all four modes
     python bench/step.py --modes bf16,fp8kv rollout.max_new_tokens=1024 --out /tmp/out
+    python bench/step.py --merge gpu0/step.json gpu1/step.json     # modes run on two GPUs of one host
 
 Each mode runs the real trainer (train_grpo.py, so nothing here can drift from the recipe) in
 its own process (vLLM allows one engine per process) on bench/step_8b.yaml: a random-weight
@@ -9,6 +10,8 @@ Llama-3.1-8B-shape model, vLLM colocated with sleep mode, fixed-length generatio
   bf16   BF16 trainer, BF16 rollout
   fp8    torchao block-FP8 trainer linears, vLLM block-FP8 W8A8 rollout (refit every step)
   fp8kv  fp8 + FP8 KV cache and FP8 attention in vLLM, q/k/v scales recalibrated every step
+         (a separate forward over fp8.calib_samples rows after the update)
+  fp8kv_lp  fp8kv with fp8.calib_pass=logprobs (amax captured in the old_logp forward: no extra pass)
 Step 0 (Triton autotune, CUDA-graph capture) is reported separately; the figures are medians
 over steps 1..N-1 of the trainer's own time/* metrics. Writes bench/results/step.json
 (schema: ../shared/DESIGN.md) after every mode, and prints a markdown table.
@@ -24,14 +27,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import RESULTS, markdown_table, write_results  # noqa: E402
+from bench.common import RESULTS, markdown_table, read_results, write_results  # noqa: E402
 
 MODES = {
     "bf16": ["fp8.train=false", "fp8.rollout=false", "fp8.kv_cache=false"],
     "fp8": ["fp8.train=true", "fp8.rollout=true", "fp8.kv_cache=false"],
     "fp8kv": ["fp8.train=true", "fp8.rollout=true", "fp8.kv_cache=true", "fp8.recalibrate=true"],
+    "fp8kv_lp": ["fp8.train=true", "fp8.rollout=true", "fp8.kv_cache=true", "fp8.recalibrate=true",
+                 "fp8.calib_pass=logprobs"],
 }
 PARTS = ("rollout", "logprobs", "train", "recalibrate", "refit")
+TABLE = ["mode", "step_s", "rollout_s", "logprobs_s", "train_s", "recalibrate_s", "refit_s", "sync_frac", "speedup",
+         "first_step_s", "token_mult_prob_error"]
 
 
 def summarize(metrics: list[dict], mode: str, workload: str) -> dict:
@@ -91,12 +98,26 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("overrides", nargs="*", help="section.key=value for train_grpo.py, e.g. rollout.n=16")
     p.add_argument("--config", default=str(ROOT / "bench" / "step_8b.yaml"))
-    p.add_argument("--modes", default="bf16,fp8,fp8kv")
+    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--steps", type=int, default=3, help="trainer steps per mode (step 0 is warm-up)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode")
     p.add_argument("--out", default=None, help="results + logs dir (default bench/results)")
     p.add_argument("--runs", default="/tmp/bench_step_runs", help="run dirs of the trainer processes")
+    p.add_argument("--merge", nargs="+", metavar="STEP_JSON",
+                   help="only combine step.json files (e.g. one per GPU of the same host) into OUT/step.json")
     args = p.parse_args()
+    out = Path(args.out) if args.out else RESULTS
+    if args.merge:
+        docs = [read_results(Path(f)) for f in args.merge]
+        if None in docs:
+            sys.exit(f"--merge: not a results file: {[f for f, d in zip(args.merge, docs) if d is None]}")
+        if len({d["device"] for d in docs}) > 1:
+            sys.exit(f"--merge: files from different devices {sorted({d['device'] for d in docs})}: ratios need one")
+        runs = [r for d in docs for r in d["runs"]]
+        add_speedups(runs)
+        write_results("step", runs, out_dir=out, device=docs[0]["device"], merged=list(args.merge))
+        print(markdown_table(runs, TABLE))
+        return
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in MODES]:
         sys.exit(f"--modes: unknown {unknown}; choose from {list(MODES)}")
@@ -106,16 +127,15 @@ def main():
 
     cfg = load_config(args.config, [*MODES[modes[0]], *args.overrides])  # fail fast on typos
     args.workload = (f"{cfg.rollout.prompts_per_step}x{cfg.rollout.n} samples, <= {cfg.data.max_prompt_tokens}"
-                     f"->{cfg.rollout.max_new_tokens} tokens")
-    out = Path(args.out) if args.out else RESULTS
+                     f"->{cfg.rollout.max_new_tokens} tokens, {cfg.model.tiny.num_layers} layers, micro-batch "
+                     f"{cfg.train.micro_batch_size}")
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for mode in modes:
         runs.append(run_mode(mode, args, args.overrides, Path(args.runs), out))
         add_speedups(runs)
         write_results("step", runs, out_dir=out)
-    print(markdown_table(runs, ["mode", "step_s", "rollout_s", "logprobs_s", "train_s", "recalibrate_s", "refit_s",
-                                "sync_frac", "speedup", "first_step_s", "token_mult_prob_error"]))
+    print(markdown_table(runs, TABLE))
 
 
 if __name__ == "__main__":

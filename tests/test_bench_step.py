@@ -38,3 +38,20 @@ def test_driver_runs_each_mode_and_writes_results(tmp_path):
     assert all(r["step_s"] > 0 and r["timed_steps"] == 1 for r in doc["runs"])
     assert doc["runs"][1]["recalibrate_s"] > 0 and "speedup" in doc["runs"][1]
     assert (tmp_path / "step_fp8kv.log").is_file() and "| fp8kv |" in p.stdout
+
+
+def test_merge_combines_per_gpu_files_and_recomputes_speedups(tmp_path):
+    def doc(device, runs):
+        return {"device": device, "date": "2026-11-22", "command": "x", "runs": runs}
+
+    (tmp_path / "a.json").write_text(json.dumps(doc("H200", [{"workload": "w", "mode": "bf16", "step_s": 6.0}])))
+    (tmp_path / "b.json").write_text(json.dumps(doc("H200", [{"workload": "w", "mode": "fp8kv", "step_s": 4.0}])))
+    (tmp_path / "c.json").write_text(json.dumps(doc("H100", [])))
+    cmd = [sys.executable, str(ROOT / "bench/step.py"), "--out", str(tmp_path / "out"), "--merge"]
+    p = subprocess.run([*cmd, str(tmp_path / "a.json"), str(tmp_path / "b.json")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    merged = json.loads((tmp_path / "out/step.json").read_text())
+    assert merged["device"] == "H200" and [r["mode"] for r in merged["runs"]] == ["bf16", "fp8kv"]
+    assert merged["runs"][1]["speedup"] == pytest.approx(1.5)
+    p = subprocess.run([*cmd, str(tmp_path / "a.json"), str(tmp_path / "c.json")], capture_output=True, text=True)
+    assert p.returncode != 0 and "different devices" in p.stderr
