@@ -167,6 +167,9 @@ def vllm_env(cfg: Config) -> dict[str, str]:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: weights reachable
         "VLLM_USE_DEEP_GEMM_E8M0": "0",  # else block scales are re-rounded to powers of two
     }
+    if cfg.rollout.tensor_parallel_size > 1:  # torch symmetric-memory all-reduce (vLLM's default) needs NVLink
+        # multicast: on a host without it the first TP forward dies with an illegal address (H200 x2, 2026-11-22)
+        env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = os.environ.get("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     backend = cfg.fp8.linear_backend
     if backend == "cutlass":  # no DeepGEMM anywhere: no JIT, no deep_gemm warmup
         env["VLLM_USE_DEEP_GEMM"] = "0"
@@ -208,6 +211,10 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
     if world_size > 1:  # torchrun: vLLM lays ranks out as external DP x TP (parallel_state.py); each group
         # of tensor_parallel_size consecutive ranks is one engine, the groups generate independently
         kw["distributed_executor_backend"] = "external_launcher"
+        if r.tensor_parallel_size > 1:  # NCCL all-reduce only: no IPC buffers outside the sleep-mode allocator,
+            # and no all-reduce + RMSNorm fusion (its FlashInfer backend also needs multicast memory)
+            kw["disable_custom_all_reduce"] = True
+            kw["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
     elif r.tensor_parallel_size > 1:
         raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs as many torchrun ranks")
     if overrides:

@@ -6,7 +6,7 @@ import torch
 
 import distributed
 from config import UserError, load_config
-from rollout import vllm_engine_kwargs
+from rollout import vllm_engine_kwargs, vllm_env
 from test_distributed import by_step, launch
 
 
@@ -38,6 +38,10 @@ def test_vllm_kwargs_for_a_tensor_parallel_engine():
     cfg = load_config(None, ["rollout.tensor_parallel_size=2"])
     kw = vllm_engine_kwargs(cfg, "/m", world_size=4)
     assert kw["tensor_parallel_size"] == 2 and kw["distributed_executor_backend"] == "external_launcher"
+    # the all-reduce paths that need NVLink multicast memory crashed the first TP forward on an H200 host
+    assert kw["disable_custom_all_reduce"] and kw["compilation_config"]["pass_config"]["fuse_allreduce_rms"] is False
+    assert vllm_env(cfg)["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
+    assert "disable_custom_all_reduce" not in vllm_engine_kwargs(load_config(None, []), "/m", world_size=4)
     with pytest.raises(ValueError, match="needs as many torchrun ranks"):
         vllm_engine_kwargs(cfg, "/m", world_size=1)
 
