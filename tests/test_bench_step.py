@@ -55,3 +55,18 @@ def test_merge_combines_per_gpu_files_and_recomputes_speedups(tmp_path):
     assert merged["runs"][1]["speedup"] == pytest.approx(1.5)
     p = subprocess.run([*cmd, str(tmp_path / "a.json"), str(tmp_path / "c.json")], capture_output=True, text=True)
     assert p.returncode != 0 and "different devices" in p.stderr
+
+
+def test_scaling_plot_reads_both_sources_and_reports_speedups(tmp_path):
+    step = {"device": "H200", "runs": [{"workload": "w, micro-batch 16", "mode": "bf16", "step_s": 6.0,
+                                        "rollout_s": 2.0, "train_s": 3.0}]}
+    (tmp_path / "step.json").write_text(json.dumps(step))
+    recs = [{"step": 0, "time/step": 60.0}, {"step": 1, "time/step": 4.0, "time/train": 1.5},
+            {"step": 2, "time/step": 2.0, "time/train": 1.5}]  # median of timed steps: 3.0 s
+    (tmp_path / "m.jsonl").write_text("\n".join(map(json.dumps, recs)))
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/plot_scaling.py"), "--one", str(tmp_path / "step.json"),
+                        "--match", "micro-batch 16", "--two", f"2 GPUs={tmp_path / 'm.jsonl'}", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "| 1 GPU | 6.00 |" in p.stdout and "| 2 GPUs | 3.00 |" in p.stdout and "| 2.00x |" in p.stdout
+    assert (tmp_path / "scaling_step8b.png").stat().st_size > 10_000

@@ -1,0 +1,81 @@
+"""Step-time breakdown of the 8B-shape GRPO step on 1 GPU vs 2 GPUs (data parallel, and one TP=2 engine).
+
+    python scripts/plot_scaling.py                                   # the committed H200 figures
+    python scripts/plot_scaling.py --one bench/results/step.json --match "micro-batch 16" \
+        --two "2 GPUs, DP=docs/results_data/multi_gpu/mg_step8b_2rank_tp1_metrics.jsonl" --out docs/figures
+
+1 GPU: the bf16 row of a bench/step.py results file whose workload contains --match. 2 GPUs: a
+trainer metrics.jsonl per bar ("label=path"), medians over steps >= 1 (step 0 warms up). Every bar
+is the same global batch, so the step-time ratio is the throughput ratio. Writes
+OUT/scaling_step8b.png and prints a markdown table.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTS = ("rollout", "logprobs", "train", "recalibrate", "refit")
+DATA = ROOT / "docs" / "results_data" / "multi_gpu"
+DEFAULT_TWO = [f"2 GPUs, data parallel={DATA / 'mg_step8b_2rank_tp1_metrics.jsonl'}",
+               f"2 GPUs, one TP=2 engine={DATA / 'mg_step8b_2rank_tp2_metrics.jsonl'}"]
+
+
+def from_step_json(path: Path, match: str, mode: str = "bf16") -> dict:
+    runs = [r for r in json.loads(path.read_text())["runs"] if r.get("mode") == mode and match in r.get("workload", "")]
+    if not runs:
+        sys.exit(f"{path}: no {mode} run whose workload contains {match!r}")
+    return {p: runs[-1].get(f"{p}_s", 0.0) for p in (*PARTS, "step")}
+
+
+def from_metrics(path: Path) -> dict:
+    timed = [m for m in map(json.loads, path.read_text().splitlines()) if m.get("step", 0) >= 1 and "time/step" in m]
+    if not timed:
+        sys.exit(f"{path}: no timed step (>= 1)")
+    return {p: statistics.median(m.get(f"time/{p}", 0.0) for m in timed) for p in (*PARTS, "step")}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--one", type=Path, default=ROOT / "bench" / "results" / "step.json")
+    p.add_argument("--match", default="16 layers, micro-batch 16")
+    p.add_argument("--two", nargs="+", default=DEFAULT_TWO, help="label=metrics.jsonl, one per bar")
+    p.add_argument("--out", type=Path, default=ROOT / "docs" / "figures")
+    args = p.parse_args()
+    bars = {"1 GPU": from_step_json(args.one, args.match)}
+    for spec in args.two:
+        label, _, path = spec.rpartition("=")
+        bars[label or Path(path).stem] = from_metrics(Path(path))
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = bars["1 GPU"]["step"]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for i, (label, b) in enumerate(bars.items()):
+        left = 0.0
+        for j, part in enumerate(PARTS):
+            ax.barh(i, b[part], left=left, color=f"C{j}", label=part if i == 0 else None)
+            left += b[part]
+        ax.text(b["step"] + 0.05, i, f"{b['step']:.2f} s  (x{base / b['step']:.2f})", va="center", fontsize=9)
+    ax.set_yticks(range(len(bars)), list(bars))
+    ax.invert_yaxis()
+    ax.set_xlim(0, base * 1.35)
+    ax.set_xlabel("seconds per GRPO step (bars: the timed parts; text: the whole step)")
+    ax.set_title("8B-width Llama, 16 layers, bf16: 128 samples x 512 tokens per step (H200)", fontsize=9)
+    ax.legend(fontsize=8, ncol=5, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    fig.tight_layout()
+    args.out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(args.out / "scaling_step8b.png", dpi=120)
+    print("| setup | step s | rollout s | logprobs s | train s | refit s | speed-up |\n|---|---|---|---|---|---|---|")
+    for label, b in bars.items():
+        print(f"| {label} | {b['step']:.2f} | {b['rollout']:.2f} | {b['logprobs']:.2f} | {b['train']:.2f} | "
+              f"{b['refit']:.3f} | {base / b['step']:.2f}x |")
+    print(f"wrote {args.out / 'scaling_step8b.png'}")
+
+
+if __name__ == "__main__":
+    main()
