@@ -23,6 +23,10 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def rng_state() -> dict:
+    """The global RNGs of this process. Under torchrun only rank 0 saves (its own), and on resume every
+    rank restores that one: like a fresh run, where every rank seeds train.seed. So a checkpoint resumes
+    on any world size; the loop's randomness that matters (prompt order, rollout sampling, mini-batch
+    shuffles) comes from explicit seeds, not from these."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -34,7 +38,9 @@ def set_rng_state(state: dict) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # only the devices this process sees: a checkpoint written on 8 GPUs may resume on fewer
+        for i, s in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
 
 
 def _fsync_dir(path: Path) -> None:

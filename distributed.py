@@ -150,10 +150,31 @@ def gather_rows(x: Tensor, d: Dist, pad: float = 0.0) -> Tensor:
     return torch.cat(parts)
 
 
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Name of each optimizer parameter, in the optimizer's index order (what torch's id keys count)."""
+    name = {p: n for n, p in model.named_parameters()}  # tied weights: the first name, as get_state_dict
+    return [name[p] for g in optimizer.param_groups for p in g["params"]]
+
+
+def _rekey(optim_sd: dict, key) -> dict:
+    """optim_sd with its per-parameter keys (state and param_groups' params) mapped through key."""
+    return {**optim_sd, "state": {key[k]: v for k, v in optim_sd["state"].items()},
+            "param_groups": [{**g, "params": [key[k] for k in g["params"]]} for g in optim_sd["param_groups"]]}
+
+
+def _by_index(optim_sd: dict) -> bool:
+    """Optimizer state keyed by parameter index: optimizer.state_dict() as single-process runs wrote it
+    before checkpoints were keyed by name."""
+    return any(isinstance(k, int) for g in optim_sd["param_groups"] for k in g["params"])
+
+
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts with full tensors on CPU, the same format as one GPU writes."""
-    if d.world == 1:
-        return model.state_dict(), optimizer.state_dict()
+    """(model, optimizer) state dicts with full tensors, in one format for every world size: the model's
+    as model.state_dict() names it, the optimizer's keyed by parameter name (FQN), as
+    torch.distributed.checkpoint's get_state_dict(full_state_dict=True) writes it; so a checkpoint
+    resumes on any number of ranks. Collective when world > 1 (tensors offloaded to CPU)."""
+    if d.world == 1:  # same keys as get_state_dict, without its zero-lr step on an empty optimizer
+        return model.state_dict(), _rekey(optimizer.state_dict(), _param_names(model, optimizer))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -161,13 +182,18 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> t
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
                     d: Dist) -> None:
-    """Inverse of full_state: every rank reads the same file and keeps its shard."""
+    """Inverse of full_state, whatever world size wrote it: every rank reads the same file and keeps
+    its shard. Also loads index-keyed optimizer state (old single-process checkpoints)."""
+    names = _param_names(model, optimizer)
     if d.world == 1:
         model.load_state_dict(model_sd)
-        optimizer.load_state_dict(optim_sd)
+        optimizer.load_state_dict(optim_sd if _by_index(optim_sd) else
+                                  _rekey(optim_sd, {n: i for i, n in enumerate(names)}))
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
+    if _by_index(optim_sd):  # indices count the same parameters in the same order (model.parameters())
+        optim_sd = _rekey(optim_sd, names)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=StateDictOptions(full_state_dict=True))
 

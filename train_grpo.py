@@ -235,9 +235,8 @@ def train(args) -> Path:
             raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}")
         state = load_checkpoint(ckpt)
         written_by = state.get("world", 1)
-        if (written_by > 1) != (d.world > 1):  # optimizer state is keyed by id (1 rank) or by name (FSDP2)
-            raise UserError(f"{ckpt} was written by {written_by} rank(s); resume it with "
-                            f"{'more than one rank' if written_by > 1 else 'a single process'}")
+        if written_by != d.world:  # full tensors keyed by name: any world size reads them (distributed.full_state)
+            logger.print(f"resuming a {written_by}-rank checkpoint on {d.world} rank{'s' * (d.world > 1)}")
         distributed.load_full_state(model, optimizer, state["model"], state["optimizer"], d)
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])

@@ -1,7 +1,9 @@
-"""Multi-process data parallel on CPU (gloo + FSDP2): 2 ranks reproduce the 1-rank run."""
+"""Multi-process data parallel on CPU (gloo + FSDP2): 2 ranks reproduce the 1-rank run, and a
+checkpoint of either resumes on the other (one checkpoint format for every world size)."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,33 +18,121 @@ COMMON = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "log.tensorboard=fals
           "train.steps=3", "rollout.prompts_per_step=8", "train.micro_batch_size=16", "train.device=cpu"]
 
 
-def launch(tmp_path, name, nproc, extra=()):
+def torchrun(cwd, nproc, *args) -> str:
+    """train_grpo.py on nproc gloo ranks; its stdout."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(ROOT / "train_grpo.py"), *COMMON, f"train.out_dir={tmp_path}", f"train.run_name={name}", *extra]
+           str(ROOT / "train_grpo.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-4000:]
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return p.stdout
+
+
+def read(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def launch(tmp_path, name, nproc, extra=()):
+    torchrun(tmp_path, nproc, *COMMON, f"train.out_dir={tmp_path}", f"train.run_name={name}", *extra)
+    return read(tmp_path / name)
 
 
 def by_step(metrics, key):
     return [m[key] for m in metrics if key in m]
 
 
-def test_two_ranks_reproduce_one_rank(tmp_path):
+def ckpt(run_dir, step):
+    return torch.load(run_dir / f"checkpoints/step_{step:06d}/state.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, Path]:
+    """{world size: run dir} of the same 3 steps (FP8 off) on 1 and on 2 ranks; checkpoints at steps 2, 3."""
+    out = tmp_path_factory.mktemp("dist")
+    extra = ["fp8.train=false", "fp8.rollout=false", "train.ckpt_every=2"]
+    return {n: launch(out, f"world{n}", n, extra) and out / f"world{n}" for n in (1, 2)}
+
+
+def test_two_ranks_reproduce_one_rank(runs):
     """Same global batch split over 2 FSDP2 ranks: same rollouts (per-sample seeds), same rewards,
-    and the same gradients (norm to fp32 rounding) step after step; checkpoints hold full tensors."""
-    extra = ["fp8.train=false", "fp8.rollout=false"]
-    one, two = launch(tmp_path, "one", 1, extra), launch(tmp_path, "two", 2, extra)
+    and the same gradients (norm to fp32 rounding) step after step; checkpoints hold full tensors
+    in one format (model and optimizer state keyed by parameter name)."""
+    one, two = read(runs[1]), read(runs[2])
     for key in ("reward/mean", "response/length_mean", "val/accuracy"):
         assert by_step(one, key) == by_step(two, key), key
     torch.testing.assert_close(by_step(two, "optim/grad_norm"), by_step(one, "optim/grad_norm"), rtol=1e-5, atol=0)
     torch.testing.assert_close(by_step(two, "mismatch/kl"), by_step(one, "mismatch/kl"), rtol=0, atol=1e-6)
-    a = torch.load(tmp_path / "one/checkpoints/step_000003/state.pt", weights_only=False)
-    b = torch.load(tmp_path / "two/checkpoints/step_000003/state.pt", weights_only=False)
-    assert a["model"].keys() == b["model"].keys() and b["world"] == 2
+    a, b = ckpt(runs[1], 3), ckpt(runs[2], 3)
+    assert a["model"].keys() == b["model"].keys() and a["world"] == 1 and b["world"] == 2
     for k in a["model"]:
         torch.testing.assert_close(b["model"][k], a["model"][k], rtol=1e-4, atol=1e-6)
+    assert list(a["optimizer"]["state"]) == list(b["optimizer"]["state"]) == list(a["model"])
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+
+
+def assert_same_optimizer(got: dict, want: dict, rtol: float, atol: float):
+    assert list(got["state"]) == list(want["state"])
+    for name, s in want["state"].items():
+        assert int(got["state"][name]["step"]) == int(s["step"]), name
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(got["state"][name][k], s[k], rtol=rtol, atol=atol, msg=f"{name} {k}")
+
+
+@pytest.mark.parametrize("written, resumed", [(2, 1), (1, 2)])
+def test_checkpoint_resumes_on_another_world_size(runs, tmp_path, written, resumed):
+    """The step-2 checkpoint of the `written`-rank run, resumed on `resumed` ranks for step 3, ends
+    where the uninterrupted `resumed`-rank run does: step 2 (loaded weights) logs its metrics, and
+    the step-3 weights and Adam state (which the loaded moments and step count shape) match it
+    to fp32 rounding. Dropped optimizer state would restart Adam at step 1: other weights."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs[written], run_dir)
+    shutil.rmtree(run_dir / "checkpoints/step_000003")
+    out = torchrun(tmp_path, resumed, "--resume", str(run_dir), "train.steps=3")
+    assert f"resuming a {written}-rank checkpoint on {resumed} rank{'s' * (resumed > 1)}" in out
+    assert f"resumed from {run_dir / 'checkpoints'}/step_000002 at step 2" in out
+    got, want = read(run_dir), read(runs[resumed])
+    assert [m["step"] for m in got] == [m["step"] for m in want]  # one record per step (and the final val)
+    for key in ("reward/mean", "response/length_mean", "val/accuracy"):
+        assert by_step(got, key) == by_step(want, key), key
+    torch.testing.assert_close(by_step(got, "optim/grad_norm"), by_step(want, "optim/grad_norm"), rtol=1e-5, atol=0)
+    torch.testing.assert_close(by_step(got, "mismatch/kl"), by_step(want, "mismatch/kl"), rtol=0, atol=1e-6)
+    a, b = ckpt(run_dir, 3), ckpt(runs[resumed], 3)
+    assert a["world"] == resumed and a["model"].keys() == b["model"].keys()
+    for k in b["model"]:  # (dropped Adam state moves them by ~1e-3)
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5)
+    assert_same_optimizer(a["optimizer"], b["optimizer"], rtol=1e-3, atol=1e-9)
+
+
+def test_full_state_loads_in_one_process(runs, tmp_path):
+    """distributed.load_full_state on 1 rank: the 2-rank checkpoint's weights and Adam moments exactly,
+    and the same from an old single-process checkpoint (optimizer state keyed by index); export_hf
+    reads a 2-rank checkpoint like a 1-rank one."""
+    import distributed
+    import export_hf
+    from modeling import load_model_and_tokenizer
+
+    state, d = ckpt(runs[2], 2), distributed.Dist()
+    cfg = load_config(runs[2] / "config.yaml")
+    names = list(state["optimizer"]["state"])
+    by_index = {**state["optimizer"], "state": {i: state["optimizer"]["state"][n] for i, n in enumerate(names)},
+                "param_groups": [{**g, "params": [names.index(n) for n in g["params"]]}
+                                 for g in state["optimizer"]["param_groups"]]}
+    for optim_sd in (state["optimizer"], by_index):
+        model, _ = load_model_and_tokenizer(cfg.model, torch.device("cpu"))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+        distributed.load_full_state(model, optimizer, state["model"], optim_sd, d)
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, state["model"][k]), k
+        for n, p in model.named_parameters():
+            assert torch.equal(optimizer.state[p]["exp_avg"], state["optimizer"]["state"][n]["exp_avg"]), n
+            assert int(optimizer.state[p]["step"]) == 2
+        # and what this process would save again is the checkpoint's optimizer state
+        assert_same_optimizer(distributed.full_state(model, optimizer, d)[1], state["optimizer"], rtol=0, atol=0)
+    out = export_hf.main([str(runs[2] / "checkpoints/step_000002"), str(tmp_path / "hf")])
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(out)
+    for k, v in hf.state_dict().items():
+        assert torch.equal(v, state["model"][k]), k
 
 
 def test_two_ranks_with_fp8_emulation_stay_close(tmp_path):
