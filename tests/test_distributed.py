@@ -49,7 +49,7 @@ def ckpt(run_dir, step):
 def runs(tmp_path_factory) -> dict[int, Path]:
     """{world size: run dir} of the same 3 steps (FP8 off) on 1 and on 2 ranks; checkpoints at steps 2, 3."""
     out = tmp_path_factory.mktemp("dist")
-    extra = ["fp8.train=false", "fp8.rollout=false", "train.ckpt_every=2"]
+    extra = ["fp8.train=false", "fp8.rollout=false", "train.ckpt_every=2", "log.save_batch_every=2"]
     return {n: launch(out, f"world{n}", n, extra) and out / f"world{n}" for n in (1, 2)}
 
 
@@ -68,6 +68,21 @@ def test_two_ranks_reproduce_one_rank(runs):
         torch.testing.assert_close(b["model"][k], a["model"][k], rtol=1e-4, atol=1e-6)
     assert list(a["optimizer"]["state"]) == list(b["optimizer"]["state"]) == list(a["model"])
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+
+
+def test_saved_batch_holds_every_ranks_rows(runs):
+    """log.save_batch_every on 2 ranks writes the whole global batch (gathered, in rank order), the
+    same rows as the 1-rank run's."""
+    from analysis import load_rollout_batch
+
+    a, b = (load_rollout_batch(r / "batches" / "step_000002.pt") for r in (runs[1], runs[2]))
+    assert a["input_ids"].shape[0] == b["input_ids"].shape[0] == 8 * 8  # prompts_per_step x n
+    L = a["mask"].shape[1]  # each rank pads to its own longest row; the gather pads to the longest
+    assert torch.equal(b["mask"][:, :L], a["mask"]) and not b["mask"][:, L:].any()
+    assert torch.equal(b["rewards"], a["rewards"])
+    assert torch.equal(b["input_ids"][:, :L] * a["mask"], a["input_ids"] * a["mask"])
+    for k in ("rollout_logp", "old_logp"):  # step 2: the weights agree to fp32 rounding (see above)
+        torch.testing.assert_close(b[k][:, :L] * a["mask"], a[k] * a["mask"], rtol=0, atol=1e-4)
 
 
 def assert_same_optimizer(got: dict, want: dict, rtol: float, atol: float):
