@@ -331,7 +331,8 @@ def train(args) -> Path:
                                        for s in micro_batches(B, mb)])  # [B, L]
             rows = [distributed.gather_rows(x, d, pad=tokenizer.pad_token_id if x is input_ids else 0)
                     for x in (input_ids, attention_mask, mask, rollout_logp, old_logp, bf16_logp)]
-            rows += [distributed.gather_rows(x[:, None].to(device).float(), d)[:, 0].cpu() for x in (rewards, advantages)]
+            rows += [distributed.gather_rows(x[:, None].to(device).float(), d)[:, 0].cpu()
+                     for x in (rewards, advantages)]
             if rank == 0:  # every rank's rows, in rank order
                 save_rollout_batch(run_dir / "batches" / f"step_{step:06d}.pt", step, *rows, to_dict(cfg), tokenizer,
                                    model_dir)
