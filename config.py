@@ -214,6 +214,10 @@ class LogConfig:
     """Save the full rollout batch (token ids, mask, engine / trainer (as used) / trainer-BF16
     logprobs, rewards, advantages, config) to <run_dir>/batches/step_N.pt every N steps, for
     notebooks/ (analysis.load_rollout_batch); costs one extra no-grad BF16 forward. 0 = off."""
+    profile_step: int = -1
+    """Run this step under torch.profiler (CPU + CUDA, in-process vLLM included): writes
+    <run_dir>/profile/step_N_rankR.json (trace for Perfetto / chrome://tracing) and .txt (the top
+    operators by self device time, CPU time on CPU). -1 = off; step 0 includes autotuning."""
 
 
 @dataclass

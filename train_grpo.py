@@ -137,6 +137,26 @@ def micro_batches(n: int, size: int):
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def start_profile(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []),
+                   record_shapes=True)
+    prof.start()
+    return prof
+
+
+def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device) -> Path:
+    """Stop the profiler; write its trace (.json) and its top-40 operator table (.txt)."""
+    prof.stop()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"step_{step:06d}_rank{rank}"
+    prof.export_chrome_trace(f"{stem}.json")
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    stem.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+    return stem.with_suffix(".txt")
+
+
 # ----------------------------------------------------------------------------- setup
 
 def make_run_dir(cfg: Config, config_path: str | None, d: distributed.Dist) -> Path:
@@ -281,6 +301,7 @@ def train(args) -> Path:
                 disable=rank != 0, dynamic_ncols=True)
     for step in pbar:
         metrics, t_step = {}, time.perf_counter()
+        prof = start_profile(device) if step == cfg.log.profile_step else None
         if cfg.train.val_every and step % cfg.train.val_every == 0:
             metrics["val/accuracy"] = validate_accuracy(engine, val_set, tokenizer, cfg, d)
 
@@ -418,6 +439,8 @@ def train(args) -> Path:
             "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
             **reward_stats(),
         })
+        if prof is not None:
+            logger.print(f"profile: {save_profile(prof, run_dir / 'profile', step, rank, device)}")
         logger.log(step, metrics)
         pbar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in
                           ("reward/mean", "mismatch/token_mult_prob_error", "val/accuracy") if k in metrics})
