@@ -164,9 +164,14 @@ def _log_summary(kind: str, plan: dict[str, tuple[bool, str]]) -> None:
                 f"linears whose dims are multiples of {BLOCK} (see fp8.keep_bf16 / keep_*_layers), or set "
                 "fp8.train/rollout=false")
     logger.info(msg)
+    _print_rank0(msg)
+
+
+def _print_rank0(msg: str, **kwargs) -> None:
+    """print on rank 0 only (every process when torch.distributed is not initialized)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        print(msg, flush=True)
+        print(msg, flush=True, **kwargs)
 
 
 # ------------------------------------------------------------------------------------ emulation
@@ -314,9 +319,7 @@ def _warn_not_sm90(name: str, capability: tuple[int, int]) -> None:
            "SM90 (H100/H200): the trainer's FP8 linears are EMULATED (same numerics, slower than BF16). Set "
            "fp8.emulate=true to make this explicit, or fp8.train=false to train in BF16")
     logger.warning(msg)
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-        print(msg, file=sys.stderr, flush=True)
+    _print_rank0(msg, file=sys.stderr)
 
 
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:

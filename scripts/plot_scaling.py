@@ -12,29 +12,33 @@ OUT/scaling_step8b.png and prints a markdown table.
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PARTS = ("rollout", "logprobs", "train", "recalibrate", "refit")
+sys.path.insert(0, str(ROOT))
+from bench.common import read_results  # noqa: E402
+from bench.step import PARTS, summarize  # noqa: E402
+
 DATA = ROOT / "docs" / "results_data" / "multi_gpu"
 DEFAULT_TWO = [f"2 GPUs, data parallel={DATA / 'mg_step8b_2rank_tp1_metrics.jsonl'}",
                f"2 GPUs, one TP=2 engine={DATA / 'mg_step8b_2rank_tp2_metrics.jsonl'}"]
 
 
 def from_step_json(path: Path, match: str, mode: str = "bf16") -> dict:
-    runs = [r for r in json.loads(path.read_text())["runs"] if r.get("mode") == mode and match in r.get("workload", "")]
+    doc = read_results(path)
+    runs = [r for r in (doc or {}).get("runs", []) if r.get("mode") == mode and match in r.get("workload", "")]
     if not runs:
         sys.exit(f"{path}: no {mode} run whose workload contains {match!r}")
-    return {p: runs[-1].get(f"{p}_s", 0.0) for p in (*PARTS, "step")}
+    return runs[-1]
 
 
 def from_metrics(path: Path) -> dict:
-    timed = [m for m in map(json.loads, path.read_text().splitlines()) if m.get("step", 0) >= 1 and "time/step" in m]
-    if not timed:
-        sys.exit(f"{path}: no timed step (>= 1)")
-    return {p: statistics.median(m.get(f"time/{p}", 0.0) for m in timed) for p in (*PARTS, "step")}
+    """The bench/step.py summary (medians over steps >= 1) of one trainer run's metrics.jsonl."""
+    try:
+        return summarize([json.loads(line) for line in path.read_text().splitlines()], path.stem, str(path))
+    except ValueError as e:
+        sys.exit(f"{path}: {e}")
 
 
 def main():
@@ -53,14 +57,14 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    base = bars["1 GPU"]["step"]
+    base = bars["1 GPU"]["step_s"]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for i, (label, b) in enumerate(bars.items()):
         left = 0.0
         for j, part in enumerate(PARTS):
-            ax.barh(i, b[part], left=left, color=f"C{j}", label=part if i == 0 else None)
-            left += b[part]
-        ax.text(b["step"] + 0.05, i, f"{b['step']:.2f} s  (x{base / b['step']:.2f})", va="center", fontsize=9)
+            ax.barh(i, b.get(f"{part}_s", 0.0), left=left, color=f"C{j}", label=part if i == 0 else None)
+            left += b.get(f"{part}_s", 0.0)
+        ax.text(b["step_s"] + 0.05, i, f"{b['step_s']:.2f} s  (x{base / b['step_s']:.2f})", va="center", fontsize=9)
     ax.set_yticks(range(len(bars)), list(bars))
     ax.invert_yaxis()
     ax.set_xlim(0, base * 1.35)
@@ -72,8 +76,8 @@ def main():
     fig.savefig(args.out / "scaling_step8b.png", dpi=120)
     print("| setup | step s | rollout s | logprobs s | train s | refit s | speed-up |\n|---|---|---|---|---|---|---|")
     for label, b in bars.items():
-        print(f"| {label} | {b['step']:.2f} | {b['rollout']:.2f} | {b['logprobs']:.2f} | {b['train']:.2f} | "
-              f"{b['refit']:.3f} | {base / b['step']:.2f}x |")
+        print(f"| {label} | {b['step_s']:.2f} | {b.get('rollout_s', 0):.2f} | {b.get('logprobs_s', 0):.2f} | "
+              f"{b.get('train_s', 0):.2f} | {b.get('refit_s', 0):.3f} | {base / b['step_s']:.2f}x |")
     print(f"wrote {args.out / 'scaling_step8b.png'}")
 
 
