@@ -184,8 +184,9 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
 
     architecture: the trainer's class (e.g. LlamaForCausalLM), forced through hf_overrides so a
     config dir without "architectures" (modeling.save_config_dir writes it; older dirs may lack
-    it) cannot make vLLM 0.26 resolve the headless LlamaModel. quant_config: fp8.export.vllm_quantization_config (fp8.rollout), whose
-    ignored_layers are the HF linears THE skip-list keeps in BF16."""
+    it) cannot make vLLM 0.26 resolve the headless LlamaModel. quant_config:
+    fp8.export.vllm_quantization_config (fp8.rollout), whose ignored_layers are the HF linears THE
+    skip-list keeps in BF16."""
     r, f = cfg.rollout, cfg.fp8
     overrides = {"architectures": [architecture]} if architecture else {}
     kw = dict(
