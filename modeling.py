@@ -39,8 +39,8 @@ def build_tiny_model(t: TinyModelConfig, tokenizer, dtype: torch.dtype):
 
     cls_cfg, cls_model = (LlamaConfig, LlamaForCausalLM) if t.arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
     hf_cfg = cls_cfg(vocab_size=max(len(tokenizer), t.vocab_size), hidden_size=t.hidden_size,
-                     intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers, num_attention_heads=t.num_heads,
-                     num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim,
+                     intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
+                     num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim,
                      max_position_embeddings=t.max_position_embeddings, tie_word_embeddings=False,
                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id)
