@@ -13,10 +13,10 @@ together, identically, and each keeps its own slice (`rollout_share`).
 
 The trainer is FSDP2: `fully_shard` per decoder layer, then the root; parameters keep their
 dtype (fp32 master or bf16), compute runs in bf16 where the run asks for it, and gradients are
-reduce-scattered in fp32. FP8 linears (torchao or emulated) are converted before
-sharding, so they see the all-gathered weight exactly like on one GPU. Refit streams the export
-one parameter at a time (`fp8/export.py` gathers each DTensor with `full_tensor()`): no full-model
-copy on any rank.
+reduce-scattered in fp32. FP8 linears (torchao or emulated) are converted before sharding, so
+they see the all-gathered weight exactly like on one GPU. Refit streams the export one parameter
+at a time (`fp8/export.py` gathers each DTensor with `full_tensor()`): no full-model copy on any
+rank.
 
 Loss scaling: a micro-batch's loss is weighted by its share of the GLOBAL mini-batch (tokens or
 rows), and FSDP2's gradient averaging over ranks is undone by `grad_scale` = world size, so the

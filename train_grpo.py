@@ -184,8 +184,8 @@ def validate_accuracy(engine, val_set, tokenizer, cfg: Config, d: distributed.Di
     samples = engine.generate([ex["prompt_ids"] for ex in mine], n=1, temperature=0.0, top_p=1.0,
                               max_new_tokens=cfg.rollout.max_new_tokens)
     texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-    counted = d.rank % d.tp == 0  # the group's first rank counts its engine's answers
-    correct = torch.tensor(float(counted * sum(math_reward(t, ex["answer"]) for t, ex in zip(texts, mine))),
+    counted = d.rank % d.tp == 0  # the group's first rank scores its engine's answers; the others add 0
+    correct = torch.tensor(float(sum(math_reward(t, ex["answer"]) for t, ex in zip(texts, mine)) if counted else 0),
                            device=d.device)
     return float(distributed.all_sum(correct, d)) / len(val)
 
