@@ -151,6 +151,10 @@ class FP8Config:
     """fnmatch patterns of module names kept in BF16 (e.g. '*.down_proj')."""
     keep_first_layers: int = 0
     keep_last_layers: int = 0
+    fuse_projections: bool = True
+    """Trainer: q/k/v and gate/up of a layer as ONE FP8 GEMM each on the concatenated weights, as
+    vLLM computes qkv_proj/gate_up_proj (the input is quantized once per group; same numerics up
+    to accumulation order; parameter names unchanged). False: one GEMM per linear (ablation)."""
     emulate: bool = False
     """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
     the emulation (same numerics, slower than BF16), with a warning unless this is set."""

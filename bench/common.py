@@ -39,7 +39,13 @@ def write_results(name: str, runs: list[dict], out_dir: Path = RESULTS, device: 
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     doc = {"device": device, "date": date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
            "runs": runs, **extra}
-    path = out_dir / f"{name}.json"
+    return write_json(out_dir / f"{name}.json", doc)
+
+
+def write_json(path: Path, doc) -> Path:
+    """json.dumps(doc) to path atomically (a temp file, then rename): never half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=1))
     tmp.replace(path)

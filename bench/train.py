@@ -20,8 +20,10 @@ step. A micro-batch is tokens / seq_len causal rows of --seq-len (default 2048; 
 packed documents of that length, without a varlen kernel; the token count (a multiple of 128,
 which torchao's wgrad needs) is what the linears see. Modes:
   bf16         nn.Linear everywhere
-  fp8          fp8.linear.convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8
-  fp8_kv_bf16  fp8 with FP8Config.keep_bf16 = ['*.k_proj', '*.v_proj']; the shared skip-list (fp8_plan)
+  fp8          fp8.linear.convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8,
+               q/k/v and gate/up as one GEMM each (fp8.fuse_projections, as vLLM computes them)
+  fp8_unfused  fp8 with fuse_projections=False: one GEMM (and one quantization of the input) per linear
+  fp8_kv_bf16  (not in the default set) fp8 with FP8Config.keep_bf16 = ['*.k_proj', '*.v_proj']; the shared skip-list (fp8_plan)
                keeps q_proj in BF16 with them (vLLM fuses q/k/v into one qkv_proj that is all FP8 or
                all BF16), so attention's input projections are BF16, o_proj and the MLP FP8
   fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
@@ -48,17 +50,26 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (RESULTS, cuda_time_ms, markdown_table, merge_runs, parse_choices,  # noqa: E402
-                          read_results, write_results)
+                          read_results, write_json, write_results)
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (4096, 1024),
           "gate/up_proj": (4096, 14336), "down_proj": (14336, 4096)}
-STACK_MODES = {  # mode -> FP8Config.keep_bf16 (None = no conversion)
+STACK_MODES = {  # mode -> FP8Config overrides (None = no conversion)
     "bf16": None,
-    "fp8": [],
-    "fp8_kv_bf16": ["*.k_proj", "*.v_proj"],
-    "fp8_mlp": ["*.self_attn.*"],
+    "fp8": {},
+    "fp8_unfused": {"fuse_projections": False},
+    "fp8_kv_bf16": {"keep_bf16": ["*.k_proj", "*.v_proj"]},
+    "fp8_mlp": {"keep_bf16": ["*.self_attn.*"]},
 }
-DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_kv_bf16"]
+DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_unfused"]
+# Kernel name -> category for --profile (first match wins; checked against lower-cased names).
+KERNEL_CATEGORIES = [
+    ("fp8 quantize", ("fp8_blockwise", "quant")),
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "scaled_mm", "sm90_", "splitk")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("copy/cat", ("copy", "cat", "memcpy", "memset", "fill")),
+]
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                   head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072)
 
@@ -117,7 +128,7 @@ def build_stack(hf_cfg, mode: str, device, seed: int = 0):
     model = model.to(torch.bfloat16).train()
     converted = []
     if STACK_MODES[mode] is not None:
-        converted = convert_to_fp8_training(model, FP8Config(train=True, keep_bf16=list(STACK_MODES[mode])))
+        converted = convert_to_fp8_training(model, FP8Config(train=True, **STACK_MODES[mode]))
     return model, converted
 
 
@@ -158,8 +169,40 @@ def stack_flops(hf_cfg, tokens: int, seq_len: int) -> float:
     return 6 * linear_params * tokens + 6 * seq_len**2 * h * (tokens // seq_len) * L
 
 
+def kernel_category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "elementwise/norm/other")
+
+
+def summarize_kernels(kernels: list[tuple[str, float]], iters: int, top: int = 12) -> dict:
+    """[(kernel name, total ms)] over `iters` iterations -> ms/iter per category and the top kernels."""
+    total = sum(ms for _, ms in kernels) or 1.0
+    cats: dict[str, float] = {}
+    for name, ms in kernels:
+        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
+    ranked = sorted(kernels, key=lambda k: -k[1])[:top]
+    return {"gpu_ms_per_iter": total / iters,
+            "categories": {c: {"ms": ms / iters, "share": ms / total} for c, ms in sorted(cats.items(), key=lambda c: -c[1])},
+            "top_kernels": [{"name": n[:120], "category": kernel_category(n), "ms": ms / iters} for n, ms in ranked]}
+
+
+def profile_kernels(fn, iters: int = 2) -> dict:
+    """Run fn `iters` times under torch.profiler (CUDA activity) and summarize its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    return summarize_kernels(kernels, iters)
+
+
 def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, modes=DEFAULT_STACK_MODES,
-                warmup: int = 3, iters: int = 10, device="cuda", timer=None) -> list[dict]:
+                warmup: int = 3, iters: int = 10, device="cuda", timer=None, profile_dir: Path | None = None
+                ) -> list[dict]:
     timer = timer or (lambda fn: cuda_time_ms(fn, warmup=warmup, iters=iters))
     hf_cfg = stack_config(layers)
     runs, ref, bf16_ms = [], {}, {}
@@ -188,6 +231,12 @@ def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, mode
                    "bf16_linears": n_linear - len(converted)}
             if device != "cpu" and torch.cuda.is_available():
                 run["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if profile_dir is not None:
+                prof = profile_kernels(lambda: stack_step(model, opt, x, pos, grad))
+                run["profile"] = prof["categories"]
+                write_json(Path(profile_dir) / f"profile_stack_{mode}_{t}.json", {**run, **prof})
+                print(f"  kernels {prof['gpu_ms_per_iter']:.1f} ms/iter: " + ", ".join(
+                    f"{c} {v['ms']:.1f} ({v['share']:.0%})" for c, v in prof["categories"].items()), flush=True)
             runs.append(run)
             sp = f"x{run['speedup']:.2f} vs bf16" if run["speedup"] else ""
             print(f"{run['workload']} {mode}: {ms:.1f} ms/iter, {run['tok_s']:,.0f} tok/s, "
@@ -241,6 +290,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"stack: comma list of {list(STACK_MODES)}")
     p.add_argument("--warmup", type=int, default=3, help="stack: untimed iterations (autotuning happens here)")
     p.add_argument("--iters", type=int, default=10, help="stack: timed iterations")
+    p.add_argument("--profile", action="store_true",
+                   help="stack: also profile 2 iterations per run (torch.profiler): GPU time per kernel category "
+                        "(gemm, fp8 quantize, attention, optimizer, ...) in train.json and OUT/profile_stack_*.json")
     return p
 
 
@@ -255,7 +307,8 @@ def main(argv=None):
         sys.exit("bench/train.py needs a Hopper (SM90) GPU: torchao's block-wise FP8 kernels are SM90-only")
     out = Path(args.out)
     if args.what in ("stack", "all"):
-        runs = bench_stack(args.layers, args.tokens, args.seq_len, args.modes, args.warmup, args.iters)
+        runs = bench_stack(args.layers, args.tokens, args.seq_len, args.modes, args.warmup, args.iters,
+                           profile_dir=out if args.profile else None)
         print(f"wrote {save_train_results(runs, out)}")
         print(markdown_table(runs, STACK_COLS))
     if args.what in ("linear", "all"):

@@ -177,31 +177,54 @@ def _print_rank0(msg: str, **kwargs) -> None:
 # ------------------------------------------------------------------------------------ emulation
 
 
-class _EmulatedFP8MM(torch.autograd.Function):
-    """y = fq1x128(x) @ fq128x128(W).T with torchao's backward recipe (fq = quantize-dequantize).
+class _BlockFP8MM(torch.autograd.Function):
+    """y = x @ cat(weights).T with block-FP8 GEMM operands and torchao's backward recipe.
 
-    Shapes: x [..., K], W [N, K] -> y [..., N]. The weight is re-quantized in backward instead of
-    saving a float32 copy (torchao does the same), so memory matches a BF16 linear.
+    Shapes: x [..., K], weights [N_i, K] -> y [..., sum N_i] (one weight for a plain linear, a
+    fused group's members otherwise: see FusedProjections). `kernels` does the three quantized
+    GEMMs: fwd(x2, w) = q1x128(x) @ q128x128(W).T, dgrad(g2, w) = q1x128(g) @ q128x128(W),
+    wgrad(g2, x2) = q128x1(g).T @ q128x1(x), where 128x1 groups run along the token dim (the
+    contracting dim of the wgrad GEMM). Saved for backward: x and the members' weights, not their
+    concatenation (re-concatenated in backward), and the weight is re-quantized there (as torchao
+    does), so memory matches BF16 linears.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, act_recipe: str) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-        y = fake_quant_act_1x128(x2, act_recipe) @ fake_quant_weight(weight).t()  # fp32 [M, N]
-        ctx.save_for_backward(x, weight)
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    def forward(ctx, x: Tensor, kernels, *weights: Tensor) -> Tensor:
+        w = weights[0] if len(weights) == 1 else torch.cat(weights)
+        y = kernels.fwd(x.reshape(-1, x.shape[-1]), w)
+        ctx.kernels = kernels
+        ctx.save_for_backward(x, *weights)
+        return y.reshape(*x.shape[:-1], w.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, weight = ctx.saved_tensors
-        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # [M, N]
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:  # dgrad: grad_out 1x128 tiles, W 128x128 blocks
-            grad_x = (fake_quant_act_1x128(g2) @ fake_quant_weight(weight)).to(x.dtype).reshape(x.shape)
-        if ctx.needs_input_grad[1]:  # wgrad: both operands in 128x1 groups along the token dim M
-            x2 = x.reshape(-1, x.shape[-1])
-            grad_w = (fake_quant_act_128x1(g2).t() @ fake_quant_act_128x1(x2)).to(weight.dtype)
-        return grad_x, grad_w, None
+        x, *weights = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # [M, N]
+        grad_x, grad_ws = None, [None] * len(weights)
+        if ctx.needs_input_grad[0]:
+            w = weights[0] if len(weights) == 1 else torch.cat(weights)
+            grad_x = ctx.kernels.dgrad(g2, w).to(x.dtype).reshape(x.shape)
+        if any(ctx.needs_input_grad[2:]):
+            grad_w = ctx.kernels.wgrad(g2, x.reshape(-1, x.shape[-1]))  # [N, K]
+            grad_ws = [g.to(w.dtype) for g, w in zip(grad_w.split([w.shape[0] for w in weights]), weights)]
+        return grad_x, None, *grad_ws
+
+
+class _EmulatedKernels:
+    """_BlockFP8MM's GEMMs as quantize-dequantize (fp8/quant.py) + one float32 matmul, any device."""
+
+    def __init__(self, act_recipe: str):
+        self.act_recipe = act_recipe
+
+    def fwd(self, x2: Tensor, w: Tensor) -> Tensor:
+        return (fake_quant_act_1x128(x2, self.act_recipe) @ fake_quant_weight(w).t()).to(x2.dtype)
+
+    def dgrad(self, g2: Tensor, w: Tensor) -> Tensor:
+        return fake_quant_act_1x128(g2) @ fake_quant_weight(w)
+
+    def wgrad(self, g2: Tensor, x2: Tensor) -> Tensor:
+        return fake_quant_act_128x1(g2).t() @ fake_quant_act_128x1(x2)
 
 
 class EmulatedFP8Linear(nn.Linear):
@@ -212,10 +235,12 @@ class EmulatedFP8Linear(nn.Linear):
     """
 
     fp8_enabled = True  # False inside bf16_reference()
+    _fused: FusedProjections | None = None  # set by convert_to_fp8_training (fp8.fuse_projections)
 
     def __init__(self, *args, act_recipe: str = "torchao", **kwargs):
         super().__init__(*args, **kwargs)
         self.act_recipe = act_recipe
+        self._kernels = _EmulatedKernels(act_recipe)
         self._fp8_weight: tuple[Tensor, Tensor, int, int] | None = None  # q, scale_inv, version, ptr
 
     @classmethod
@@ -253,42 +278,148 @@ class EmulatedFP8Linear(nn.Linear):
             x2 = x.reshape(-1, x.shape[-1])
             y = (fake_quant_act_1x128(x2, self.act_recipe) @ w.t()).to(x.dtype)
             y = y.reshape(*x.shape[:-1], w.shape[0])
+        elif self._fused is not None:
+            y = self._fused(self, x)
         else:
-            y = _EmulatedFP8MM.apply(x, self.weight, self.act_recipe)
+            y = self._mm(x, self.weight)
         return y if self.bias is None else y + self.bias
+
+    def _mm(self, x: Tensor, *weights: Tensor) -> Tensor:
+        return _BlockFP8MM.apply(x, self._kernels, *weights)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=block128, act_recipe={self.act_recipe}"
 
 
+# ------------------------------------------------------------------------------------ fusion
+
+
+class FusedProjections:
+    """The FP8 linears of one vLLM fused group (q/k/v or gate/up of one parent) as ONE FP8 GEMM.
+
+    vLLM computes qkv_proj and gate_up_proj as one GEMM each; the trainer's HF modules call
+    q_proj(h), k_proj(h), v_proj(h) (gate_proj(h), up_proj(h)) on the same tensor h. The first
+    member called with h multiplies h by the members' concatenated weights and keeps the output;
+    each sibling called with that same h (same object, version and grad mode) takes its slice.
+    The quantization is that of separate linears - 1x128 tiles of h, 128x128 blocks of each W
+    (concatenating along the output dim at multiples of 128 changes no block), grad_out tiles
+    inside one member's columns - but h is quantized once per group instead of once per member
+    (forward and wgrad), the thin k/v GEMMs (N=1024) ride in one wide GEMM, and h is saved once
+    for backward. dgrad sums the members' contributions inside one fp32 accumulation instead of
+    adding BF16 results. Any other call pattern (a member alone, a different input) still gives
+    the right output: it just recomputes the group's GEMM.
+    """
+
+    def __init__(self, members: list[nn.Module]):
+        self.members = members
+        self.sizes = [m.out_features for m in members]
+        self._x: Tensor | None = None
+        self._key: tuple[int, bool] | None = None
+        self._outs: tuple[Tensor, ...] = ()
+        self._pending: set[int] = set()
+
+    def __call__(self, member: nn.Module, x: Tensor) -> Tensor:
+        i = next(j for j, m in enumerate(self.members) if m is member)
+        key = (x._version, torch.is_grad_enabled())
+        if not (self._x is x and self._key == key and i in self._pending):
+            self._outs = member._mm(x, *(m.weight for m in self.members)).split(self.sizes, dim=-1)
+            self._x, self._key, self._pending = x, key, set(range(len(self.members)))
+        self._pending.discard(i)
+        out = self._outs[i]
+        if not self._pending:  # every member served: drop the references
+            self._x, self._outs = None, ()
+        return out
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Link each parent's q/k/v and gate/up FP8 linears into a FusedProjections; returns the count.
+
+    A group is linked only if all its members are FP8 linears of one class with the same input
+    size, weight dtype and device (fp8_plan already makes a group all-FP8 or all-BF16)."""
+    n = 0
+    for parent in model.modules():
+        for leaves in _FUSED_GROUPS:
+            members = [getattr(parent, leaf, None) for leaf in leaves]
+            if not all(is_fp8_linear(m) for m in members) or len({type(m) for m in members}) > 1:
+                continue
+            if len({(m.in_features, m.weight.dtype, m.weight.device) for m in members}) > 1:
+                continue
+            group = FusedProjections(members)
+            for m in members:
+                m._fused = group
+            n += 1
+    return n
+
+
 # ------------------------------------------------------------------------------------ torchao
+
+
+class _TorchaoKernels:
+    """_BlockFP8MM's GEMMs with torchao 0.18's Triton quantizers and cuBLAS block-scaled GEMMs
+    (the kernel sequence of torchao's fp8_blockwise_mm; BF16 output). Needs M % 128 == 0."""
+
+    def __init__(self):
+        from torchao.prototype.blockwise_fp8_training import kernels as k
+        from torchao.prototype.blockwise_fp8_training.linear import _scaled_mm
+
+        self.k, self.scaled_mm = k, _scaled_mm
+
+    def fwd(self, x2: Tensor, w: Tensor) -> Tensor:
+        k = self.k
+        xq, xs = k.triton_fp8_blockwise_act_quant_lhs(x2.contiguous(), BLOCK)
+        wq, ws = k.triton_fp8_blockwise_weight_quant_transposed_rhs(w, block_size=BLOCK)
+        return self.scaled_mm(xq, wq, xs, k.BLOCKWISE_1X128_SCALING_TYPE, ws, k.BLOCKWISE_128X128_SCALING_TYPE,
+                              torch.bfloat16)
+
+    def dgrad(self, g2: Tensor, w: Tensor) -> Tensor:
+        k = self.k
+        gq, gs = k.triton_fp8_blockwise_act_quant_lhs(g2, BLOCK)
+        wq, ws = k.triton_fp8_blockwise_weight_quant_rhs(w, block_size=BLOCK)
+        return self.scaled_mm(gq, wq, gs, k.BLOCKWISE_1X128_SCALING_TYPE, ws, k.BLOCKWISE_128X128_SCALING_TYPE,
+                              torch.bfloat16)
+
+    def wgrad(self, g2: Tensor, x2: Tensor) -> Tensor:
+        k = self.k
+        gq, gs = k.triton_fp8_blockwise_act_quant_transposed_lhs(g2, BLOCK)  # g.T [N, M], 1x128 along M
+        xq, xs = k.triton_fp8_blockwise_act_quant_rhs(x2.contiguous(), BLOCK)  # x [M, K], 128x1 along M
+        return self.scaled_mm(gq, xq, gs, k.BLOCKWISE_1X128_SCALING_TYPE, xs.transpose(-1, -2),
+                              k.BLOCKWISE_1X128_SCALING_TYPE, torch.bfloat16)
 
 
 @functools.cache
 def torchao_linear_cls() -> type:
-    """TorchaoFP8Linear: torchao's Float8BlockwiseLinear + bf16_reference switch + token padding.
+    """TorchaoFP8Linear: torchao's Float8BlockwiseLinear (its from_float) computing through
+    _BlockFP8MM with torchao's kernels, + bf16_reference switch, token padding and fusion.
 
     Imported lazily: torchao pulls in Triton, and the CPU path never needs it.
     """
-    from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear, fp8_blockwise_mm
+    from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 
     class TorchaoFP8Linear(Float8BlockwiseLinear):
         fp8_enabled = True
+        _fused: FusedProjections | None = None
 
         def forward(self, x: Tensor) -> Tensor:
             if not self.fp8_enabled:
                 return F.linear(x, self.weight)
+            return self._fused(self, x) if self._fused is not None else self._mm(x, self.weight)
+
+        def _mm(self, x: Tensor, *weights: Tensor) -> Tensor:
             x2 = x.reshape(-1, x.shape[-1])  # [M, K]
             m = x2.shape[0]
             if m % BLOCK:  # torchao's wgrad kernels need M % 128 == 0; zero rows are exact
                 x2 = F.pad(x2, (0, 0, 0, BLOCK - m % BLOCK))
-            y = fp8_blockwise_mm.apply(x2.contiguous(), self.weight, self.block_size, self.dtype,
-                                       self.use_triton)
+            y = _BlockFP8MM.apply(x2, _torchao_kernels(), *weights)
             return y[:m].reshape(*x.shape[:-1], y.shape[-1])
 
     TorchaoFP8Linear.__module__, TorchaoFP8Linear.__qualname__ = __name__, "TorchaoFP8Linear"
     globals()["TorchaoFP8Linear"] = TorchaoFP8Linear  # picklable by reference
     return TorchaoFP8Linear
+
+
+@functools.cache
+def _torchao_kernels() -> _TorchaoKernels:
+    return _TorchaoKernels()
 
 
 def is_fp8_linear(m: nn.Module) -> bool:
@@ -348,7 +479,10 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
         _replace(model, raw_name, new)
         converted.append(name)
         kinds.add(kind)
-    _log_summary("block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")", plan)
+    kind = "block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")"
+    if cfg.fuse_projections and (n := fuse_projections(model)):
+        kind += f", {n} q/k/v + gate/up groups fused into one GEMM each"
+    _log_summary(kind, plan)
     return converted
 
 

@@ -399,7 +399,7 @@ def test_stack_inputs_and_flops():
     assert bt.stack_flops(cfg, 16384, 2048) == 6 * linear * 16384 + 6 * 2048**2 * 4096 * 8 * 4
     args = bt.build_parser().parse_args(["stack", "--tokens", "8192,16384", "--modes", "bf16,fp8_kv_bf16"])
     assert args.tokens == [8192, 16384] and args.modes == ["bf16", "fp8_kv_bf16"] and args.layers == 4
-    assert bt.build_parser().parse_args(["all"]).modes == ["bf16", "fp8", "fp8_kv_bf16"]
+    assert bt.build_parser().parse_args(["all"]).modes == ["bf16", "fp8", "fp8_unfused"]
     with pytest.raises(SystemExit):
         bt.build_parser().parse_args(["stack", "--modes", "fp4"])
 
@@ -432,3 +432,17 @@ def test_gpu_check_script_parses():
     assert r.returncode == 0, r.stderr
     text = (REPO / "scripts/gpu_check.sh").read_text()
     assert "bench/rollout.py" in text and "bench/train.py" in text
+
+
+def test_kernel_summary_categories():
+    """--profile's kernel table: names map to categories, ms are per iteration, shares add up."""
+    kernels = [("triton_fp8_blockwise_act_quant_lhs_kernel", 4.0), ("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA", 10.0),
+               ("pytorch_flash::flash_fwd_kernel<...>", 3.0), ("void at::native::(anonymous)::fused_adam", 1.0),
+               ("void at::native::vectorized_elementwise_kernel<4, silu>", 1.0), ("CatArrayBatchedCopy", 1.0)]
+    s = bt.summarize_kernels(kernels, iters=2, top=3)
+    cats = s["categories"]
+    assert s["gpu_ms_per_iter"] == 10.0
+    assert {c: v["ms"] for c, v in cats.items()} == {"gemm": 5.0, "fp8 quantize": 2.0, "attention": 1.5,
+                                                     "optimizer": 0.5, "elementwise/norm/other": 0.5, "copy/cat": 0.5}
+    assert list(cats)[0] == "gemm" and abs(sum(v["share"] for v in cats.values()) - 1) < 1e-9
+    assert [k["category"] for k in s["top_kernels"]] == ["gemm", "fp8 quantize", "attention"]

@@ -180,3 +180,61 @@ def test_rollout_conversion_and_pinned_weight():
     assert lin._fp8_weight is None
     assert torch.equal(y, (dequantize_act_1x128(*quantize_act_1x128(x, "vllm"))
                            @ dequantize_blockwise(*quantize_blockwise(lin.weight)).t()).to(torch.bfloat16))
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_fused_projections_match_separate_linears():
+    """fp8.fuse_projections: q/k/v and gate/up run as ONE GEMM on the concatenated weights with
+    the same quantization, so logits and every gradient equal the one-GEMM-per-linear model's up
+    to fp32 accumulation order; the members' outputs are slices of one GEMM's output."""
+    ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
+    sep, fused = tiny_llama(layers=2), tiny_llama(layers=2)
+    convert_to_fp8_training(sep, FP8Config(fuse_projections=False))
+    convert_to_fp8_training(fused, FP8Config())
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert attn.q_proj._fused is attn.k_proj._fused is attn.v_proj._fused is not None
+    assert mlp.gate_proj._fused is mlp.up_proj._fused is not None and mlp.down_proj._fused is None
+    assert sep.model.layers[0].self_attn.q_proj._fused is None
+    assert dict(sep.named_parameters()).keys() == dict(fused.named_parameters()).keys()  # names unchanged
+
+    calls = []
+    orig = type(attn.q_proj)._mm
+    type(attn.q_proj)._mm = lambda self, x, *ws: calls.append(len(ws)) or orig(self, x, *ws)
+    try:
+        logits_f, grads_f = _loss_and_grads(fused, ids)
+    finally:
+        type(attn.q_proj)._mm = orig
+    assert calls == [3, 1, 2, 1] * 2, calls  # qkv, o, gate_up, down per layer
+    logits_s, grads_s = _loss_and_grads(sep, ids)
+    torch.testing.assert_close(logits_f, logits_s, rtol=1e-5, atol=1e-5)
+    for name, g in grads_s.items():  # 1e-7 typically; a grad_out element that lands on the other
+        # side of an FP8 rounding boundary (different summation order upstream) gives ~1e-4
+        assert (grads_f[name] - g).norm() <= 1e-3 * g.norm(), name
+    # and quantization is really on: the BF16 reference differs
+    with bf16_reference(fused):
+        assert not torch.allclose(fused(input_ids=ids).logits, logits_f, atol=1e-5)
+
+
+def test_fused_member_called_alone_or_twice():
+    """A member called with a new input, alone or repeatedly, recomputes the group's GEMM and
+    still returns its own output (an in-place change of the input also invalidates the cache)."""
+    model = tiny_llama(layers=1)
+    convert_to_fp8_training(model, FP8Config())
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, 5, 256)
+    for lin in (attn.k_proj, attn.k_proj, attn.v_proj):
+        with bf16_reference(model):
+            ref = F.linear(x, lin.weight)
+        torch.testing.assert_close(lin(x), EmulatedFP8Linear._mm(lin, x, lin.weight))
+        assert (lin(x) - ref).abs().max() < 0.1 * ref.abs().max()
+    q1 = attn.q_proj(x)
+    x.mul_(2)  # same object, new version: q_proj must not serve the stale cache to k_proj
+    torch.testing.assert_close(attn.k_proj(x), EmulatedFP8Linear._mm(attn.k_proj, x, attn.k_proj.weight))
+    assert attn.q_proj._fused._x is not None  # q and v of the new input still pending
+    assert q1.shape == (3, 5, 256)
