@@ -101,7 +101,7 @@ def test_act_quant_equals_torchao_triton(ao, dtype):
 
 def test_torchao_linear_uses_quant_py_weights(monkeypatch):
     """Intercept the weight operand torchao's linear hands to its FP8 GEMM (forward and dgrad)."""
-    import torchao.prototype.blockwise_fp8_training.linear as tl
+    import torchao.prototype.blockwise_fp8_training.kernels as tl
 
     seen = {}
     for name in ("triton_fp8_blockwise_weight_quant_transposed_rhs", "triton_fp8_blockwise_weight_quant_rhs"):
@@ -116,6 +116,40 @@ def test_torchao_linear_uses_quant_py_weights(monkeypatch):
     y, s2 = seen["triton_fp8_blockwise_weight_quant_rhs"]
     assert same_bytes(y_t.t(), q) and torch.equal(s_t.t(), s)
     assert same_bytes(y, q) and torch.equal(s2, s)
+
+
+def test_torchao_linear_equals_torchao_fp8_blockwise_mm():
+    """Our _BlockFP8MM with torchao's kernels is torchao's fp8_blockwise_mm, bit for bit (output,
+    dgrad, wgrad); a fused q/k/v group equals the three linears up to accumulation order."""
+    from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+    torch.manual_seed(0)
+    lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    mod = torchao_linear_cls().from_float(lin)
+    x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for fn in (mod, lambda xi: fp8_blockwise_mm.apply(xi, lin.weight, 128, torch.bfloat16, False)):
+        xi = x.clone().requires_grad_(True)
+        lin.weight.grad = None
+        y = fn(xi)
+        y.backward(g)
+        outs.append((y.detach(), xi.grad, lin.weight.grad.clone()))
+    for ours, theirs in zip(*outs):
+        assert torch.equal(ours, theirs)
+
+    def run(fuse):
+        torch.manual_seed(1)
+        model = small_llama()
+        convert_to_fp8_training(model, FP8Config(fuse_projections=fuse))
+        ids = torch.randint(0, 512, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.logits.detach().float(), model.model.layers[1].self_attn.k_proj.weight.grad.float()
+
+    (lf, gf), (ls, gs) = run(True), run(False)
+    print(f"\nfused vs separate: logits rel {rel(lf, ls):.2e}, k_proj grad rel {rel(gf, gs):.2e}")
+    assert rel(lf, ls) < 1e-2 and rel(gf, gs) < 2e-2
 
 
 def small_llama():
