@@ -174,7 +174,7 @@ def kernel_category(name: str) -> str:
     return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "elementwise/norm/other")
 
 
-def summarize_kernels(kernels: list[tuple[str, float]], iters: int, top: int = 12) -> dict:
+def summarize_kernels(kernels: list[tuple[str, float]], iters: int, top: int = 40) -> dict:
     """[(kernel name, total ms)] over `iters` iterations -> ms/iter per category and the top kernels."""
     total = sum(ms for _, ms in kernels) or 1.0
     cats: dict[str, float] = {}
