@@ -3,6 +3,7 @@
     python bench/step.py                                    # bench/step_8b.yaml, all four modes
     python bench/step.py --modes bf16,fp8kv rollout.max_new_tokens=1024 --out /tmp/out
     python bench/step.py --merge gpu0/step.json gpu1/step.json     # modes run on two GPUs of one host
+    python bench/step.py --config bench/step_8b_long.yaml --steps 2 --modes bf16,fp8kv   # 128 x 4096 tokens
 
 Each mode runs the real trainer (train_grpo.py, so nothing here can drift from the recipe) in
 its own process (vLLM allows one engine per process) on bench/step_8b.yaml: a random-weight
@@ -12,13 +13,15 @@ Llama-3.1-8B-shape model, vLLM colocated with sleep mode, fixed-length generatio
   fp8kv  fp8 + FP8 KV cache and FP8 attention in vLLM, q/k/v scales recalibrated every step
          (a separate forward over fp8.calib_samples rows after the update)
   fp8kv_lp  fp8kv with fp8.calib_pass=logprobs (amax captured in the old_logp forward: no extra pass)
-Step 0 (Triton autotune, CUDA-graph capture) is reported separately; the figures are medians
+Step 0 (Triton autotune, CUDA-graph capture) is reported separately (TRITON_CACHE_AUTOTUNING=1 is
+set for the trainers, so a later process on the same host skips the autotuning); the figures are medians
 over steps 1..N-1 of the trainer's own time/* metrics. Writes bench/results/step.json
 (schema: ../shared/DESIGN.md) after every mode, and prints a markdown table.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -130,6 +133,7 @@ def main():
                      f"->{cfg.rollout.max_new_tokens} tokens, {cfg.model.tiny.num_layers} layers, micro-batch "
                      f"{cfg.train.micro_batch_size}")
     out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # the trainers keep torchao's autotuning on disk
     runs = []
     for mode in modes:
         runs.append(run_mode(mode, args, args.overrides, Path(args.runs), out))

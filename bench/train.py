@@ -27,8 +27,14 @@ which torchao's wgrad needs) is what the linears see. Modes:
                keeps q_proj in BF16 with them (vLLM fuses q/k/v into one qkv_proj that is all FP8 or
                all BF16), so attention's input projections are BF16, o_proj and the MLP FP8
   fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
+  <mode>_compile  <mode> with every decoder layer torch.compile'd (inductor, static shapes, as
+               torchtitan compiles per block): norms, RoPE, SiLU*mul and residual adds fused into few
+               Triton kernels; our FP8 autograd Function is traced (fused groups included: one graph,
+               4 FP8 GEMMs per layer), torchao's quantizers and GEMMs are opaque custom ops in it.
+               Its speedup is against bf16_compile; speedup_eager against bf16.
 Reported: ms/iter (median of --iters after --warmup, CUDA events), tok_s, tflops (6 x linear params
-x tokens + 6 x seq_len^2 x hidden x rows x layers for causal attention, fwd + bwd), speedup vs bf16,
+x tokens + 6 x seq_len^2 x hidden x rows x layers for causal attention, fwd + bwd), speedup vs bf16
+(vs bf16_compile for a compiled mode; speedup_eager: vs bf16 for every mode),
 peak memory, rel_err of the stack's output vs bf16 (same weights, before any step).
 
 Both write OUT/train.json (default bench/results): runs of the other subcommand already in that
@@ -42,6 +48,7 @@ and later processes on the same host skip the ~17 s per kernel and shape; within
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # read when torchao's @triton.autotune kernels are defined
@@ -54,14 +61,16 @@ from bench.common import (RESULTS, cuda_time_ms, markdown_table, merge_runs, par
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (4096, 1024),
           "gate/up_proj": (4096, 14336), "down_proj": (14336, 4096)}
-STACK_MODES = {  # mode -> FP8Config overrides (None = no conversion)
+STACK_MODES = {  # mode -> FP8Config overrides (None = no conversion); '<mode>_compile' compiles the layers
     "bf16": None,
     "fp8": {},
     "fp8_unfused": {"fuse_projections": False},
     "fp8_kv_bf16": {"keep_bf16": ["*.k_proj", "*.v_proj"]},
     "fp8_mlp": {"keep_bf16": ["*.self_attn.*"]},
 }
-DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_unfused"]
+STACK_MODES |= {f"{m}_compile": v for m, v in STACK_MODES.items()}
+COMPILED = "_compile"
+DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_unfused", "bf16_compile", "fp8_compile"]
 # Kernel name -> category for --profile (first match wins; checked against lower-cased names).
 KERNEL_CATEGORIES = [
     ("fp8 quantize", ("fp8_blockwise", "quant")),
@@ -129,6 +138,10 @@ def build_stack(hf_cfg, mode: str, device, seed: int = 0):
     converted = []
     if STACK_MODES[mode] is not None:
         converted = convert_to_fp8_training(model, FP8Config(train=True, **STACK_MODES[mode]))
+    if mode.endswith(COMPILED):
+        torch._dynamo.reset()  # a fresh cache per mode: the modes' graphs never count against each other's limit
+        for layer in model.layers:
+            layer.compile(dynamic=False)  # each token count gets its own static graph
     return model, converted
 
 
@@ -201,50 +214,67 @@ def profile_kernels(fn, iters: int = 2) -> dict:
 
 
 def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, modes=DEFAULT_STACK_MODES,
-                warmup: int = 3, iters: int = 10, device="cuda", timer=None, profile_dir: Path | None = None
-                ) -> list[dict]:
+                warmup: int = 3, iters: int = 10, device="cuda", timer=None, profile_dir: Path | None = None,
+                on_mode=None) -> list[dict]:
+    """Each mode's runs (one per token count); on_mode(runs so far) after each mode (e.g. to save)."""
     timer = timer or (lambda fn: cuda_time_ms(fn, warmup=warmup, iters=iters))
     hf_cfg = stack_config(layers)
     runs, ref, bf16_ms = [], {}, {}
     for mode in modes:
-        model, converted = build_stack(hf_cfg, mode, device)
-        opt = make_optimizer(model)
-        n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-        for t in tokens:
-            x, pos, grad = stack_inputs(hf_cfg, t, seq_len, device)
-            with torch.no_grad():  # before any optimizer step: the same weights in every mode
-                out = model(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state.float()
-            if mode == "bf16":
-                ref[t] = out
-            rel = float((out - ref[t]).norm() / ref[t].norm()) if t in ref else None
-            del out
-            if device != "cpu" and torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            ms = timer(lambda: stack_step(model, opt, x, pos, grad))
-            if mode == "bf16":
-                bf16_ms[t] = ms
-            rows = t // (seq_len or t)
-            run = {"workload": f"stack {layers}x Llama-3.1-8B layers {t} tok ({rows}x{seq_len or t})", "mode": mode,
-                   "ms": ms, "tok_s": t / ms * 1e3, "tflops": stack_flops(hf_cfg, t, seq_len) / ms / 1e9,
-                   "speedup": bf16_ms[t] / ms if t in bf16_ms else None, "rel_err": rel, "layers": layers,
-                   "tokens": t, "seq_len": seq_len or t, "fp8_linears": len(converted),
-                   "bf16_linears": n_linear - len(converted)}
-            if device != "cpu" and torch.cuda.is_available():
-                run["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            if profile_dir is not None:
-                prof = profile_kernels(lambda: stack_step(model, opt, x, pos, grad))
-                run["profile"] = prof["categories"]
-                write_json(Path(profile_dir) / f"profile_stack_{mode}_{t}.json", {**run, **prof})
-                print(f"  kernels {prof['gpu_ms_per_iter']:.1f} ms/iter: " + ", ".join(
-                    f"{c} {v['ms']:.1f} ({v['share']:.0%})" for c, v in prof["categories"].items()), flush=True)
-            runs.append(run)
-            sp = f"x{run['speedup']:.2f} vs bf16" if run["speedup"] else ""
-            print(f"{run['workload']} {mode}: {ms:.1f} ms/iter, {run['tok_s']:,.0f} tok/s, "
-                  f"{run['tflops']:.0f} TFLOP/s {sp}", flush=True)
-            del x, pos, grad
-        del model, opt
+        try:
+            runs += _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, device, timer, profile_dir, ref, bf16_ms)
+        except Exception as e:  # e.g. a compile failure: record it, measure the other modes
+            traceback.print_exc()
+            runs.append({"workload": f"stack {layers}x Llama-3.1-8B layers", "mode": mode,
+                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
         if device != "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if on_mode is not None:
+            on_mode(runs)
+    return runs
+
+
+def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, device, timer, profile_dir, ref, bf16_ms) -> list[dict]:
+    """bench_stack for one mode; fills ref (bf16 outputs) and bf16_ms (bf16 timings) for later modes."""
+    runs = []
+    model, converted = build_stack(hf_cfg, mode, device)
+    opt = make_optimizer(model)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    for t in tokens:
+        x, pos, grad = stack_inputs(hf_cfg, t, seq_len, device)
+        with torch.no_grad():  # before any optimizer step: the same weights in every mode
+            out = model(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state.float()
+        if mode == "bf16":
+            ref[t] = out
+        rel = float((out - ref[t]).norm() / ref[t].norm()) if t in ref else None
+        base = "bf16" + COMPILED * mode.endswith(COMPILED)
+        del out
+        if device != "cpu" and torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        ms = timer(lambda: stack_step(model, opt, x, pos, grad))
+        if mode in ("bf16", "bf16" + COMPILED):
+            bf16_ms[mode, t] = ms
+        rows = t // (seq_len or t)
+        run = {"workload": f"stack {layers}x Llama-3.1-8B layers {t} tok ({rows}x{seq_len or t})", "mode": mode,
+               "ms": ms, "tok_s": t / ms * 1e3, "tflops": stack_flops(hf_cfg, t, seq_len) / ms / 1e9,
+               "speedup": bf16_ms[base, t] / ms if (base, t) in bf16_ms else None,
+               "speedup_eager": bf16_ms["bf16", t] / ms if ("bf16", t) in bf16_ms else None,
+               "rel_err": rel, "layers": layers,
+               "tokens": t, "seq_len": seq_len or t, "fp8_linears": len(converted),
+               "bf16_linears": n_linear - len(converted)}
+        if device != "cpu" and torch.cuda.is_available():
+            run["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if profile_dir is not None:
+            prof = profile_kernels(lambda: stack_step(model, opt, x, pos, grad))
+            run["profile"] = prof["categories"]
+            write_json(Path(profile_dir) / f"profile_stack_{mode}_{t}.json", {**run, **prof})
+            print(f"  kernels {prof['gpu_ms_per_iter']:.1f} ms/iter: " + ", ".join(
+                f"{c} {v['ms']:.1f} ({v['share']:.0%})" for c, v in prof["categories"].items()), flush=True)
+        runs.append(run)
+        sp = f"x{run['speedup']:.2f} vs {base}" if run["speedup"] else ""
+        print(f"{run['workload']} {mode}: {ms:.1f} ms/iter, {run['tok_s']:,.0f} tok/s, "
+              f"{run['tflops']:.0f} TFLOP/s {sp}", flush=True)
+        del x, pos, grad
     return runs
 
 
@@ -261,7 +291,8 @@ def save_train_results(new_runs: list[dict], out_dir: Path, device: str | None =
 
 
 LINEAR_COLS = ["workload", "mode", "ms", "tflops", "speedup", "rel_err"]
-STACK_COLS = ["workload", "mode", "ms", "tok_s", "tflops", "speedup", "peak_mem_gib", "rel_err", "bf16_linears"]
+STACK_COLS = ["workload", "mode", "ms", "tok_s", "tflops", "speedup", "speedup_eager", "peak_mem_gib", "rel_err",
+              "bf16_linears"]
 
 
 def parse_ints(text: str) -> list[int]:
@@ -308,8 +339,9 @@ def main(argv=None):
     out = Path(args.out)
     if args.what in ("stack", "all"):
         runs = bench_stack(args.layers, args.tokens, args.seq_len, args.modes, args.warmup, args.iters,
-                           profile_dir=out if args.profile else None)
-        print(f"wrote {save_train_results(runs, out)}")
+                           profile_dir=out if args.profile else None,
+                           on_mode=lambda done: save_train_results(done, out))  # a timeout loses one mode at most
+        print(f"wrote {out / 'train.json'}")
         print(markdown_table(runs, STACK_COLS))
     if args.what in ("linear", "all"):
         runs = bench_linear()

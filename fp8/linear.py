@@ -320,7 +320,8 @@ class FusedProjections:
 
     def __call__(self, member: nn.Module, x: Tensor) -> Tensor:
         i = next(j for j, m in enumerate(self.members) if m is member)
-        key = (x._version, torch.is_grad_enabled())
+        # traced by torch.compile: a graph's tensors are not mutated between the members' calls
+        key = (-1 if torch.compiler.is_compiling() else x._version, torch.is_grad_enabled())
         if not (self._x is x and self._key == key and i in self._pending):
             self._outs = member._mm(x, *(m.weight for m in self.members)).split(self.sizes, dim=-1)
             self._x, self._key, self._pending = x, key, set(range(len(self.members)))

@@ -10,6 +10,8 @@
 #                                      -> $OUT/rollout_capacity.json
 #   bash scripts/gpu_check.sh stack [all|stack|linear] [ARGS]  bench/train.py (default all: decoder-layer stack,
 #                                      then the linears) -> $OUT/train.json
+#   bash scripts/gpu_check.sh step [ARGS]  bench/step.py (e.g. --config bench/step_8b_long.yaml --steps 2
+#                                      --modes bf16) -> $OUT/step.json, trainer logs $OUT/step_<mode>.log
 # Child logs of the rollout parts: $OUT/logs/.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
@@ -27,5 +29,6 @@ case "$1" in
   capacity) $PY bench/rollout.py --capacity-only --out "$OUT" --time-limit 540 "${@:2}" 2>&1 \
               | tee "$OUT/bench_capacity.log" ;;
   stack)    $PY bench/train.py "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|rollout|capacity|stack" >&2; exit 2 ;;
+  step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|rollout|capacity|stack|step" >&2; exit 2 ;;
 esac

@@ -388,6 +388,22 @@ def test_stack_bench_runs_on_cpu(monkeypatch):
     assert not torch.equal(before, model.layers[0].mlp.down_proj.weight)  # AdamW stepped
 
 
+def test_stack_bench_records_a_failing_mode_and_goes_on(monkeypatch):
+    orig_cfg, orig_build = bt.stack_config, bt.build_stack
+    monkeypatch.setattr(bt, "stack_config", lambda layers: orig_cfg(layers, **TINY))
+
+    def build(cfg, mode, device):
+        if mode == "fp8_compile":
+            raise RuntimeError("inductor: no kernel for you")
+        return orig_build(cfg, mode, device)
+
+    monkeypatch.setattr(bt, "build_stack", build)
+    runs = bt.bench_stack(1, tokens=[256], seq_len=128, modes=["fp8_compile", "bf16"], device="cpu",
+                          timer=lambda fn: (fn(), 2.0)[1])
+    assert [r["mode"] for r in runs] == ["fp8_compile", "bf16"]
+    assert runs[0]["error"] == "RuntimeError: inductor: no kernel for you" and runs[1]["ms"] == 2.0
+
+
 def test_stack_inputs_and_flops():
     cfg = bt.stack_config(4)
     x, pos, grad = bt.stack_inputs(bt.stack_config(1, **TINY), 512, 128, "cpu")
@@ -399,7 +415,7 @@ def test_stack_inputs_and_flops():
     assert bt.stack_flops(cfg, 16384, 2048) == 6 * linear * 16384 + 6 * 2048**2 * 4096 * 8 * 4
     args = bt.build_parser().parse_args(["stack", "--tokens", "8192,16384", "--modes", "bf16,fp8_kv_bf16"])
     assert args.tokens == [8192, 16384] and args.modes == ["bf16", "fp8_kv_bf16"] and args.layers == 4
-    assert bt.build_parser().parse_args(["all"]).modes == ["bf16", "fp8", "fp8_unfused"]
+    assert bt.build_parser().parse_args(["all"]).modes == ["bf16", "fp8", "fp8_unfused", "bf16_compile", "fp8_compile"]
     with pytest.raises(SystemExit):
         bt.build_parser().parse_args(["stack", "--modes", "fp4"])
 

@@ -238,3 +238,33 @@ def test_fused_member_called_alone_or_twice():
     torch.testing.assert_close(attn.k_proj(x), EmulatedFP8Linear._mm(attn.k_proj, x, attn.k_proj.weight))
     assert attn.q_proj._fused._x is not None  # q and v of the new input still pending
     assert q1.shape == (3, 5, 256)
+
+
+def test_fp8_layers_trace_under_torch_compile():
+    """A decoder layer with FP8 linears compiles as ONE graph with 4 FP8 GEMM nodes (q/k/v and
+    gate/up fused, as in eager) and computes what eager does, gradients too."""
+    import torch._dynamo
+
+    eager, compiled = tiny_llama(layers=1), tiny_llama(layers=1)
+    for m in (eager, compiled):
+        convert_to_fp8_training(m, FP8Config())
+    layer = compiled.model.layers[0]
+    torch._dynamo.reset()
+    x = torch.randn(2, 128, 256)
+    pos = torch.arange(128).expand(2, 128)
+    pe = compiled.model.rotary_emb(x, pos)
+    explain = torch._dynamo.explain(layer)(x, position_embeddings=pe, attention_mask=None, position_ids=pos)
+    assert (explain.graph_count, explain.graph_break_count) == (1, 0), explain.break_reasons
+    applies = [n for n in explain.graphs[0].graph.nodes if "autograd_function_apply" in str(n.target)]
+    assert len(applies) == 4  # qkv, o, gate_up, down
+    layer.compile(backend="aot_eager", dynamic=False)
+    outs = []
+    for m in (eager, compiled):
+        xi = x.clone().requires_grad_(True)
+        y = m.model.layers[0](xi, position_embeddings=pe, attention_mask=None, position_ids=pos)
+        y = y[0] if isinstance(y, tuple) else y
+        y.square().mean().backward()
+        outs.append((y.detach(), xi.grad, m.model.layers[0].self_attn.k_proj.weight.grad))
+    torch._dynamo.reset()
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

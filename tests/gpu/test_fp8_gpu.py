@@ -103,12 +103,15 @@ def test_torchao_linear_uses_quant_py_weights(monkeypatch):
     """Intercept the weight operand torchao's linear hands to its FP8 GEMM (forward and dgrad)."""
     import torchao.prototype.blockwise_fp8_training.kernels as tl
 
+    # Import torchao's linear.py before patching: it binds the kernels by name at import time, and
+    # an import under the patch would keep the interceptors (and this test's weight) for good.
+    cls = torchao_linear_cls()
     seen = {}
     for name in ("triton_fp8_blockwise_weight_quant_transposed_rhs", "triton_fp8_blockwise_weight_quant_rhs"):
         orig = getattr(tl, name)
         monkeypatch.setattr(tl, name, lambda w, *a, _o=orig, _n=name, **k: seen.setdefault(_n, _o(w, *a, **k)))
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
-    mod = torchao_linear_cls().from_float(lin)
+    mod = cls.from_float(lin)
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mod(x).sum().backward()
     q, s = quantize_blockwise(lin.weight)
