@@ -191,11 +191,9 @@ class _BlockFP8MM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, kernels, *weights: Tensor) -> Tensor:
-        w = weights[0] if len(weights) == 1 else torch.cat(weights)
-        y = kernels.fwd(x.reshape(-1, x.shape[-1]), w)
         ctx.kernels = kernels
         ctx.save_for_backward(x, *weights)
-        return y.reshape(*x.shape[:-1], w.shape[0])
+        return _block_fp8_forward(x, kernels, weights)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -211,6 +209,38 @@ class _BlockFP8MM(torch.autograd.Function):
         return grad_x, None, *grad_ws
 
 
+def _block_fp8_forward(x: Tensor, kernels, weights: tuple[Tensor, ...]) -> Tensor:
+    w = weights[0] if len(weights) == 1 else torch.cat(weights)
+    return kernels.fwd(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+
+
+def block_fp8_mm(x: Tensor, kernels, *weights: Tensor) -> Tensor:
+    """_BlockFP8MM.apply where a gradient is needed, else its forward alone: nothing saved, and
+    torch.compile (torch 2.11) mis-binds an autograd.Function with *args traced under no_grad
+    (the old_logp forward of a train.compile'd trainer)."""
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return _BlockFP8MM.apply(x, kernels, *weights)
+    return _block_fp8_forward(x, kernels, weights)
+
+
+@torch.library.custom_op("fp8_grpo::fake_quant", mutates_args=())
+def _fake_quant_op(x: Tensor, groups: str, recipe: str) -> Tensor:
+    """fp8/quant.py's dequantize(quantize(x)), float32, contiguous; groups '1x128' (activations,
+    along the last dim), '128x1' (along dim 0) or '128x128' (weights). An opaque op, as torchao's
+    Triton quantizers are, so a compiled graph has the GPU path's structure (inductor's C++
+    backend in torch 2.11 also fails an assertion on the traced 128x1 quantizer)."""
+    if groups == "1x128":
+        return fake_quant_act_1x128(x, recipe).contiguous()
+    if groups == "128x1":
+        return fake_quant_act_128x1(x, recipe).contiguous()
+    return fake_quant_weight(x).contiguous()
+
+
+@_fake_quant_op.register_fake
+def _(x: Tensor, groups: str, recipe: str) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
 class _EmulatedKernels:
     """_BlockFP8MM's GEMMs as quantize-dequantize (fp8/quant.py) + one float32 matmul, any device."""
 
@@ -218,13 +248,14 @@ class _EmulatedKernels:
         self.act_recipe = act_recipe
 
     def fwd(self, x2: Tensor, w: Tensor) -> Tensor:
-        return (fake_quant_act_1x128(x2, self.act_recipe) @ fake_quant_weight(w).t()).to(x2.dtype)
+        x_fq, w_fq = _fake_quant_op(x2, "1x128", self.act_recipe), _fake_quant_op(w, "128x128", "")
+        return (x_fq @ w_fq.t()).to(x2.dtype)
 
     def dgrad(self, g2: Tensor, w: Tensor) -> Tensor:
-        return fake_quant_act_1x128(g2) @ fake_quant_weight(w)
+        return _fake_quant_op(g2, "1x128", "torchao") @ _fake_quant_op(w, "128x128", "")
 
     def wgrad(self, g2: Tensor, x2: Tensor) -> Tensor:
-        return fake_quant_act_128x1(g2).t() @ fake_quant_act_128x1(x2)
+        return _fake_quant_op(g2, "128x1", "torchao").t() @ _fake_quant_op(x2, "128x1", "torchao")
 
 
 class EmulatedFP8Linear(nn.Linear):
@@ -285,7 +316,7 @@ class EmulatedFP8Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
     def _mm(self, x: Tensor, *weights: Tensor) -> Tensor:
-        return _BlockFP8MM.apply(x, self._kernels, *weights)
+        return block_fp8_mm(x, self._kernels, *weights)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=block128, act_recipe={self.act_recipe}"
@@ -359,34 +390,36 @@ def fuse_projections(model: nn.Module) -> int:
 
 class _TorchaoKernels:
     """_BlockFP8MM's GEMMs with torchao 0.18's Triton quantizers and cuBLAS block-scaled GEMMs
-    (the kernel sequence of torchao's fp8_blockwise_mm; BF16 output). Needs M % 128 == 0."""
+    (the kernel sequence of torchao's fp8_blockwise_mm; BF16 output). Needs M % 128 == 0.
+
+    Every kernel is a torch.library op (torchao registers the quantizers with triton_op and the
+    GEMM as torchao::blockwise_scaled_mm), so torch.compile keeps them in one graph; torchao's
+    own _scaled_mm calls F.scaled_mm, which dynamo cannot trace (a graph break per GEMM)."""
 
     def __init__(self):
         from torchao.prototype.blockwise_fp8_training import kernels as k
-        from torchao.prototype.blockwise_fp8_training.linear import _scaled_mm
 
-        self.k, self.scaled_mm = k, _scaled_mm
+        self.k = k
+        self.x1x128 = k._scaling_type_value(k.BLOCKWISE_1X128_SCALING_TYPE)
+        self.x128x128 = k._scaling_type_value(k.BLOCKWISE_128X128_SCALING_TYPE)
 
     def fwd(self, x2: Tensor, w: Tensor) -> Tensor:
         k = self.k
         xq, xs = k.triton_fp8_blockwise_act_quant_lhs(x2.contiguous(), BLOCK)
         wq, ws = k.triton_fp8_blockwise_weight_quant_transposed_rhs(w, block_size=BLOCK)
-        return self.scaled_mm(xq, wq, xs, k.BLOCKWISE_1X128_SCALING_TYPE, ws, k.BLOCKWISE_128X128_SCALING_TYPE,
-                              torch.bfloat16)
+        return k.blockwise_scaled_mm(xq, wq, xs, self.x1x128, ws, self.x128x128, torch.bfloat16)
 
     def dgrad(self, g2: Tensor, w: Tensor) -> Tensor:
         k = self.k
         gq, gs = k.triton_fp8_blockwise_act_quant_lhs(g2, BLOCK)
         wq, ws = k.triton_fp8_blockwise_weight_quant_rhs(w, block_size=BLOCK)
-        return self.scaled_mm(gq, wq, gs, k.BLOCKWISE_1X128_SCALING_TYPE, ws, k.BLOCKWISE_128X128_SCALING_TYPE,
-                              torch.bfloat16)
+        return k.blockwise_scaled_mm(gq, wq, gs, self.x1x128, ws, self.x128x128, torch.bfloat16)
 
     def wgrad(self, g2: Tensor, x2: Tensor) -> Tensor:
         k = self.k
         gq, gs = k.triton_fp8_blockwise_act_quant_transposed_lhs(g2, BLOCK)  # g.T [N, M], 1x128 along M
         xq, xs = k.triton_fp8_blockwise_act_quant_rhs(x2.contiguous(), BLOCK)  # x [M, K], 128x1 along M
-        return self.scaled_mm(gq, xq, gs, k.BLOCKWISE_1X128_SCALING_TYPE, xs.transpose(-1, -2),
-                              k.BLOCKWISE_1X128_SCALING_TYPE, torch.bfloat16)
+        return k.blockwise_scaled_mm(gq, xq, gs, self.x1x128, xs.transpose(-1, -2), self.x1x128, torch.bfloat16)
 
 
 @functools.cache
@@ -401,6 +434,7 @@ def torchao_linear_cls() -> type:
     class TorchaoFP8Linear(Float8BlockwiseLinear):
         fp8_enabled = True
         _fused: FusedProjections | None = None
+        _kernels = _TorchaoKernels()  # an attribute, as EmulatedFP8Linear's (stateless, shared)
 
         def forward(self, x: Tensor) -> Tensor:
             if not self.fp8_enabled:
@@ -412,17 +446,12 @@ def torchao_linear_cls() -> type:
             m = x2.shape[0]
             if m % BLOCK:  # torchao's wgrad kernels need M % 128 == 0; zero rows are exact
                 x2 = F.pad(x2, (0, 0, 0, BLOCK - m % BLOCK))
-            y = _BlockFP8MM.apply(x2, _torchao_kernels(), *weights)
+            y = block_fp8_mm(x2, self._kernels, *weights)
             return y[:m].reshape(*x.shape[:-1], y.shape[-1])
 
     TorchaoFP8Linear.__module__, TorchaoFP8Linear.__qualname__ = __name__, "TorchaoFP8Linear"
     globals()["TorchaoFP8Linear"] = TorchaoFP8Linear  # picklable by reference
     return TorchaoFP8Linear
-
-
-@functools.cache
-def _torchao_kernels() -> _TorchaoKernels:
-    return _TorchaoKernels()
 
 
 def is_fp8_linear(m: nn.Module) -> bool:
