@@ -206,6 +206,14 @@ class TrainConfig:
     """Abort when token_mult_prob_error exceeds this (0 = never)."""
     max_bad_steps: int = 5
     """Abort after this many consecutive steps skipped for non-finite loss/grads."""
+    compile: Literal["none", "inductor", "aot_eager"] = "none"
+    """torch.compile each decoder layer of the trainer (as torchtitan does; the layers share one
+    graph): 'inductor' fuses norms, RoPE, SiLU*mul, residual adds and the glue around the FP8
+    GEMMs into few Triton kernels and cuts launch overhead (GPU; on CPU it needs a C compiler and
+    buys little); 'aot_eager' traces without code generation, to debug compile problems. The
+    first step pays the compilation, and the second distinct sequence length one more (a
+    dynamic-shape graph). q/k/v calibration forwards run eagerly (fp8.calib_pass=logprobs: the
+    old_logp forward too). Off: eager PyTorch."""
 
 
 @dataclass

@@ -95,6 +95,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
+def compile_layers(model: nn.Module, backend: str) -> None:
+    """torch.compile each decoder layer's forward in place. Module names (so checkpoints and the
+    export) are unchanged, module hooks (FSDP2's, calibration's) run outside the compiled code,
+    and the layers share one graph (with use_cache=False: no per-layer cache state to guard on)."""
+    for layer in decoder_layers(model):
+        layer.forward = torch.compile(layer.forward, backend=backend)
+
+
 def shard(model: nn.Module, d: Dist, bf16_compute: bool) -> nn.Module:
     """FSDP2 in place: fully_shard each decoder layer, then the root (embeddings, norm, lm_head).
 

@@ -125,7 +125,8 @@ def collate(samples, pad_id: int, rewards_adv=None):
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float):
     """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]"""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # [B, L, V]
+    # no KV cache: nothing to reuse, and its per-layer state would make compiled layers recompile
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, L, V]
     out = []
     for row_logits, row_ids in zip(logits, input_ids):  # one row at a time: fp32 [L, V] stays small
         lp = torch.log_softmax(row_logits[:-1].float() / temperature, dim=-1)  # [L-1, V]
@@ -235,6 +236,8 @@ def train(args) -> Path:
         from fp8.linear import convert_to_fp8_training
         converted = convert_to_fp8_training(model, cfg.fp8)
         logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
+    if cfg.train.compile != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
+        distributed.compile_layers(model, cfg.train.compile)
     # after FP8 conversion: FSDP2 all-gathers the weight each FP8 linear then quantizes, as on one GPU
     distributed.shard(model, d, bf16_compute=mixed)
     if ref_model is not None:

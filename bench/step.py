@@ -4,6 +4,7 @@
     python bench/step.py --modes bf16,fp8kv rollout.max_new_tokens=1024 --out /tmp/out
     python bench/step.py --merge gpu0/step.json gpu1/step.json     # modes run on two GPUs of one host
     python bench/step.py --config bench/step_8b_long.yaml --steps 2 --modes bf16,fp8kv   # 128 x 4096 tokens
+    python bench/step.py --modes bf16,fp8kv_lp train.compile=inductor   # trainer layers torch.compile'd
 
 Each mode runs the real trainer (train_grpo.py, so nothing here can drift from the recipe) in
 its own process (vLLM allows one engine per process) on bench/step_8b.yaml: a random-weight
@@ -132,6 +133,8 @@ def main():
     args.workload = (f"{cfg.rollout.prompts_per_step}x{cfg.rollout.n} samples, <= {cfg.data.max_prompt_tokens}"
                      f"->{cfg.rollout.max_new_tokens} tokens, {cfg.model.tiny.num_layers} layers, micro-batch "
                      f"{cfg.train.micro_batch_size}")
+    if cfg.train.compile != "none":  # compiled and eager runs are different workloads: ratios within each
+        args.workload += f", compile {cfg.train.compile}"
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # the trainers keep torchao's autotuning on disk
     runs = []

@@ -20,7 +20,8 @@ in the process) pass straight through. With a state it
       calling the real attention (how the CPU engine emulates vLLM's FP8 KV cache + attention).
 Idle cost: one getattr per attention call. Recording runs under no_grad on detached tensors, so
 gradients are untouched; fake quantization uses a straight-through gradient if ever trained.
-Capturing appends Python-side records: run it eagerly, not inside torch.compile'd regions.
+Capturing appends Python-side records, so capture() runs compiled modules eagerly
+(torch.compiler.set_stance("force_eager")): a train.compile'd trainer calibrates in eager mode.
 
 Micro-batches: a forward pre-hook on the model starts a new record, so gradient-checkpoint
 recomputation (attention runs again in backward) max-reduces into the same record. Padding: when
@@ -217,7 +218,8 @@ class QKVCalibrator:
         for m in self._mods.values():
             m._fp8_qkv.calibrator = self
         try:
-            yield self
+            with torch.compiler.set_stance("force_eager"):  # records are Python side effects
+                yield self
         finally:
             hook.remove()
             for m in self._mods.values():
