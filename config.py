@@ -119,6 +119,11 @@ class RolloutConfig:
     """Benchmarks only: every sample runs to max_new_tokens (vLLM engine; fixed-length workloads)."""
     # vLLM knobs
     gpu_memory_utilization: float = 0.5
+    """vLLM's share of the GPU's memory while it is awake (weights + activations + KV cache; the KV
+    cache gets the rest). With sleep_mode the trainer then holds only parameters and optimizer
+    states: gradients are freed after the update and PyTorch's cached blocks are returned before
+    vLLM wakes. So on one GPU up to ~1 - (params + optimizer states [+ KL reference] + 3 GB) / total (8B, bf16
+    params + AdamW on 80 GB: ~0.35; on 141 GB: ~0.6); the more, the more sequences decode at once."""
     sleep_mode: bool = True
     """Release vLLM's weights and KV cache while the trainer runs (colocated on one GPU)."""
     enforce_eager: bool = False

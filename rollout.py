@@ -347,6 +347,8 @@ class VLLMEngine:
         todo = [t for t in ("weights", "kv_cache") if t in tags and t in self._asleep]
         if not todo:
             return
+        if torch.cuda.is_available():  # the trainer's cached free blocks (activations) back to the driver,
+            torch.cuda.empty_cache()   # where vLLM's allocator maps its pools: only live tensors stay out
         self.llm.wake_up(tags=todo)  # vLLM 0.26: partial wake by tag (executor tracks sleeping_tags)
         self._asleep -= set(todo)
         if "weights" in todo:  # waking restores the buffers saved at sleep: apply scales set since

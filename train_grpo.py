@@ -409,6 +409,7 @@ def train(args) -> Path:
             optimizer.step()
             scheduler.step()
             metrics["optim/grad_norm"] = float(grad_norm)
+        optimizer.zero_grad(set_to_none=True)  # free the gradients before the engine wakes (memory)
         if d.world > 1:  # each rank's terms are already weighted by its share of the global batch
             summed = distributed.all_sum(torch.tensor(list(loss_metrics.values()), device=device), d)
             loss_metrics = dict(zip(loss_metrics, summed.tolist()))

@@ -118,3 +118,23 @@ def test_compiled_trainer_matches_eager(tmp_path, calib_pass):
         for k in ("loss/policy", "optim/grad_norm", "fp8/q_scale_mean", "fp8/k_scale_mean", "fp8/v_scale_mean",
                   "mismatch/token_mult_prob_error", "reward/mean"):
             assert compiled[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-9), (eager["step"], k)
+
+
+def test_gradients_are_freed_before_the_engine_wakes(tmp_path, monkeypatch):
+    """After each update the trainer drops its gradients, so the rollout engine (vLLM on a GPU)
+    wakes next to parameters and optimizer states only."""
+    import distributed
+    import rollout
+    import train_grpo
+
+    trainer, held = [], []
+    shard = distributed.shard
+    monkeypatch.setattr(distributed, "shard", lambda model, *a, **k: trainer.append(model) or shard(model, *a, **k))
+    monkeypatch.setattr(rollout.HFEngine, "wake", lambda self: held.append(
+        sum(p.grad is not None for p in trainer[0].parameters())))
+    train_grpo.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=3",
+                     "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0",
+                     "rollout.prompts_per_step=4", "train.save_final=false", "train.run_name=g"])
+    steps = read_metrics(tmp_path / "g")
+    assert len(held) == 3 and all(m["optim/grad_norm"] > 0 for m in steps)  # updates happened
+    assert held == [0, 0, 0]

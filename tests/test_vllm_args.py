@@ -203,3 +203,25 @@ def test_sampling_requests():
     assert all(sp.seed is None for _, _, sp in vllm_requests(prompts, 2, 0.0, 1.0, 4, seed=5))  # greedy
     for _, _, sp in greedy + sampled + seeded:
         assert sp.logprobs == 0 and sp.flat_logprobs and not sp.detokenize  # sampled token's logprob only
+
+
+def test_wake_returns_the_trainers_cached_memory_first(monkeypatch):
+    """VLLMEngine wakes vLLM only after PyTorch's caching allocator gave its free blocks (the
+    trainer's activations) back to the driver, where vLLM's allocator maps its pools."""
+    from rollout import VLLMEngine
+
+    calls = []
+
+    class FakeLLM:
+        def wake_up(self, tags):
+            calls.append(("wake_up", tuple(tags)))
+
+    eng = object.__new__(VLLMEngine)  # no vLLM: only the sleep/wake bookkeeping
+    eng.llm, eng._asleep, eng.kv_scales = FakeLLM(), {"weights", "kv_cache"}, {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(VLLMEngine, "_apply_kv_scales", lambda self: calls.append("scales"))
+    eng._wake(("weights",))
+    eng.wake()
+    eng.wake()  # awake: nothing to do
+    assert calls == ["empty_cache", ("wake_up", ("weights",)), "scales", "empty_cache", ("wake_up", ("kv_cache",))]
