@@ -35,7 +35,8 @@ which torchao's wgrad needs) is what the linears see. Modes:
 Reported: ms/iter (median of --iters after --warmup, CUDA events), tok_s, tflops (6 x linear params
 x tokens + 6 x seq_len^2 x hidden x rows x layers for causal attention, fwd + bwd), speedup vs bf16
 (vs bf16_compile for a compiled mode; speedup_eager: vs bf16 for every mode),
-peak memory, rel_err of the stack's output vs bf16 (same weights, before any step).
+peak memory, rel_err of the stack's output vs bf16 (same weights, before any step); with --profile
+also gpu_busy = kernel time / wall time (well below 1: launch-bound, what compiling fixes).
 
 Both write OUT/train.json (default bench/results): runs of the other subcommand already in that
 file from the same GPU model are kept, re-measured ones replaced; and print a markdown table.
@@ -267,8 +268,9 @@ def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, device, timer, prof
         if profile_dir is not None:
             prof = profile_kernels(lambda: stack_step(model, opt, x, pos, grad))
             run["profile"] = prof["categories"]
+            run["gpu_busy"] = prof["gpu_ms_per_iter"] / ms  # < 1: the GPU waits on kernel launches
             write_json(Path(profile_dir) / f"profile_stack_{mode}_{t}.json", {**run, **prof})
-            print(f"  kernels {prof['gpu_ms_per_iter']:.1f} ms/iter: " + ", ".join(
+            print(f"  kernels {prof['gpu_ms_per_iter']:.1f} ms/iter (GPU busy {run['gpu_busy']:.0%}): " + ", ".join(
                 f"{c} {v['ms']:.1f} ({v['share']:.0%})" for c, v in prof["categories"].items()), flush=True)
         runs.append(run)
         sp = f"x{run['speedup']:.2f} vs {base}" if run["speedup"] else ""
@@ -292,7 +294,7 @@ def save_train_results(new_runs: list[dict], out_dir: Path, device: str | None =
 
 LINEAR_COLS = ["workload", "mode", "ms", "tflops", "speedup", "rel_err"]
 STACK_COLS = ["workload", "mode", "ms", "tok_s", "tflops", "speedup", "speedup_eager", "peak_mem_gib", "rel_err",
-              "bf16_linears"]
+              "bf16_linears", "gpu_busy"]
 
 
 def parse_ints(text: str) -> list[int]:
