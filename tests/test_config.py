@@ -1,4 +1,4 @@
-"""Config: inheritance, overrides, errors naming the key; every YAML in configs/ loads."""
+"""Config: inheritance, overrides, errors naming the key; every YAML in configs/ and bench/ loads."""
 
 from pathlib import Path
 
@@ -9,7 +9,8 @@ from config import Config, ConfigError, load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "configs").rglob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted([*(ROOT / "configs").rglob("*.yaml"), *(ROOT / "bench").glob("*.yaml")]),
+                         ids=lambda p: p.name)
 def test_every_config_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
