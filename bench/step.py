@@ -4,6 +4,7 @@
     python bench/step.py --modes bf16,fp8kv rollout.max_new_tokens=1024 --out /tmp/out
     python bench/step.py --merge gpu0/step.json gpu1/step.json     # modes run on two GPUs of one host
     python bench/step.py --config bench/step_8b_long.yaml --steps 2 --modes bf16,fp8kv   # 128 x 4096 tokens
+    python bench/step.py --config bench/step_8b_long_h100.yaml --steps 2 --modes bf16    # same, 80 GB regime
     python bench/step.py --modes bf16,fp8kv_lp train.compile=inductor   # trainer layers torch.compile'd
 
 Each mode runs the real trainer (train_grpo.py, so nothing here can drift from the recipe) in
