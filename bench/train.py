@@ -40,23 +40,23 @@ also gpu_busy = kernel time / wall time (well below 1: launch-bound, what compil
 
 Both write OUT/train.json (default bench/results): runs of the other subcommand already in that
 file from the same GPU model are kept, re-measured ones replaced; and print a markdown table.
-TRITON_CACHE_AUTOTUNING=1 is set (unless already set) before torchao is imported, so Triton
-(3.6, triton/knobs.py `autotuning.cache`) stores autotune results in its disk cache (~/.triton/cache)
-and later processes on the same host skip the ~17 s per kernel and shape; within one process
-(`all`) the in-memory cache already shares them.
+Before torchao is imported, fp8.linear.keep_triton_autotuning() sets TRITON_CACHE_AUTOTUNING=1
+and TRITON_CACHE_DIR (unless already set), so Triton (3.6, triton/knobs.py `autotuning.cache`)
+stores autotune results on disk and later processes on the same host skip the ~17 s per kernel
+and shape; within one process (`all`) the in-memory cache already shares them.
 """
 
 import argparse
-import os
 import sys
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # read when torchao's @triton.autotune kernels are defined
-
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fp8.linear import keep_triton_autotuning  # noqa: E402
+
+keep_triton_autotuning()  # before torchao's @triton.autotune kernels are defined
 from bench.common import (RESULTS, cuda_time_ms, markdown_table, merge_runs, parse_choices,  # noqa: E402
                           read_results, write_json, write_results)
 

@@ -47,6 +47,7 @@ import contextlib
 import fnmatch
 import functools
 import logging
+import os
 import re
 import sys
 from typing import TYPE_CHECKING
@@ -422,6 +423,18 @@ class _TorchaoKernels:
         return k.blockwise_scaled_mm(gq, xq, gs, self.x1x128, xs.transpose(-1, -2), self.x1x128, torch.bfloat16)
 
 
+def keep_triton_autotuning() -> None:
+    """torchao's quantizers autotune each new K (45 configs each; the first FP8 step of an 8B model
+    spends ~3 min on it, H100). Keep the results on disk, in one fixed place, for later runs:
+    TRITON_CACHE_AUTOTUNING is read when the @triton.autotune kernels are defined (torchao's
+    import), and TRITON_CACHE_DIR, left unset, is set by the first inductor-compiled kernel (vLLM
+    compiles at engine start) to a dir under TORCHINDUCTOR_CACHE_DIR, which vLLM points into its
+    per-config compile cache. (H100, 2026-11-23: a second FP8 process on the same host re-ran all
+    436 autotuning benchmarks; this drift is the cause the sources show.) The caller's settings win."""
+    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
+
+
 @functools.cache
 def torchao_linear_cls() -> type:
     """TorchaoFP8Linear: torchao's Float8BlockwiseLinear (its from_float) computing through
@@ -429,6 +442,7 @@ def torchao_linear_cls() -> type:
 
     Imported lazily: torchao pulls in Triton, and the CPU path never needs it.
     """
+    keep_triton_autotuning()
     from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
 
     class TorchaoFP8Linear(Float8BlockwiseLinear):

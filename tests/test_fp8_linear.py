@@ -2,6 +2,13 @@
 bit-exact against a manual quantize-dequantize recipe (forward and both backward GEMMs),
 bf16_reference, and that an all-FP8 model still trains."""
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +23,8 @@ from fp8.quant import (
     dequantize_act_1x128, dequantize_act_128x1, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1,
     quantize_blockwise,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_llama(layers=4, dtype=torch.float32, seed=0):
@@ -339,3 +348,29 @@ def test_inductor_compiles_emulated_fp8_layers(monkeypatch):
     # differences (eager with 2e-7 noise on the embeddings moves the 2nd layer's output by 9e-3);
     # a wrong slice or concatenation order in the fused groups gives ~1.
     assert rel[0] < 1e-3 and rel[1] < 0.2, rel
+
+
+AUTOTUNE_PROBE = """
+import json, os
+from fp8.linear import torchao_linear_cls
+torchao_linear_cls()
+from torchao.prototype.blockwise_fp8_training import kernels as k
+names = [n for n in dir(k) if n.startswith("triton_fp8_blockwise_") and n.endswith("_kernel")]
+print(json.dumps({"cache_results": {n: getattr(k, n).cache_results for n in names},
+                  "dir": os.environ.get("TRITON_CACHE_DIR")}))
+"""
+
+
+@pytest.mark.parametrize("preset", [{}, {"TRITON_CACHE_AUTOTUNING": "0", "TRITON_CACHE_DIR": "/tmp/mine"}])
+def test_torchao_autotuning_kept_on_disk(preset, tmp_path):
+    """torchao's quantizers are defined with Triton's disk cache on, in one fixed dir (a later run
+    skips the first step's autotuning); a caller's own settings win."""
+    pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_CACHE")}
+    env |= {"HOME": str(tmp_path), "PYTHONPATH": str(ROOT), **preset}
+    p = subprocess.run([sys.executable, "-c", AUTOTUNE_PROBE], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(got["cache_results"]) == 5, got  # lhs, rhs, transposed_lhs (activations); rhs, transposed_rhs (weights)
+    assert set(got["cache_results"].values()) == {not preset}
+    assert got["dir"] == preset.get("TRITON_CACHE_DIR", str(tmp_path / ".triton" / "cache"))
