@@ -138,6 +138,19 @@ def clip_grad_norm(params, max_norm: float) -> Tensor:
     return norm
 
 
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """This rank's PyTorch CUDA allocator since the previous call: peak allocated GiB and cudaMalloc
+    retries (each one frees cached blocks and synchronizes: the sign of a step short of memory,
+    e.g. next to a vLLM share sized too large). {} off CUDA."""
+    if device.type != "cuda":
+        return {}
+    s = torch.cuda.memory_stats(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    torch.cuda.reset_accumulated_memory_stats(device)
+    return {"mem/peak_gib": s.get("allocated_bytes.all.peak", 0) / 2**30,
+            "mem/alloc_retries": float(s.get("num_alloc_retries", 0))}
+
+
 def all_sum(x: Tensor, d: Dist) -> Tensor:
     if d.world > 1:
         x = x.clone()

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -103,12 +104,12 @@ class RunLogger:
 
 # ----------------------------------------------------------------------------- tensors
 
-def collate(samples, pad_id: int, rewards_adv=None):
-    """Samples -> right-padded prompt+response batch.
+def collate(samples, pad_id: int, multiple: int = 1):
+    """Samples -> right-padded prompt+response batch, its length L a multiple of `multiple`.
 
     Returns input_ids [B, L], attention_mask [B, L], mask [B, L] (1 on response tokens) and
     rollout_logp [B, L] (engine logprob of token t at position t; 0 elsewhere)."""
-    L = max(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+    L = -(-max(len(s.prompt_ids) + len(s.token_ids) for s in samples) // multiple) * multiple
     B = len(samples)
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
     attention_mask = torch.zeros(B, L, dtype=torch.long)
@@ -161,9 +162,16 @@ def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device
 # ----------------------------------------------------------------------------- setup
 
 def make_run_dir(cfg: Config, config_path: str | None, d: distributed.Dist) -> Path:
+    """A fresh run's dir; refuses one that holds a run already (its metrics.jsonl would get a second
+    run's records appended and its checkpoints mixed in)."""
     stamp = distributed.broadcast_object(f"{datetime.now():%Y%m%d-%H%M%S}", d)  # one name for all ranks
     name = cfg.train.run_name or f"{Path(config_path or 'default').stem}-{stamp}"
     run_dir = Path(cfg.train.out_dir) / name
+    metrics = run_dir / "metrics.jsonl"
+    if distributed.broadcast_object(  # rank 0 looks before it writes anything there
+            (metrics.is_file() and metrics.stat().st_size > 0) or any((run_dir / "checkpoints").glob("*")), d):
+        raise UserError(f"{run_dir} holds a run already: continue it with --resume {run_dir}, or pick another "
+                        "train.run_name (or delete that directory)")
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir
 
@@ -232,10 +240,12 @@ def train(args) -> Path:
     ref_model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.loss.kl_coef > 0 else None
     from fp8.export import export_weights
     from fp8.calibrate import QKVCalibrator
+    fp8_tokens = 1  # token multiple the trainer's FP8 GEMMs want
     if cfg.fp8.train:
-        from fp8.linear import convert_to_fp8_training
+        from fp8.linear import BLOCK, convert_to_fp8_training, use_torchao
         converted = convert_to_fp8_training(model, cfg.fp8)
         logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
+        fp8_tokens = BLOCK if use_torchao(cfg.fp8, device) else 1
     if cfg.train.compile != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
         distributed.compile_layers(model, cfg.train.compile)
     # after FP8 conversion: FSDP2 all-gathers the weight each FP8 linear then quantizes, as on one GPU
@@ -302,6 +312,7 @@ def train(args) -> Path:
     gen, own = distributed.rollout_share(d, cfg.rollout.prompts_per_step)  # whole groups; see rollout_share
     pbar = tqdm(range(start_step, cfg.train.steps), initial=start_step, total=cfg.train.steps,
                 disable=rank != 0, dynamic_ncols=True)
+    distributed.memory_metrics(device)  # each step's mem/* start here
     for step in pbar:
         metrics, t_step = {}, time.perf_counter()
         prof = start_profile(device) if step == cfg.log.profile_step else None
@@ -328,14 +339,15 @@ def train(args) -> Path:
         correct = torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])  # [B]
         rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
         advantages = group_advantages(rewards, n)  # [B]
-        input_ids, attention_mask, mask, rollout_logp = collate(samples, tokenizer.pad_token_id)
-        B = len(samples)
+        # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
+        B, mb = len(samples), cfg.train.micro_batch_size
+        input_ids, attention_mask, mask, rollout_logp = collate(samples, tokenizer.pad_token_id,
+                                                                fp8_tokens // math.gcd(min(mb, B), fp8_tokens))
         input_ids, attention_mask, mask, rollout_logp, advantages = (
             x.to(device) for x in (input_ids, attention_mask, mask, rollout_logp, advantages))
 
         # ---- trainer logprobs of the behaviour weights, and the engine/trainer mismatch
         t0 = time.perf_counter()
-        mb = cfg.train.micro_batch_size
         capture = calibrator.capture() if calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
             else contextlib.nullcontext()  # q/k/v amax of this forward -> the next rollout's scales
         with torch.no_grad(), amp():
@@ -441,7 +453,7 @@ def train(args) -> Path:
             "response/truncated_frac": float(truncated.mean()),
             "optim/lr": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t_step,
             "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
-            **reward_stats(),
+            **reward_stats(), **distributed.memory_metrics(device),
         })
         if prof is not None:
             logger.print(f"profile: {save_profile(prof, run_dir / 'profile', step, rank, device)}")

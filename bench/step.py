@@ -24,6 +24,7 @@ over steps 1..N-1 of the trainer's own time/* metrics. Writes bench/results/step
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ MODES = {
 }
 PARTS = ("rollout", "logprobs", "train", "recalibrate", "refit")
 TABLE = ["mode", "step_s", "rollout_s", "logprobs_s", "train_s", "recalibrate_s", "refit_s", "sync_frac", "speedup",
-         "first_step_s", "token_mult_prob_error"]
+         "first_step_s", "token_mult_prob_error", "mem_peak_gib", "alloc_retries"]
 
 
 def summarize(metrics: list[dict], mode: str, workload: str) -> dict:
@@ -59,8 +60,15 @@ def summarize(metrics: list[dict], mode: str, workload: str) -> dict:
            **{f"{p}_s": med(f"time/{p}") for p in PARTS},
            "tokens_per_s": med("perf/tokens_per_s"), "first_step_s": metrics[0]["time/step"],
            "token_mult_prob_error": med("mismatch/token_mult_prob_error"), "timed_steps": len(timed)}
+    if "mem/peak_gib" in timed[0]:  # CUDA runs: the trainer's allocator peak and cudaMalloc retries
+        row |= {"mem_peak_gib": med("mem/peak_gib"), "alloc_retries": med("mem/alloc_retries")}
     row["sync_frac"] = (row["recalibrate_s"] + row["refit_s"]) / row["step_s"]
     return row
+
+
+def first_step_times(metrics: list[dict]) -> dict:
+    """time/<part> of the warm-up step (the first record) as first_<part>_s; {} if none."""
+    return {f"first_{k.removeprefix('time/')}_s": v for k, v in (metrics or [{}])[0].items() if k.startswith("time/")}
 
 
 def add_speedups(runs: list[dict]) -> None:
@@ -75,6 +83,7 @@ def run_mode(mode: str, args, overrides: list[str], runs_dir: Path, log_dir: Pat
     cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--config", args.config, *MODES[mode],
            f"train.steps={args.steps}", f"train.out_dir={runs_dir}", f"train.run_name={name}", *overrides]
     log = log_dir / f"{name}.log"
+    shutil.rmtree(runs_dir / name, ignore_errors=True)  # this bench's scratch; train_grpo.py refuses a used run dir
     print(f"[{mode}] {' '.join(cmd[1:])}\n[{mode}] log: {log}", flush=True)
     t0 = time.perf_counter()
     with open(log, "w") as f:
@@ -91,7 +100,8 @@ def run_mode(mode: str, args, overrides: list[str], runs_dir: Path, log_dir: Pat
     except ValueError as e:
         tail = log.read_text().splitlines()[-15:]
         print(f"[{mode}] FAILED (exit {rc}): {e}\n" + "\n".join(tail), flush=True)
-        return {"workload": workload, "mode": mode, "error": f"exit {rc}: {e}", "wall_s": wall}
+        row = {"workload": workload, "mode": mode, "error": f"exit {rc}: {e}", "wall_s": wall}
+        return row | first_step_times(metrics)  # cut off after the warm-up step: keep where its time went
     row["wall_s"] = wall
     print(f"[{mode}] step {row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, logprobs {row['logprobs_s']:.2f}, "
           f"train {row['train_s']:.2f}, recal {row['recalibrate_s']:.3f}, refit {row['refit_s']:.3f}); "

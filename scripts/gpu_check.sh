@@ -22,7 +22,8 @@ case "$1" in
          $PY bench/train.py linear --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
   vllm)  $PY -m pytest tests/gpu/test_vllm_engine.py -v -rs 2>&1 | tee "$OUT/gpu_tests_vllm.log" ;;
   align) $PY bench/alignment.py --out "$OUT" 2>&1 | tee "$OUT/alignment.log" ;;
-  tiny)  $PY train_grpo.py --config configs/tiny_gpu.yaml train.out_dir=/tmp/runs train.run_name=tiny_gpu \
+  tiny)  rm -rf /tmp/runs/tiny_gpu  # train_grpo.py refuses a run dir that holds a run
+         $PY train_grpo.py --config configs/tiny_gpu.yaml train.out_dir=/tmp/runs train.run_name=tiny_gpu \
            "${@:2}" 2>&1 | tee "$OUT/tiny_gpu.log"
          cp /tmp/runs/tiny_gpu/metrics.jsonl "$OUT/tiny_gpu_metrics.jsonl" ;;
   rollout)  $PY bench/rollout.py --out "$OUT" --time-limit 540 "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;

@@ -12,7 +12,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/mgpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PY=${PY:-python3} TRITON_CACHE_AUTOTUNING=1
-RUNS=/tmp/mgpu_runs; mkdir -p "$RUNS"
+RUNS=$(mktemp -d /tmp/mgpu_runs.XXXX)  # fresh run dirs: train_grpo.py refuses one that holds a run
 TINY="--config configs/tiny_gpu.yaml train.steps=3 train.val_every=0 train.save_final=false log.tensorboard=false
       log.dump_episodes_every=0 train.out_dir=$RUNS"
 RUN2="$PY -m torch.distributed.run --standalone --nproc_per_node 2 train_grpo.py"

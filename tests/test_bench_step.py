@@ -9,7 +9,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.step import add_speedups, summarize  # noqa: E402
+from bench.step import add_speedups, first_step_times, summarize  # noqa: E402
 
 
 def test_summary_is_the_median_of_timed_steps():
@@ -25,6 +25,10 @@ def test_summary_is_the_median_of_timed_steps():
     assert runs[1]["speedup"] == pytest.approx(1.2) and "speedup" not in runs[2]
     with pytest.raises(ValueError, match="no timed step"):
         summarize(metrics[:1], "bf16", "w")
+    assert first_step_times(metrics[:1]) == {"first_step_s": 100.0}  # what a cut-off run keeps
+    assert first_step_times([]) == {}
+    cuda = [dict(m, **{"mem/peak_gib": 40.0 + m["step"], "mem/alloc_retries": 0.0}) for m in metrics]
+    assert summarize(cuda, "bf16", "w")["mem_peak_gib"] == 42.0 and "mem_peak_gib" not in row
 
 
 def test_driver_runs_each_mode_and_writes_results(tmp_path):

@@ -180,3 +180,17 @@ def test_prompts_must_split_into_whole_groups(monkeypatch):
     cfg = load_config(None, ["rollout.prompts_per_step=9", "train.mini_batch_size=8", "train.micro_batch_size=4", "train.device=cpu"])
     with pytest.raises(UserError, match="mini_batch_size=8 is not divisible by the 3 ranks"):
         distributed.init(cfg)
+
+
+def test_memory_metrics_are_per_step(monkeypatch):
+    """Peak and cudaMalloc retries since the previous call: both counters are reset after reading."""
+    import distributed
+
+    state = {"allocated_bytes.all.peak": 3 * 2**30, "num_alloc_retries": 2}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: dict(state))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: state.update({"allocated_bytes.all.peak": 0}))
+    monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda device: state.update({"num_alloc_retries": 0}))
+    cuda = torch.device("cuda", 0)
+    assert distributed.memory_metrics(cuda) == {"mem/peak_gib": 3.0, "mem/alloc_retries": 2.0}
+    assert distributed.memory_metrics(cuda) == {"mem/peak_gib": 0.0, "mem/alloc_retries": 0.0}
+    assert distributed.memory_metrics(torch.device("cpu")) == {}

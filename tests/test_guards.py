@@ -96,3 +96,18 @@ def test_equal_rewards_overlong_prompts_and_warn_only(tmp_path, monkeypatch, cap
         assert r["reward/zero_std_groups"] == 1.0 and r["reward/mean"] == 0.0
         assert r["loss/policy"] == 0.0 and r["optim/grad_norm"] == 0.0 and r["optim/skipped_steps"] == 0
         assert all(math.isfinite(v) for v in r.values() if isinstance(v, float)), r
+
+
+def test_fresh_run_refuses_a_dir_that_holds_a_run(tmp_path, capsys):
+    run_dir = train(tmp_path, "train.steps=1")
+    before = (run_dir / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit) as e:
+        train(tmp_path, "train.steps=1")  # same train.run_name
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {run_dir} holds a run already: continue it with --resume {run_dir}, or pick another "
+        "train.run_name (or delete that directory)")
+    assert (run_dir / "metrics.jsonl").read_text() == before  # nothing appended
+    (tmp_path / "started").mkdir()
+    (tmp_path / "started" / "metrics.jsonl").touch()  # a run that died before its first step
+    assert train(tmp_path, "train.steps=1", "train.run_name=started") == tmp_path / "started"

@@ -4,7 +4,7 @@ import torch
 
 from config import load_config
 from modeling import load_model_and_tokenizer
-from rollout import HFEngine
+from rollout import HFEngine, Sample
 from train_grpo import collate, token_logprobs
 
 # 95 printable characters: a vocab larger than transformers' default top_k=50, so a sampler
@@ -31,6 +31,18 @@ def test_logprobs_are_processed_logprobs_of_the_trainer():
             trainer_logp = token_logprobs(model, input_ids, attention_mask, temperature)
         assert mask.sum() > 0
         torch.testing.assert_close(trainer_logp * mask, rollout_logp, atol=1e-5, rtol=0)
+
+
+def test_collate_rounds_length_for_fp8_tokens():
+    """L rounds up to `multiple` (64: a micro-batch of 2 rows then holds a multiple of 128 tokens);
+    the extra positions are padding, outside attention_mask and mask."""
+    samples = [Sample(0, [5, 6], [7] * 60 + [8], [-0.5] * 61, "stop"), Sample(0, [5, 6, 9], [7] * 65, [-1.0] * 65, "length")]
+    plain = collate(samples, 0)
+    padded = collate(samples, 0, multiple=64)
+    assert plain[0].shape == (2, 68) and padded[0].shape == (2, 128)
+    for a, b in zip(plain, padded):
+        assert torch.equal(b[:, :68], a) and not b[:, 68:].any()
+    assert padded[2].sum() == 61 + 65 and padded[3][1, 3:68].eq(-1.0).all()
 
 
 def test_greedy_is_deterministic_and_eos_ends_samples():
