@@ -30,6 +30,9 @@ case "$1" in
   capacity) $PY bench/rollout.py --capacity-only --out "$OUT" --time-limit 540 "${@:2}" 2>&1 \
               | tee "$OUT/bench_capacity.log" ;;
   stack)    $PY bench/train.py "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
-  step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
+  step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log"
+            # torchao's autotuning kept on disk (fp8.linear.keep_triton_autotuning): a later FP8 process skips it
+            echo "autotune results: $(find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '*.autotune.json' \
+              2>/dev/null | wc -l) files in ${TRITON_CACHE_DIR:-$HOME/.triton/cache}" | tee -a "$OUT/env.log" ;;
   *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|rollout|capacity|stack|step" >&2; exit 2 ;;
 esac
