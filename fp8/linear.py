@@ -430,7 +430,7 @@ def keep_triton_autotuning() -> None:
     import), and TRITON_CACHE_DIR, left unset, is set by the first inductor-compiled kernel (vLLM
     compiles at engine start) to a dir under TORCHINDUCTOR_CACHE_DIR, which vLLM points into its
     per-config compile cache. (H100, 2026-11-23: a second FP8 process on the same host re-ran all
-    436 autotuning benchmarks; this drift is the cause the sources show.) The caller's settings win."""
+    436 autotuning benchmarks; this drift is the likely cause, per the sources.) The caller's settings win."""
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
 

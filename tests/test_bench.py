@@ -9,7 +9,6 @@ results merging, the Triton autotune-cache knob.
 
 import importlib
 import json
-import os
 import re
 import subprocess
 import sys
