@@ -15,15 +15,14 @@ Llama-3.1-8B-shape model, vLLM colocated with sleep mode, fixed-length generatio
   fp8kv  fp8 + FP8 KV cache and FP8 attention in vLLM, q/k/v scales recalibrated every step
          (a separate forward over fp8.calib_samples rows after the update)
   fp8kv_lp  fp8kv with fp8.calib_pass=logprobs (amax captured in the old_logp forward: no extra pass)
-Step 0 (Triton autotune, CUDA-graph capture) is reported separately (TRITON_CACHE_AUTOTUNING=1 is
-set for the trainers, so a later process on the same host skips the autotuning); the figures are medians
+Step 0 (Triton autotune, CUDA-graph capture) is reported separately (the trainers keep torchao's
+autotuning on disk, fp8.linear.keep_triton_autotuning, so a later process on the same host skips it); the figures are medians
 over steps 1..N-1 of the trainer's own time/* metrics. Writes bench/results/step.json
 (schema: ../shared/DESIGN.md) after every mode, and prints a markdown table.
 """
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -147,7 +146,6 @@ def main():
     if cfg.train.compile != "none":  # compiled and eager runs are different workloads: ratios within each
         args.workload += f", compile {cfg.train.compile}"
     out.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")  # the trainers keep torchao's autotuning on disk
     runs = []
     for mode in modes:
         runs.append(run_mode(mode, args, args.overrides, Path(args.runs), out))

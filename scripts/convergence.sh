@@ -24,7 +24,7 @@
 #
 # Timeline (one H200): SFT ~3 min (scripts/sft.py --minutes 2.5, stops early once dev accuracy
 # reaches --stop-acc) while a second process compiles and autotunes torchao's FP8 kernels into
-# Triton's disk cache (TRITON_CACHE_AUTOTUNING=1), so the FP8 runs skip that ~100 s; then the runs
+# Triton's disk cache (fp8.linear.keep_triton_autotuning), so the FP8 runs skip that ~100 s; then the runs
 # start one after another: the next one only when the previous one's vLLM engine is up (its log
 # says "init engine", or it logged a step, or --stagger-timeout-s passed), because vLLM's start-up
 # memory profiling fails or misjudges when another process allocates or frees GPU memory at the
@@ -37,7 +37,7 @@ set -m   # each background job in its own process group: signals reach the whole
 START=$(date +%s)
 OUT=${OUT:-/tmp/conv_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-export PYTHONUNBUFFERED=1 PY=${PY:-python3} TRITON_CACHE_AUTOTUNING=1 TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 PY=${PY:-python3} TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
 SEEDS=0; STEPS=40; DEADLINE=520; SFT_MIN=2.5; MIN_SFT_ACC=0.1; WORK=/tmp/conv; STAGGER_TIMEOUT=90; SFT_ARGS=""; EXTRA=""

@@ -11,7 +11,7 @@
 #                                          on 2 ranks, one engine per rank, then one TP=2 engine
 set -uo pipefail
 OUT=${OUT:-/tmp/mgpu_out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PY=${PY:-python3} TRITON_CACHE_AUTOTUNING=1
+export PYTHONUNBUFFERED=1 PY=${PY:-python3}
 RUNS=$(mktemp -d /tmp/mgpu_runs.XXXX)  # fresh run dirs: train_grpo.py refuses one that holds a run
 TINY="--config configs/tiny_gpu.yaml train.steps=3 train.val_every=0 train.save_final=false log.tensorboard=false
       log.dump_episodes_every=0 train.out_dir=$RUNS"
