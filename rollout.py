@@ -18,6 +18,7 @@ under the *processed* distribution, i.e. log_softmax(logits / temperature) (vLLM
 the top-p mask, so with top_p < 1 the engine's logprobs are renormalised over the nucleus.
 """
 
+import contextlib
 import copy
 import os
 import random
@@ -248,6 +249,22 @@ def vllm_requests(prompt_ids: list[list[int]], n: int, temperature: float, top_p
     return out
 
 
+@contextlib.contextmanager
+def kept_env(name: str):
+    """Restore os.environ[name] (or its absence) on exit. vLLM's engine start points the process-wide
+    TRITON_CACHE_DIR into its per-config compile cache (vllm/compilation/compiler_interface.py), so
+    torchao's autotuning in the colocated trainer would not land in fp8.linear.keep_triton_autotuning's
+    fixed dir (H100, 2026-11-23: 0 autotune files there after a first FP8 step that autotuned)."""
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def kv_scale_entry(name: str) -> tuple[int, str] | None:
     """(layer, 'q'|'k'|'v'|'kv') for a checkpoint-style kv-scale name, e.g.
     model.layers.3.self_attn.k_scale or model.layers.3.self_attn.k_proj.k_scale ('kv': the
@@ -298,7 +315,8 @@ class VLLMEngine:
                             "rollout.engine=hf") from None
 
         t0 = time.perf_counter()
-        self.llm = vllm.LLM(**self.engine_kwargs)
+        with kept_env("TRITON_CACHE_DIR"):  # the trainer's Triton autotuning stays in its fixed dir
+            self.llm = vllm.LLM(**self.engine_kwargs)
         self.startup_s = time.perf_counter() - t0
         # vLLM 0.26 runs dense decoders on Model Runner V2 (config/vllm.py use_v2_model_runner), whose
         # Gumbel sampler seeds every request from (seed, position) in one kernel; unseeded requests

@@ -427,10 +427,9 @@ def keep_triton_autotuning() -> None:
     """torchao's quantizers autotune each new K (45 configs each; the first FP8 step of an 8B model
     spends ~3 min on it, H100). Keep the results on disk, in one fixed place, for later runs:
     TRITON_CACHE_AUTOTUNING is read when the @triton.autotune kernels are defined (torchao's
-    import), and TRITON_CACHE_DIR, left unset, is set by the first inductor-compiled kernel (vLLM
-    compiles at engine start) to a dir under TORCHINDUCTOR_CACHE_DIR, which vLLM points into its
-    per-config compile cache. (H100, 2026-11-23: a second FP8 process on the same host re-ran all
-    436 autotuning benchmarks; this drift is the likely cause, per the sources.) The caller's settings win."""
+    import), TRITON_CACHE_DIR at each autotuning. vLLM's engine start overwrites TRITON_CACHE_DIR
+    (into its per-config compile cache); rollout.VLLMEngine puts it back (rollout.kept_env).
+    The caller's settings win."""
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
 

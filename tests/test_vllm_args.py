@@ -6,6 +6,7 @@ Llama dir (config.json + char tokenizer). Tests needing vLLM skip when it does n
 """
 
 import importlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 
 from config import load_config
 from fp8.export import vllm_quantization_config
-from rollout import kv_scale_entry, vllm_engine_kwargs, vllm_env, vllm_requests
+from rollout import kept_env, kv_scale_entry, vllm_engine_kwargs, vllm_env, vllm_requests
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {  # name -> config overrides (the three rollout recipes of configs/)
@@ -225,3 +226,17 @@ def test_wake_returns_the_trainers_cached_memory_first(monkeypatch):
     eng.wake()
     eng.wake()  # awake: nothing to do
     assert calls == ["empty_cache", ("wake_up", ("weights",)), "scales", "empty_cache", ("wake_up", ("kv_cache",))]
+
+
+@pytest.mark.parametrize("before", [None, "/tmp/fixed"])
+def test_kept_env_restores_what_the_body_overwrote(monkeypatch, before):
+    # vLLM's engine start sets TRITON_CACHE_DIR to its compile cache; VLLMEngine wraps it in kept_env
+    if before is None:
+        monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_CACHE_DIR", before)
+    with pytest.raises(RuntimeError):
+        with kept_env("TRITON_CACHE_DIR"):
+            os.environ["TRITON_CACHE_DIR"] = "/root/.cache/vllm/torch_compile_cache/x/triton_cache"
+            raise RuntimeError("engine start failed")
+    assert os.environ.get("TRITON_CACHE_DIR") == before
