@@ -38,6 +38,7 @@ import distributed
 from checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from config import Config, UserError, load_config, to_dict
 from data import PromptSampler, format_reward, load_splits, math_reward, reward_stats
+from fp8.calibrate import token_mask
 from losses.advantages import group_advantages
 from losses.grpo import grpo_loss
 from losses.mismatch import mismatch_metrics
@@ -125,9 +126,15 @@ def collate(samples, pad_id: int, multiple: int = 1):
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float):
-    """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]"""
+    """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]
+
+    attention_mask must be right padding (collate's): under causal attention no real token then sees
+    a pad, so the model runs without it (pad positions get finite values, masked out downstream).
+    With it, HF builds a [B, 1, L, L] mask for any padded batch and SDPA leaves its causal flash
+    kernel for a masked one that computes all L x L scores."""
     # no KV cache: nothing to reuse, and its per-layer state would make compiled layers recompile
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, L, V]
+    with token_mask(attention_mask):  # still keeps pads out of the q/k/v calibrator's amax
+        logits = model(input_ids=input_ids, use_cache=False).logits  # [B, L, V]
     out = []
     for row_logits, row_ids in zip(logits, input_ids):  # one row at a time: fp32 [L, V] stays small
         lp = torch.log_softmax(row_logits[:-1].float() / temperature, dim=-1)  # [L-1, V]
@@ -289,7 +296,8 @@ def train(args) -> Path:
         """Per-layer (q, k, v) scales from a no-grad forward over the first calib_samples rows."""
         with torch.no_grad(), amp(), calibrator.capture():
             for s in micro_batches(min(len(input_ids), cfg.fp8.calib_samples), cfg.train.micro_batch_size):
-                model(input_ids=input_ids[s], attention_mask=attention_mask[s])
+                with token_mask(attention_mask[s]):  # right padding: no mask needed (token_logprobs)
+                    model(input_ids=input_ids[s], use_cache=False)
         return calibrator.scales()
 
     def save(step):

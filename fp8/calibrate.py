@@ -163,6 +163,21 @@ def fp8_attention(model: nn.Module, scales: dict[int, tuple[float, float, float]
         set_kv_scales(model, prev)
 
 
+_token_mask: Tensor | None = None  # set by token_mask(): real tokens of a forward run without its mask
+
+
+@contextlib.contextmanager
+def token_mask(mask: Tensor | None):
+    """The real tokens ([B, T], nonzero) of the forwards inside, for a model called without its
+    attention mask (train_grpo.token_logprobs); the calibrator leaves the others out of its amax."""
+    global _token_mask
+    prev, _token_mask = _token_mask, mask
+    try:
+        yield
+    finally:
+        _token_mask = prev
+
+
 def _masked_amax(t: Tensor, mask: Tensor | None) -> Tensor:
     """max|t| of t [B, H, T, D] over positions where mask [B, T] is nonzero (all if no mask fits)."""
     t = t.detach()
@@ -229,6 +244,7 @@ class QKVCalibrator:
     def _on_forward(self, module, args, kwargs):
         self._new_record = True
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        mask = _token_mask if mask is None else mask
         self._mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
     @torch.no_grad()

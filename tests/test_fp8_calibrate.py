@@ -61,7 +61,10 @@ def test_scales_equal_hand_computation():
         model(input_ids=ids)  # passes straight through
 
 
-def test_padding_excluded():
+@pytest.mark.parametrize("via", ["attention_mask", "token_logprobs"])  # the latter runs the model without it
+def test_padding_excluded(via):
+    from train_grpo import token_logprobs
+
     model = tiny_llama()
     ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(2))
     ids[1, 10:] = 0  # pad id 0 ...
@@ -72,8 +75,11 @@ def test_padding_excluded():
     mask = torch.ones(2, 16, dtype=torch.long)
     mask[1, 10:] = 0
     calib = QKVCalibrator(model)
-    with calib.capture():
-        model(input_ids=ids, attention_mask=mask)
+    with calib.capture(), torch.no_grad():
+        if via == "attention_mask":
+            model(input_ids=ids, attention_mask=mask)
+        else:
+            token_logprobs(model, ids, mask, 1.0)
     q, k, v = qkv_by_hand(model, ids, 0)  # causal: valid positions do not see later padding
     valid = mask.bool()[:, None, :, None]
     exp = torch.stack([torch.where(valid, t.abs(), 0).amax() for t in (q, k, v)])

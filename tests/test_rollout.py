@@ -33,6 +33,25 @@ def test_logprobs_are_processed_logprobs_of_the_trainer():
         torch.testing.assert_close(trainer_logp * mask, rollout_logp, atol=1e-5, rtol=0)
 
 
+def test_token_logprobs_of_a_right_padded_batch_need_no_mask():
+    """Right padding + causal attention: each row's logprobs equal its own unpadded forward's, and
+    the model is called without the mask (HF would otherwise build an [B, 1, L, L] one and SDPA
+    would leave its causal kernel)."""
+    cfg, model, tok, engine = make()
+    samples = [Sample(0, [5, 6], [7, 9, 11], [-1.0] * 3, "stop"), Sample(0, [5, 6, 9], [7] * 9, [-1.0] * 9, "length")]
+    input_ids, attention_mask, mask, _ = collate(samples, tok.pad_token_id, multiple=16)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
+    with torch.no_grad():
+        logp = token_logprobs(model, input_ids, attention_mask, 0.7)
+        hook.remove()
+        for i, s in enumerate(samples):
+            n = len(s.prompt_ids) + len(s.token_ids)
+            alone = token_logprobs(model, input_ids[i: i + 1, :n], attention_mask[i: i + 1, :n], 0.7)
+            torch.testing.assert_close(logp[i: i + 1, :n], alone, atol=1e-5, rtol=0)
+    assert seen == [None] and logp.isfinite().all()
+
+
 def test_collate_rounds_length_for_fp8_tokens():
     """L rounds up to `multiple` (64: a micro-batch of 2 rows then holds a multiple of 128 tokens);
     the extra positions are padding, outside attention_mask and mask."""

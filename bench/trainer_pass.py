@@ -1,0 +1,118 @@
+"""The trainer's two passes of one GRPO micro-batch, as train_grpo.py runs them, BF16 vs FP8.
+
+    python bench/trainer_pass.py                                   # bench/step_8b_long_h100.yaml's shape
+    python bench/trainer_pass.py --config bench/step_8b.yaml --rows 8 --prompt 32 --response 512
+
+The model, dtype and micro-batch size come from --config (the bench/step.py workload). One
+micro-batch = --rows rows of --prompt + --response tokens, right-padded (train_grpo.collate) to
+the length the FP8 trainer rounds to (rows x L a multiple of 128). Timed per micro-batch:
+`logprobs` = token_logprobs under no_grad (the old_logp pass), `train` = token_logprobs +
+masked sum + backward (the policy update, without the optimizer step). Variants:
+  bf16 unpadded  rows of exactly prompt + response tokens (what the BF16 step feeds when every
+                 sample has the same length: no padding, no mask)
+  <mode> masked  the padded batch with its attention mask passed to the model (the trainer before
+                 2026-11-23: HF builds a [rows, 1, L, L] mask, SDPA runs a masked kernel)
+  <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
+Modes: bf16, then fp8 (fp8.linear.convert_to_fp8_training of the same model; torchao on Hopper).
+Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up).
+"""
+
+import argparse
+import functools
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import RESULTS, write_results  # noqa: E402
+
+DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
+
+
+def median_s(fn, iters: int) -> float:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    fn()  # warm-up (FP8: torchao's autotuning)
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def passes(model, input_ids, attention_mask, mask, masked: bool, iters: int) -> dict:
+    from train_grpo import token_logprobs
+
+    m = functools.partial(model, attention_mask=attention_mask) if masked else model  # the old call
+
+    def logprobs():
+        with torch.no_grad():
+            token_logprobs(m, input_ids, attention_mask, 1.0)
+
+    def train():
+        (token_logprobs(m, input_ids, attention_mask, 1.0) * mask).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return {"logprobs_ms": 1e3 * median_s(logprobs, iters), "train_ms": 1e3 * median_s(train, iters)}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--rows", type=int, help="rows per micro-batch (default: the config's train.micro_batch_size)")
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--response", type=int, help="default: the config's rollout.max_new_tokens")
+    p.add_argument("--modes", default="bf16,fp8")
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--out", default=str(RESULTS))
+    args = p.parse_args()
+    from config import load_config
+    from fp8.linear import BLOCK, convert_to_fp8_training
+    from modeling import load_model_and_tokenizer
+    from rollout import Sample
+    from train_grpo import collate
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
+    cfg = load_config(args.config, [f"train.device={device.type}"])
+    rows = args.rows or cfg.train.micro_batch_size
+    n_resp = args.response or cfg.rollout.max_new_tokens
+    torch.manual_seed(0)
+    model, tok = load_model_and_tokenizer(cfg.model, device)
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(0, torch.randint(3, len(tok), (args.prompt,), generator=g).tolist(),
+                      torch.randint(3, len(tok), (n_resp,), generator=g).tolist(), [0.0] * n_resp, "length")
+               for _ in range(rows)]
+    batches = {"unpadded": collate(samples, tok.pad_token_id),
+               "padded": collate(samples, tok.pad_token_id, BLOCK // math.gcd(rows, BLOCK))}  # as train_grpo
+    batches = {k: [x.to(device) for x in (ids, am, mask)] for k, (ids, am, mask, _) in batches.items()}
+    L = {k: b[0].shape[1] for k, b in batches.items()}
+    workload = f"{rows} rows x {args.prompt}+{n_resp} tokens (padded to {L['padded']}), {Path(args.config).name}"
+    print(f"[trainer_pass] {workload}", flush=True)
+
+    runs = []
+    for mode in args.modes.split(","):
+        if mode == "fp8":
+            cfg.fp8.train = True
+            print(f"[trainer_pass] fp8: {len(convert_to_fp8_training(model, cfg.fp8))} linears", flush=True)
+        elif mode != "bf16":
+            sys.exit(f"--modes: unknown mode {mode!r} (bf16, fp8)")
+        variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
+        variants += [("padded", True, "masked"), ("padded", False, "")]
+        for batch, masked, label in variants:
+            r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
+                 **passes(model, *batches[batch], masked, args.iters),
+                 "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+            print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
+                  flush=True)
+            runs.append(r)
+    print(f"wrote {write_results('trainer_pass', runs, Path(args.out))}")
+
+
+if __name__ == "__main__":
+    main()
