@@ -323,7 +323,8 @@ def train(args) -> Path:
     distributed.memory_metrics(device)  # each step's mem/* start here
     for step in pbar:
         metrics, t_step = {}, time.perf_counter()
-        prof = start_profile(device) if step == cfg.log.profile_step else None
+        profiling = step == cfg.log.profile_step
+        prof = start_profile(device) if profiling and cfg.log.profile_rollout else None
         if cfg.train.val_every and step % cfg.train.val_every == 0:
             metrics["val/accuracy"] = validate_accuracy(engine, val_set, tokenizer, cfg, d)
 
@@ -333,13 +334,17 @@ def train(args) -> Path:
         # sample j of global prompt i gets seed step_seed + i*n + j: disjoint across steps and ranks
         step_seed = (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * n
         engine.wake()
-        samples = engine.generate([ex["prompt_ids"] for ex in prompts], n=n, temperature=T, top_p=cfg.rollout.top_p,
-                                  max_new_tokens=cfg.rollout.max_new_tokens, seed=step_seed + gen.start * n)
+        with torch.profiler.record_function("rollout"):  # a named span in the profile's trace
+            samples = engine.generate([ex["prompt_ids"] for ex in prompts], n=n, temperature=T,
+                                      top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
+                                      seed=step_seed + gen.start * n)
         engine.sleep()
         batch = prompts[own]  # this rank's prompts and their samples (all of them without TP)
         samples = [dataclasses.replace(s, prompt_index=s.prompt_index - own.start)
                    for s in samples[own.start * n: own.stop * n]]
         metrics["time/rollout"] = time.perf_counter() - t0
+        if profiling and prof is None:  # log.profile_rollout=false: the trainer's phases only
+            prof = start_profile(device)
 
         # ---- reward and advantages
         texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
@@ -359,7 +364,7 @@ def train(args) -> Path:
         capture = calibrator.capture() if calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
             else contextlib.nullcontext()  # q/k/v amax of this forward -> the next rollout's scales
         with torch.no_grad(), amp():
-            with capture:
+            with capture, torch.profiler.record_function("logprobs"):
                 old_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
                                       for s in micro_batches(B, mb)])  # [B, L]
             ref_logp = None if ref_model is None else torch.cat(

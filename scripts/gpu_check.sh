@@ -12,11 +12,24 @@
 #                                      then the linears) -> $OUT/train.json
 #   bash scripts/gpu_check.sh step [ARGS]  bench/step.py (e.g. --config bench/step_8b_long.yaml --steps 2
 #                                      --modes bf16) -> $OUT/step.json, trainer logs $OUT/step_<mode>.log
+#   bash scripts/gpu_check.sh pass [ARGS]  bench/trainer_pass.py: the trainer's logprobs / train pass per
+#                                      micro-batch at the step's shape -> $OUT/trainer_pass.json
+# Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
+# 8B step shapes, H100: ~190 s of a first FP8 step) and leaves all autotuning results in
+# $OUT/triton_autotune.tgz (refresh the shipped file from it when shapes or the bundle change).
 # Child logs of the rollout parts: $OUT/logs/.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.log"
+TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}  # fp8.linear.keep_triton_autotuning's dir
+mkdir -p "$TRITON_DIR" && tar -xzf bench/triton_autotune_h100.tgz -C "$TRITON_DIR" \
+  && echo "seeded $TRITON_DIR with bench/triton_autotune_h100.tgz" | tee -a "$OUT/env.log"
+save_autotuning() {  # on exit, whatever the part did
+  (cd "$TRITON_DIR" && find . -name '*.autotune.json' | sed 's|^\./||' | tar -czf "$OUT/triton_autotune.tgz" -T -)
+  echo "autotune results: $(tar -tzf "$OUT/triton_autotune.tgz" | wc -l) files in $TRITON_DIR" | tee -a "$OUT/env.log"
+}
+trap save_autotuning EXIT
 case "$1" in
   fp8)   $PY -m pytest tests/gpu/test_fp8_gpu.py -v -rs 2>&1 | tee "$OUT/gpu_tests_fp8.log"
          $PY bench/train.py linear --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
@@ -30,9 +43,8 @@ case "$1" in
   capacity) $PY bench/rollout.py --capacity-only --out "$OUT" --time-limit 540 "${@:2}" 2>&1 \
               | tee "$OUT/bench_capacity.log" ;;
   stack)    $PY bench/train.py "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
-  step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log"
-            # torchao's autotuning kept on disk (fp8.linear.keep_triton_autotuning): a later FP8 process skips it
-            echo "autotune results: $(find "${TRITON_CACHE_DIR:-$HOME/.triton/cache}" -name '*.autotune.json' \
-              2>/dev/null | wc -l) files in ${TRITON_CACHE_DIR:-$HOME/.triton/cache}" | tee -a "$OUT/env.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|rollout|capacity|stack|step" >&2; exit 2 ;;
+  step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
+  pass)     $PY bench/trainer_pass.py --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' \
+              | tee "$OUT/trainer_pass.log" ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|rollout|capacity|stack|step|pass" >&2; exit 2 ;;
 esac

@@ -452,3 +452,17 @@ def test_kernel_summary_categories():
                                                      "optimizer": 0.5, "elementwise/norm/other": 0.5, "copy/cat": 0.5}
     assert list(cats)[0] == "gemm" and abs(sum(v["share"] for v in cats.values()) - 1) < 1e-9
     assert [k["category"] for k in s["top_kernels"]] == ["gemm", "fp8 quantize", "attention"]
+
+
+def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
+    """bench/trainer_pass.py on the CPU (emulated FP8): every variant timed, the padded batch a
+    multiple of 128 tokens (as the FP8 trainer collates it), the unpadded one exactly the rows."""
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(root / "bench/trainer_pass.py"), "--config", str(root / "configs/tiny_cpu.yaml"),
+                        "--rows", "2", "--prompt", "5", "--response", "40", "--iters", "1", "--out", str(tmp_path)],
+                       capture_output=True, text=True, cwd=root)
+    assert p.returncode == 0, p.stderr[-2000:]
+    runs = json.loads((tmp_path / "trainer_pass.json").read_text())["runs"]
+    assert [r["mode"] for r in runs] == ["bf16 unpadded", "bf16 masked", "bf16", "fp8 masked", "fp8"]
+    assert runs[0]["tokens"] == 2 * 45 and all(r["tokens"] == 128 for r in runs[1:])
+    assert all(r["logprobs_ms"] > 0 and r["train_ms"] > 0 for r in runs)

@@ -86,10 +86,12 @@ def test_calib_pass_logprobs_equals_separate_pass_when_weights_do_not_move(tmp_p
         assert sep["fp8/k_scale_mean"] > 0
 
 
-def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path):
+@pytest.mark.parametrize("rollout", [True, False])
+def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path, rollout):
     p = run(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "train.run_name=prof", f"train.out_dir={tmp_path}",
              "train.steps=2", "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0",
-             "rollout.prompts_per_step=4", "log.profile_step=1"], cwd=tmp_path)
+             "rollout.prompts_per_step=4", "log.profile_step=1", f"log.profile_rollout={str(rollout).lower()}"],
+            cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     files = sorted(f.name for f in (tmp_path / "prof" / "profile").iterdir())
     assert files == ["step_000001_rank0.json", "step_000001_rank0.txt"]  # only the asked step
@@ -97,6 +99,8 @@ def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path):
     assert "Self CPU" in table and "aten::" in table
     trace = json.loads((tmp_path / "prof" / "profile" / "step_000001_rank0.json").read_text())
     assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
+    spans = {e.get("name") for e in trace["traceEvents"]}
+    assert "logprobs" in spans and ("rollout" in spans) == rollout  # log.profile_rollout=false: trainer only
     assert f"profile: {tmp_path / 'prof' / 'profile' / 'step_000001_rank0.txt'}" in p.stdout
 
 
