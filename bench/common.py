@@ -2,6 +2,7 @@
 
 import json
 import sys
+import time
 from datetime import date
 from pathlib import Path
 
@@ -11,9 +12,17 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def cuda_time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
-    """Median wall time of fn() in ms, measured with CUDA events after warm-up (autotune)."""
+    """Median wall time of fn() in ms, measured with CUDA events after warm-up (autotune).
+    Without CUDA (a CPU smoke run of a benchmark): time.perf_counter."""
     for _ in range(warmup):
         fn()
+    if not torch.cuda.is_available():
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return sorted(times)[len(times) // 2]
     torch.cuda.synchronize()
     times = []
     for _ in range(iters):

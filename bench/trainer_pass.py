@@ -14,35 +14,21 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
                  2026-11-23: HF builds a [rows, 1, L, L] mask, SDPA runs a masked kernel)
   <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
 Modes: bf16, then fp8 (fp8.linear.convert_to_fp8_training of the same model; torchao on Hopper).
-Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up).
+Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events).
 """
 
 import argparse
 import functools
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RESULTS, write_results  # noqa: E402
+from bench.common import RESULTS, cuda_time_ms, write_results  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
-
-
-def median_s(fn, iters: int) -> float:
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()  # warm-up (FP8: torchao's autotuning)
-    times = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, iters: int) -> dict:
@@ -58,7 +44,8 @@ def passes(model, input_ids, attention_mask, mask, masked: bool, iters: int) -> 
         (token_logprobs(m, input_ids, attention_mask, 1.0) * mask).sum().backward()
         model.zero_grad(set_to_none=True)
 
-    return {"logprobs_ms": 1e3 * median_s(logprobs, iters), "train_ms": 1e3 * median_s(train, iters)}
+    # one warm-up call (FP8: torchao's autotuning, unless seeded), then the median of `iters`
+    return {"logprobs_ms": cuda_time_ms(logprobs, 1, iters), "train_ms": cuda_time_ms(train, 1, iters)}
 
 
 def main():
