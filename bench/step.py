@@ -6,6 +6,7 @@
     python bench/step.py --config bench/step_8b_long.yaml --steps 2 --modes bf16,fp8kv   # 128 x 4096 tokens
     python bench/step.py --config bench/step_8b_long_h100.yaml --steps 2 --modes bf16    # same, 80 GB regime
     python bench/step.py --modes bf16,fp8kv_lp train.compile=inductor   # trainer layers torch.compile'd
+    python bench/step.py --modes fp8kv_lp log.profile_step=1 log.profile_rollout=false   # + OUT/profile_<mode>_*.txt
 
 Each mode runs the real trainer (train_grpo.py, so nothing here can drift from the recipe) in
 its own process (vLLM allows one engine per process) on bench/step_8b.yaml: a random-weight
@@ -91,6 +92,8 @@ def run_mode(mode: str, args, overrides: list[str], runs_dir: Path, log_dir: Pat
         except subprocess.TimeoutExpired:
             rc = "timeout"
     wall = time.perf_counter() - t0
+    for table in sorted((runs_dir / name / "profile").glob("*.txt")):  # log.profile_step's operator tables
+        shutil.copy(table, log_dir / f"profile_{mode}_{table.name}")  # (the .json traces stay: too big to ship)
     path = runs_dir / name / "metrics.jsonl"
     metrics = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
     workload = f"{args.workload} ({args.config})"

@@ -35,8 +35,11 @@ def test_driver_runs_each_mode_and_writes_results(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "bench/step.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"),
                         "--modes", "bf16,fp8kv", "--steps", "2", "--out", str(tmp_path), "--runs", str(tmp_path / "runs"),
                         "train.val_every=0", "rollout.prompts_per_step=4", "train.micro_batch_size=32",
-                        "log.tensorboard=false"], capture_output=True, text=True, timeout=600)
+                        "log.tensorboard=false", "log.profile_step=1", "log.profile_rollout=false"],
+                       capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for mode in ("bf16", "fp8kv"):  # the trainer phases' operator tables come back next to the logs
+        assert "Self CPU" in (tmp_path / f"profile_{mode}_step_000001_rank0.txt").read_text()
     doc = json.loads((tmp_path / "step.json").read_text())
     assert [r["mode"] for r in doc["runs"]] == ["bf16", "fp8kv"]
     assert all(r["step_s"] > 0 and r["timed_steps"] == 1 for r in doc["runs"])
