@@ -14,7 +14,8 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
                  2026-11-23: HF builds a [rows, 1, L, L] mask, SDPA runs a masked kernel)
   <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
 Modes: bf16, then fp8 (fp8.linear.convert_to_fp8_training of the same model; torchao on Hopper).
-Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events).
+Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
+per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them).
 """
 
 import argparse
@@ -59,6 +60,7 @@ def main():
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     from config import load_config
+    from distributed import memory_metrics
     from fp8.linear import BLOCK, convert_to_fp8_training
     from modeling import load_model_and_tokenizer
     from rollout import Sample
@@ -92,9 +94,9 @@ def main():
         variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
         variants += [("padded", True, "masked"), ("padded", False, "")]
         for batch, masked, label in variants:
+            memory_metrics(device)  # this variant's peak starts here
             r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
-                 **passes(model, *batches[batch], masked, args.iters),
-                 "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
+                 **passes(model, *batches[batch], masked, args.iters), **memory_metrics(device)}
             print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
                   flush=True)
             runs.append(r)
