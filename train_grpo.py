@@ -20,9 +20,12 @@ Where this departs from textbook GRPO:
 """
 
 import argparse
+import bisect
 import contextlib
 import copy
 import dataclasses
+import functools
+import gc
 import json
 import math
 import os
@@ -103,6 +106,32 @@ class RunLogger:
                 self.tb.close()
 
 
+class GCTimer:
+    """Seconds this process spent in Python garbage collection since the last take() (time/gc):
+    a collection pauses the host, and the GPU with it once its queue runs dry. One per process
+    (gc_timer()), registered in gc.callbacks for the process's life."""
+
+    def __init__(self):
+        self.total, self._t0 = 0.0, None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.total, self._t0 = self.total + time.perf_counter() - self._t0, None
+
+    def take(self) -> float:
+        total, self.total = self.total, 0.0
+        return total
+
+
+
+@functools.cache
+def gc_timer() -> GCTimer:
+    return GCTimer()
+
+
 # ----------------------------------------------------------------------------- tensors
 
 def collate(samples, pad_id: int, multiple: int = 1):
@@ -155,14 +184,57 @@ def start_profile(device: torch.device):
     return prof
 
 
+PHASES = ("rollout", "logprobs", "train", "recalibrate", "refit")  # the step's record_function spans
+
+
+def phase_busy(spans: dict[str, list[tuple[int, int]]], device_intervals: list[tuple[int, int]]) -> dict:
+    """{phase: (wall_s, device_busy_s)}: each phase's summed span time and the time inside its spans
+    during which the device ran something (union of kernel/copy intervals, ns). busy/wall well under 1
+    means the host, not the GPU, set the phase's pace (launch overhead, syncs, Python)."""
+    merged: list[list[int]] = []
+    for a, b in sorted(device_intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts = [a for a, _ in merged]
+    out = {}
+    for name, ranges in spans.items():
+        busy = 0
+        for s, e in ranges:
+            i = max(bisect.bisect_right(starts, s) - 1, 0)
+            while i < len(merged) and merged[i][0] < e:
+                busy += max(0, min(e, merged[i][1]) - max(s, merged[i][0]))
+                i += 1
+        out[name] = (sum(e - s for s, e in ranges) / 1e9, busy / 1e9)
+    return out
+
+
+def profile_phases(prof) -> str:
+    """phase_busy of a stopped torch.profiler profile, as a table (empty without phase spans)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    device = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() == torch.autograd.DeviceType.CPU:
+            if ev.name() in PHASES:
+                spans.setdefault(ev.name(), []).append((ev.start_ns(), ev.end_ns()))
+        elif not ev.is_user_annotation() and ev.name() not in PHASES:  # kernels, memcpy, memset
+            device.append((ev.start_ns(), ev.end_ns()))
+    rows = [f"{'phase':<12} {'wall_s':>8} {'device_busy_s':>14} {'busy':>6}"]
+    for name, (wall, busy) in phase_busy(spans, device).items():
+        rows.append(f"{name:<12} {wall:8.3f} {busy:14.3f} {busy / max(wall, 1e-12):6.1%}")
+    return "\n".join(rows) + "\n\n" if spans else ""
+
+
 def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device) -> Path:
-    """Stop the profiler; write its trace (.json) and its top-40 operator table (.txt)."""
+    """Stop the profiler; write its trace (.json) and (.txt) the device-busy share of each phase
+    (profile_phases) above the top-40 operator table."""
     prof.stop()
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"step_{step:06d}_rank{rank}"
     prof.export_chrome_trace(f"{stem}.json")
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    stem.with_suffix(".txt").write_text(prof.key_averages().table(sort_by=sort, row_limit=40))
+    stem.with_suffix(".txt").write_text(profile_phases(prof) + prof.key_averages().table(sort_by=sort, row_limit=40))
     return stem.with_suffix(".txt")
 
 
@@ -287,9 +359,10 @@ def train(args) -> Path:
 
     def sync_engine():
         t0 = time.perf_counter()
-        engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout))
-        if cfg.fp8.kv_cache and kv_scales is not None:
-            engine.set_kv_scales(kv_scales)
+        with torch.profiler.record_function("refit"):
+            engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout))
+            if cfg.fp8.kv_cache and kv_scales is not None:
+                engine.set_kv_scales(kv_scales)
         return time.perf_counter() - t0
 
     def recalibrate(input_ids, attention_mask):
@@ -321,6 +394,7 @@ def train(args) -> Path:
     pbar = tqdm(range(start_step, cfg.train.steps), initial=start_step, total=cfg.train.steps,
                 disable=rank != 0, dynamic_ncols=True)
     distributed.memory_metrics(device)  # each step's mem/* start here
+    gc_timer().take()  # each step's time/gc starts here
     for step in pbar:
         metrics, t_step = {}, time.perf_counter()
         profiling = step == cfg.log.profile_step
@@ -396,58 +470,60 @@ def train(args) -> Path:
 
         # ---- policy update: mini-batches (one optimizer step each) of micro-batches
         t0 = time.perf_counter()
-        model.train()
-        order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(device)
-        mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
-        n_mini = len(micro_batches(B, mini))
-        loss_metrics: dict[str, float] = {}
-        skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
-        for mini_slice in micro_batches(B, mini):
-            idx = order[mini_slice]
-            mini_tokens = distributed.all_sum(mask[idx].sum(), d).clamp(min=1)
-            mini_rows = len(idx) * d.world
-            optimizer.zero_grad(set_to_none=True)
-            nonfinite_loss = torch.zeros((), device=device)
-            for micro in micro_batches(len(idx), mb):
-                j = idx[micro]
-                with amp():
-                    logp = token_logprobs(model, input_ids[j], attention_mask[j], T)
-                loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], mask[j], cfg.loss,
-                                    ref_logp=None if ref_logp is None else ref_logp[j])
-                # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
-                weight = mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else len(j) / mini_rows
-                (loss * weight * distributed.grad_scale(d)).backward()
-                nonfinite_loss += (~torch.isfinite(loss.detach())).float()
-                for k, v in m.items():
-                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / n_mini
-            grad_norm = distributed.clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
-            if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees
+        with torch.profiler.record_function("train"):
+            model.train()
+            order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(device)
+            mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
+            n_mini = len(micro_batches(B, mini))
+            loss_metrics: dict[str, float] = {}
+            skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
+            for mini_slice in micro_batches(B, mini):
+                idx = order[mini_slice]
+                mini_tokens = distributed.all_sum(mask[idx].sum(), d).clamp(min=1)
+                mini_rows = len(idx) * d.world
                 optimizer.zero_grad(set_to_none=True)
-                bad_steps, skipped = bad_steps + 1, skipped + 1
-                logger.print(f"WARNING step {step}: non-finite loss/grad norm, optimizer step skipped "
-                             f"({bad_steps} in a row)")
-                if bad_steps >= cfg.train.max_bad_steps:
-                    raise UserError(f"{bad_steps} consecutive non-finite steps (train.max_bad_steps); lower "
-                                    "optim.lr, check the data, or try fp8.train=false to isolate FP8")
-                continue
-            bad_steps = 0
-            optimizer.step()
-            scheduler.step()
-            metrics["optim/grad_norm"] = float(grad_norm)
-        optimizer.zero_grad(set_to_none=True)  # free the gradients before the engine wakes (memory)
-        if d.world > 1:  # each rank's terms are already weighted by its share of the global batch
-            summed = distributed.all_sum(torch.tensor(list(loss_metrics.values()), device=device), d)
-            loss_metrics = dict(zip(loss_metrics, summed.tolist()))
-        metrics.update(loss_metrics)
-        metrics["optim/skipped_steps"] = skipped
+                nonfinite_loss = torch.zeros((), device=device)
+                for micro in micro_batches(len(idx), mb):
+                    j = idx[micro]
+                    with amp():
+                        logp = token_logprobs(model, input_ids[j], attention_mask[j], T)
+                    loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], mask[j], cfg.loss,
+                                        ref_logp=None if ref_logp is None else ref_logp[j])
+                    # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
+                    weight = mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else len(j) / mini_rows
+                    (loss * weight * distributed.grad_scale(d)).backward()
+                    nonfinite_loss += (~torch.isfinite(loss.detach())).float()
+                    for k, v in m.items():
+                        loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / n_mini
+                grad_norm = distributed.clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
+                if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees
+                    optimizer.zero_grad(set_to_none=True)
+                    bad_steps, skipped = bad_steps + 1, skipped + 1
+                    logger.print(f"WARNING step {step}: non-finite loss/grad norm, optimizer step skipped "
+                                 f"({bad_steps} in a row)")
+                    if bad_steps >= cfg.train.max_bad_steps:
+                        raise UserError(f"{bad_steps} consecutive non-finite steps (train.max_bad_steps); lower "
+                                        "optim.lr, check the data, or try fp8.train=false to isolate FP8")
+                    continue
+                bad_steps = 0
+                optimizer.step()
+                scheduler.step()
+                metrics["optim/grad_norm"] = float(grad_norm)
+            optimizer.zero_grad(set_to_none=True)  # free the gradients before the engine wakes (memory)
+            if d.world > 1:  # each rank's terms are already weighted by its share of the global batch
+                summed = distributed.all_sum(torch.tensor(list(loss_metrics.values()), device=device), d)
+                loss_metrics = dict(zip(loss_metrics, summed.tolist()))
+            metrics.update(loss_metrics)
+            metrics["optim/skipped_steps"] = skipped
         metrics["time/train"] = time.perf_counter() - t0
 
         # ---- recalibrate q/k/v scales (on the new weights, or from the old_logp capture), then push
         # weights (+ scales)
         if calibrator is not None:
             t0 = time.perf_counter()
-            kv_scales = recalibrate(input_ids, attention_mask) if cfg.fp8.calib_pass == "separate" \
-                else calibrator.scales()
+            with torch.profiler.record_function("recalibrate"):
+                kv_scales = recalibrate(input_ids, attention_mask) if cfg.fp8.calib_pass == "separate" \
+                    else calibrator.scales()
             metrics["time/recalibrate"] = time.perf_counter() - t0
             for i, name in enumerate(("q", "k", "v")):
                 metrics[f"fp8/{name}_scale_mean"] = sum(sc[i] for sc in kv_scales.values()) / len(kv_scales)
@@ -466,7 +542,7 @@ def train(args) -> Path:
             "response/truncated_frac": float(truncated.mean()),
             "optim/lr": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t_step,
             "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
-            **reward_stats(), **distributed.memory_metrics(device),
+            "time/gc": gc_timer().take(), **reward_stats(), **distributed.memory_metrics(device),
         })
         if prof is not None:
             logger.print(f"profile: {save_profile(prof, run_dir / 'profile', step, rank, device)}")

@@ -44,7 +44,7 @@ MODES = {
 }
 PARTS = ("rollout", "logprobs", "train", "recalibrate", "refit")
 TABLE = ["mode", "step_s", "rollout_s", "logprobs_s", "train_s", "recalibrate_s", "refit_s", "sync_frac", "speedup",
-         "first_step_s", "token_mult_prob_error", "mem_peak_gib", "alloc_retries"]
+         "first_step_s", "token_mult_prob_error", "gc_s", "mem_peak_gib", "alloc_retries"]
 
 
 def summarize(metrics: list[dict], mode: str, workload: str) -> dict:
@@ -60,6 +60,8 @@ def summarize(metrics: list[dict], mode: str, workload: str) -> dict:
            **{f"{p}_s": med(f"time/{p}") for p in PARTS},
            "tokens_per_s": med("perf/tokens_per_s"), "first_step_s": metrics[0]["time/step"],
            "token_mult_prob_error": med("mismatch/token_mult_prob_error"), "timed_steps": len(timed)}
+    if "time/gc" in timed[0]:  # Python garbage collection pauses inside the step
+        row["gc_s"] = med("time/gc")
     if "mem/peak_gib" in timed[0]:  # CUDA runs: the trainer's allocator peak and cudaMalloc retries
         row |= {"mem_peak_gib": med("mem/peak_gib"), "alloc_retries": med("mem/alloc_retries")}
     row["sync_frac"] = (row["recalibrate_s"] + row["refit_s"]) / row["step_s"]

@@ -17,7 +17,7 @@
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
 # 8B step shapes, H100: ~190 s of a first FP8 step) and leaves all autotuning results in
 # $OUT/triton_autotune.tgz (refresh the shipped file from it when shapes or the bundle change).
-# Child logs of the rollout parts: $OUT/logs/.
+# Child logs of the rollout parts: $OUT/logs/. $OUT/smi.csv: nvidia-smi's utilization/clock/power log.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PY=${PY:-python3}
@@ -25,7 +25,13 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}  # fp8.linear.keep_triton_autotuning's dir
 mkdir -p "$TRITON_DIR" && tar -xzf bench/triton_autotune_h100.tgz -C "$TRITON_DIR" \
   && echo "seeded $TRITON_DIR with bench/triton_autotune_h100.tgz" | tee -a "$OUT/env.log"
+# GPU utilization, SM clock, power, temperature and clock-limit reasons once a second (throttling?)
+SMI=timestamp,utilization.gpu,clocks.sm,power.draw,temperature.gpu
+( nvidia-smi --query-gpu=$SMI,clocks_event_reasons.active --format=csv -l 1 \
+  || nvidia-smi --query-gpu=$SMI --format=csv -l 1 ) >"$OUT/smi.csv" 2>&1 &
+SMI_PID=$!
 save_autotuning() {  # on exit, whatever the part did
+  pkill -P $SMI_PID 2>/dev/null; kill $SMI_PID 2>/dev/null
   (cd "$TRITON_DIR" && find . -name '*.autotune.json' | sed 's|^\./||' | tar -czf "$OUT/triton_autotune.tgz" -T -)
   echo "autotune results: $(tar -tzf "$OUT/triton_autotune.tgz" | wc -l) files in $TRITON_DIR" | tee -a "$OUT/env.log"
 }

@@ -102,6 +102,36 @@ def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path, rollout):
     spans = {e.get("name") for e in trace["traceEvents"]}
     assert "logprobs" in spans and ("rollout" in spans) == rollout  # log.profile_rollout=false: trainer only
     assert f"profile: {tmp_path / 'prof' / 'profile' / 'step_000001_rank0.txt'}" in p.stdout
+    # the phase table above the operator table: every profiled phase, CPU run = no device time
+    phases = {line.split()[0]: line.split()[1:] for line in table.split("\n\n")[0].splitlines()[1:]}
+    assert set(phases) >= {"logprobs", "train", "refit"} and ("rollout" in phases) == rollout, table[:600]
+    assert all(float(wall) > 0 and float(busy) == 0 for wall, busy, _ in phases.values())
+    records = [json.loads(line) for line in (tmp_path / "prof" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["time/gc"] >= 0 for r in records if "time/step" in r)
+
+
+def test_phase_busy_is_the_device_time_inside_each_phase():
+    from train_grpo import phase_busy
+
+    spans = {"logprobs": [(0, 100)], "train": [(200, 300), (400, 500)]}
+    kernels = [(10, 30), (20, 40), (90, 210), (250, 260), (450, 600), (700, 800)]  # ns; overlaps merge
+    out = phase_busy(spans, kernels)
+    assert out["logprobs"] == (100e-9, 40e-9)  # [10, 40) + [90, 100)
+    assert out["train"] == (200e-9, 70e-9)  # [200, 210) + [250, 260) + [450, 500)
+    assert phase_busy({"refit": [(0, 10)]}, []) == {"refit": (10e-9, 0.0)}
+
+
+def test_gc_timer_counts_collections_once():
+    import gc
+
+    from train_grpo import gc_timer
+
+    timer = gc_timer()
+    assert timer is gc_timer()  # one per process: callbacks do not pile up over train() calls
+    timer.take()
+    gc.collect()
+    assert timer.take() > 0
+    assert timer.take() == 0.0
 
 
 @pytest.mark.parametrize("calib_pass", ["separate", "logprobs"])
