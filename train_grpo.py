@@ -227,14 +227,14 @@ def profile_phases(prof) -> str:
 
 
 def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device) -> Path:
-    """Stop the profiler; write its trace (.json) and (.txt) the device-busy share of each phase
-    (profile_phases) above the top-40 operator table."""
+    """Stop the profiler; write (.txt) the device-busy share of each phase (profile_phases) above the
+    top-40 operator table, then the trace (.json; minutes for a long step's millions of events)."""
     prof.stop()
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"step_{step:06d}_rank{rank}"
-    prof.export_chrome_trace(f"{stem}.json")
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     stem.with_suffix(".txt").write_text(profile_phases(prof) + prof.key_averages().table(sort_by=sort, row_limit=40))
+    prof.export_chrome_trace(f"{stem}.json")
     return stem.with_suffix(".txt")
 
 
