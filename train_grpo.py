@@ -126,7 +126,6 @@ class GCTimer:
         return total
 
 
-
 @functools.cache
 def gc_timer() -> GCTimer:
     return GCTimer()
@@ -227,13 +226,16 @@ def profile_phases(prof) -> str:
 
 
 def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device) -> Path:
-    """Stop the profiler; write (.txt) the device-busy share of each phase (profile_phases) above the
-    top-40 operator table, then the trace (.json; minutes for a long step's millions of events)."""
+    """Stop the profiler; write (.txt) the device-busy share of each phase (profile_phases), then the
+    top-40 operator table below it, then the trace (.json): the last two take minutes for a long
+    step's ~10^6 events, so a run cut off meanwhile still leaves the phase table."""
     prof.stop()
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"step_{step:06d}_rank{rank}"
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    stem.with_suffix(".txt").write_text(profile_phases(prof) + prof.key_averages().table(sort_by=sort, row_limit=40))
+    phases = profile_phases(prof)
+    stem.with_suffix(".txt").write_text(phases)  # first what is quick to get, then the slow parts
+    stem.with_suffix(".txt").write_text(phases + prof.key_averages().table(sort_by=sort, row_limit=40))
     prof.export_chrome_trace(f"{stem}.json")
     return stem.with_suffix(".txt")
 
