@@ -111,7 +111,7 @@ def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path, rollout):
 
 
 def test_phase_busy_is_the_device_time_inside_each_phase():
-    from train_grpo import phase_busy
+    from profiling import phase_busy
 
     spans = {"logprobs": [(0, 100)], "train": [(200, 300), (400, 500)]}
     kernels = [(10, 30), (20, 40), (90, 210), (250, 260), (450, 600), (700, 800)]  # ns; overlaps merge
@@ -124,7 +124,7 @@ def test_phase_busy_is_the_device_time_inside_each_phase():
 def test_gc_timer_counts_collections_once():
     import gc
 
-    from train_grpo import gc_timer
+    from profiling import gc_timer
 
     timer = gc_timer()
     assert timer is gc_timer()  # one per process: callbacks do not pile up over train() calls
