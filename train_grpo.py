@@ -106,6 +106,11 @@ class RunLogger:
 
 # ----------------------------------------------------------------------------- tensors
 
+def length_multiple(rows: int, tokens: int) -> int:
+    """The batch length multiple that makes `rows` rows hold a multiple of `tokens` tokens."""
+    return tokens // math.gcd(rows, tokens)
+
+
 def collate(samples, pad_id: int, multiple: int = 1):
     """Samples -> right-padded prompt+response batch, its length L a multiple of `multiple`.
 
@@ -338,7 +343,7 @@ def train(args) -> Path:
         # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
         B, mb = len(samples), cfg.train.micro_batch_size
         input_ids, attention_mask, mask, rollout_logp = collate(samples, tokenizer.pad_token_id,
-                                                                fp8_tokens // math.gcd(min(mb, B), fp8_tokens))
+                                                                length_multiple(min(mb, B), fp8_tokens))
         input_ids, attention_mask, mask, rollout_logp, advantages = (
             x.to(device) for x in (input_ids, attention_mask, mask, rollout_logp, advantages))
 

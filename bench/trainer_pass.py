@@ -20,7 +20,6 @@ per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs t
 
 import argparse
 import functools
-import math
 import sys
 from pathlib import Path
 
@@ -64,7 +63,7 @@ def main():
     from fp8.linear import BLOCK, convert_to_fp8_training
     from modeling import load_model_and_tokenizer
     from rollout import Sample
-    from train_grpo import collate
+    from train_grpo import collate, length_multiple
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
     cfg = load_config(args.config, [f"train.device={device.type}"])
@@ -78,7 +77,7 @@ def main():
                       torch.randint(3, len(tok), (n_resp,), generator=g).tolist(), [0.0] * n_resp, "length")
                for _ in range(rows)]
     batches = {"unpadded": collate(samples, tok.pad_token_id),
-               "padded": collate(samples, tok.pad_token_id, BLOCK // math.gcd(rows, BLOCK))}  # as train_grpo
+               "padded": collate(samples, tok.pad_token_id, length_multiple(rows, BLOCK))}  # as train_grpo
     batches = {k: [x.to(device) for x in (ids, am, mask)] for k, (ids, am, mask, _) in batches.items()}
     L = {k: b[0].shape[1] for k, b in batches.items()}
     workload = f"{rows} rows x {args.prompt}+{n_resp} tokens (padded to {L['padded']}), {Path(args.config).name}"

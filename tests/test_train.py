@@ -172,3 +172,11 @@ def test_gradients_are_freed_before_the_engine_wakes(tmp_path, monkeypatch):
     steps = read_metrics(tmp_path / "g")
     assert len(held) == 3 and all(m["optim/grad_norm"] > 0 for m in steps)  # updates happened
     assert held == [0, 0, 0]
+
+
+def test_length_multiple_makes_micro_batches_whole_blocks():
+    from train_grpo import length_multiple
+
+    assert [length_multiple(r, 128) for r in (1, 2, 3, 8, 256)] == [128, 64, 128, 16, 1]
+    assert all(r * length_multiple(r, 128) % 128 == 0 for r in range(1, 300))
+    assert length_multiple(4, 1) == 1  # BF16 / emulated FP8: no rounding
