@@ -27,10 +27,13 @@ which torchao's wgrad needs) is what the linears see. Modes:
                keeps q_proj in BF16 with them (vLLM fuses q/k/v into one qkv_proj that is all FP8 or
                all BF16), so attention's input projections are BF16, o_proj and the MLP FP8
   fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
+  fp8_opaque_quant  (compiled only, ablation) fp8_compile with fp8.compiled_quant=False: torchao's Triton
+               quantizers as opaque ops in the graph instead of fp8/quant.py's torch code fused by inductor
   <mode>_compile  <mode> with every decoder layer torch.compile'd (inductor, static shapes, as
                torchtitan compiles per block): norms, RoPE, SiLU*mul and residual adds fused into few
                Triton kernels; our FP8 autograd Function is traced (fused groups included: one graph,
-               4 FP8 GEMMs per layer), torchao's quantizers and GEMMs are opaque custom ops in it.
+               4 FP8 GEMMs per layer), the GEMMs are opaque custom ops in it, the quantizers fp8/quant.py's
+               torch code that inductor fuses into their producers (fp8.compiled_quant).
                Its speedup is against bf16_compile; speedup_eager against bf16.
 Reported: ms/iter (median of --iters after --warmup, CUDA events), tok_s, tflops (6 x linear params
 x tokens + 6 x seq_len^2 x hidden x rows x layers for causal attention, fwd + bwd), speedup vs bf16
@@ -68,13 +71,14 @@ STACK_MODES = {  # mode -> FP8Config overrides (None = no conversion); '<mode>_c
     "fp8_unfused": {"fuse_projections": False},
     "fp8_kv_bf16": {"keep_bf16": ["*.k_proj", "*.v_proj"]},
     "fp8_mlp": {"keep_bf16": ["*.self_attn.*"]},
+    "fp8_opaque_quant": {"compiled_quant": False},
 }
 STACK_MODES |= {f"{m}_compile": v for m, v in STACK_MODES.items()}
 COMPILED = "_compile"
 DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_unfused", "bf16_compile", "fp8_compile"]
 # Kernel name -> category for --profile (first match wins; checked against lower-cased names).
 KERNEL_CATEGORIES = [
-    ("fp8 quantize", ("fp8_blockwise", "quant")),
+    ("fp8 quantize", ("fp8_blockwise", "quant", "amax")),  # amax: inductor's fused quantizers (+ their producer)
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "scaled_mm", "sm90_", "splitk")),
     ("optimizer", ("adam", "multi_tensor")),

@@ -56,7 +56,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fp8.quant import dequantize_blockwise, fake_quant_act_1x128, fake_quant_act_128x1, fake_quant_weight
+from fp8.quant import (dequantize_blockwise, fake_quant_act_1x128, fake_quant_act_128x1, fake_quant_weight,
+                       quant_groups)
 
 if TYPE_CHECKING:
     from config import FP8Config
@@ -389,38 +390,113 @@ def fuse_projections(model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------ torchao
 
 
-class _TorchaoKernels:
-    """_BlockFP8MM's GEMMs with torchao 0.18's Triton quantizers and cuBLAS block-scaled GEMMs
-    (the kernel sequence of torchao's fp8_blockwise_mm; BF16 output). Needs M % 128 == 0.
+def _col_major(t: Tensor) -> Tensor:
+    """The same values laid out column-major (stride (1, rows)), as cuBLAS wants B and the scales."""
+    return t.t().contiguous().t()
 
-    Every kernel is a torch.library op (torchao registers the quantizers with triton_op and the
-    GEMM as torchao::blockwise_scaled_mm), so torch.compile keeps them in one graph; torchao's
-    own _scaled_mm calls F.scaled_mm, which dynamo cannot trace (a graph break per GEMM)."""
+
+class _TritonQuant:
+    """torchao 0.18's Triton quantizers (opaque custom ops; eager and compiled). Layouts, as cuBLAS's
+    block-scaled GEMM takes them: `lhs` q [M, K] row-major + 1x128 scales [M, K/128] column-major;
+    `rhs` q [M, K] column-major + 128x1 scales [M/128, K]; `transposed_lhs` of x [M, K]: q [K, M]
+    row-major, 1x128 along M, scales [K, M/128] column-major; weights 128x128: `weight_rhs` q [N, K]
+    column-major, `weight_transposed_rhs` q [K, N] column-major, scales column-major."""
 
     def __init__(self):
         from torchao.prototype.blockwise_fp8_training import kernels as k
 
-        self.k = k
+        self.lhs, self.rhs = k.triton_fp8_blockwise_act_quant_lhs, k.triton_fp8_blockwise_act_quant_rhs
+        self.transposed_lhs = k.triton_fp8_blockwise_act_quant_transposed_lhs
+        self.weight_rhs = k.triton_fp8_blockwise_weight_quant_rhs
+        self.weight_transposed_rhs = k.triton_fp8_blockwise_weight_quant_transposed_rhs
+
+
+def _quant_1x128(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [R, C] (C % 128 == 0) -> q e4m3 [R, C] row-major, scales [R, C/128]: fp8/quant.py's torchao
+    recipe (quantize_act_1x128) without its padding, so a dynamic token count traces cleanly."""
+    r, c = x.shape
+    groups = x.reshape(r, c // BLOCK, BLOCK)
+    q, s = quant_groups(groups, groups.abs().amax(-1, keepdim=True), "torchao")
+    return q.reshape(r, c).contiguous(), s.reshape(r, c // BLOCK)  # x.t() in: the elementwise ops keep its layout
+
+
+class _TorchQuant:
+    """_TritonQuant's five quantizers in fp8/quant.py's torch arithmetic (quant_groups), same layouts
+    and bytes (tests/gpu). Used inside torch.compile: inductor fuses each into the kernel that
+    produces its input (RMSNorm, SiLU*mul, a fused group's weight concatenation, the backward's
+    gradient sums), so an operand is not written in BF16 and read back just to be quantized.
+    Eager it is slow (many small kernels)."""
+
+    @staticmethod
+    def lhs(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+        q, s = _quant_1x128(x)
+        return q, _col_major(s)
+
+    @staticmethod
+    def rhs(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+        q_t, s_t = _quant_1x128(x.t())  # [K, M], [K, M/128]: 128x1 groups of x
+        return q_t.t(), s_t.t().contiguous()
+
+    @staticmethod
+    def transposed_lhs(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
+        q, s = _quant_1x128(x.t())
+        return q, _col_major(s)
+
+    @staticmethod
+    def weight_rhs(w: Tensor, block_size: int = BLOCK) -> tuple[Tensor, Tensor]:
+        q, s = _quant_128x128(w)
+        return _col_major(q), _col_major(s)
+
+    @staticmethod
+    def weight_transposed_rhs(w: Tensor, block_size: int = BLOCK) -> tuple[Tensor, Tensor]:
+        q, s = _quant_128x128(w)
+        return q.t(), s.t()
+
+
+def _quant_128x128(w: Tensor) -> tuple[Tensor, Tensor]:
+    """w [N, K] (both % 128 == 0) -> q e4m3 [N, K], scales [N/128, K/128]: quantize_blockwise unpadded."""
+    n, k = w.shape
+    blocks = w.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    q, s = quant_groups(blocks, blocks.abs().amax(dim=(1, 3), keepdim=True), "torchao")
+    return q.reshape(n, k).contiguous(), s.reshape(n // BLOCK, k // BLOCK).contiguous()
+
+
+class _TorchaoKernels:
+    """_BlockFP8MM's GEMMs with torchao 0.18's cuBLAS block-scaled GEMM (torchao::blockwise_scaled_mm)
+    and the kernel sequence of torchao's fp8_blockwise_mm (BF16 output). Needs M % 128 == 0.
+
+    Quantizers: torchao's Triton kernels, or under torch.compile with compiled_quant (the default)
+    _TorchQuant, which inductor fuses into neighbouring kernels. Either way every op is a
+    torch.library op or plain torch, so torch.compile keeps a layer in one graph; torchao's own
+    _scaled_mm calls F.scaled_mm, which dynamo cannot trace (a graph break per GEMM)."""
+
+    def __init__(self, compiled_quant: bool = True):
+        from torchao.prototype.blockwise_fp8_training import kernels as k
+
+        self.mm = k.blockwise_scaled_mm
         self.x1x128 = k._scaling_type_value(k.BLOCKWISE_1X128_SCALING_TYPE)
         self.x128x128 = k._scaling_type_value(k.BLOCKWISE_128X128_SCALING_TYPE)
+        self.compiled_quant = compiled_quant
+        self.triton = _TritonQuant()
+
+    @property
+    def q(self):
+        return _TorchQuant if self.compiled_quant and torch.compiler.is_compiling() else self.triton
 
     def fwd(self, x2: Tensor, w: Tensor) -> Tensor:
-        k = self.k
-        xq, xs = k.triton_fp8_blockwise_act_quant_lhs(x2.contiguous(), BLOCK)
-        wq, ws = k.triton_fp8_blockwise_weight_quant_transposed_rhs(w, block_size=BLOCK)
-        return k.blockwise_scaled_mm(xq, wq, xs, self.x1x128, ws, self.x128x128, torch.bfloat16)
+        xq, xs = self.q.lhs(x2.contiguous(), BLOCK)
+        wq, ws = self.q.weight_transposed_rhs(w, block_size=BLOCK)
+        return self.mm(xq, wq, xs, self.x1x128, ws, self.x128x128, torch.bfloat16)
 
     def dgrad(self, g2: Tensor, w: Tensor) -> Tensor:
-        k = self.k
-        gq, gs = k.triton_fp8_blockwise_act_quant_lhs(g2, BLOCK)
-        wq, ws = k.triton_fp8_blockwise_weight_quant_rhs(w, block_size=BLOCK)
-        return k.blockwise_scaled_mm(gq, wq, gs, self.x1x128, ws, self.x128x128, torch.bfloat16)
+        gq, gs = self.q.lhs(g2, BLOCK)
+        wq, ws = self.q.weight_rhs(w, block_size=BLOCK)
+        return self.mm(gq, wq, gs, self.x1x128, ws, self.x128x128, torch.bfloat16)
 
     def wgrad(self, g2: Tensor, x2: Tensor) -> Tensor:
-        k = self.k
-        gq, gs = k.triton_fp8_blockwise_act_quant_transposed_lhs(g2, BLOCK)  # g.T [N, M], 1x128 along M
-        xq, xs = k.triton_fp8_blockwise_act_quant_rhs(x2.contiguous(), BLOCK)  # x [M, K], 128x1 along M
-        return k.blockwise_scaled_mm(gq, xq, gs, self.x1x128, xs.transpose(-1, -2), self.x1x128, torch.bfloat16)
+        gq, gs = self.q.transposed_lhs(g2, BLOCK)  # g.T [N, M], 1x128 along M
+        xq, xs = self.q.rhs(x2.contiguous(), BLOCK)  # x [M, K], 128x1 along M
+        return self.mm(gq, xq, gs, self.x1x128, xs.transpose(-1, -2), self.x1x128, torch.bfloat16)
 
 
 def keep_triton_autotuning() -> None:
@@ -511,7 +587,7 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
     Parameters are reused, so an optimizer created earlier stays valid.
     """
     plan = fp8_plan(model, cfg)
-    converted, kinds = [], set()
+    converted, kinds, kernels = [], set(), None
     for raw_name, mod in list(model.named_modules()):
         name = clean_name(raw_name)
         if not isinstance(mod, nn.Linear) or is_fp8_linear(mod) or not plan.get(name, (False,))[0]:
@@ -519,6 +595,8 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
         if use_torchao(cfg, mod.weight.device) and mod.weight.dtype in (torch.bfloat16, torch.float32):
             new, kind = torchao_linear_cls().from_float(mod), "torchao"
             new.train(mod.training)
+            if not cfg.compiled_quant:
+                new._kernels = kernels or (kernels := _TorchaoKernels(compiled_quant=False))
         else:
             new, kind = EmulatedFP8Linear.from_linear(mod, "torchao"), "emulated"
         _replace(model, raw_name, new)

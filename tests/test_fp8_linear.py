@@ -374,3 +374,49 @@ def test_torchao_autotuning_kept_on_disk(preset, tmp_path):
     assert len(got["cache_results"]) == 5, got  # lhs, rhs, transposed_lhs (activations); rhs, transposed_rhs (weights)
     assert set(got["cache_results"].values()) == {not preset}
     assert got["dir"] == preset.get("TRITON_CACHE_DIR", str(tmp_path / ".triton" / "cache"))
+
+
+
+def reference_blockwise_mm(a, b, a_s, recipe_a, b_s, recipe_b, out_dtype):
+    """cuBLAS's block-scaled GEMM (torchao::blockwise_scaled_mm) from its documented layouts: a [M, K]
+    row-major, 1x128 scales [M, K/128] column-major; b [K, N] column-major, with 128x128 scales
+    [K/128, N/128] or 1x128 scales (groups along K) [N, K/128]. The layout asserts are torchao's."""
+    from torchao.prototype.blockwise_fp8_training import kernels as k
+
+    x128x128 = k._scaling_type_value(k.BLOCKWISE_128X128_SCALING_TYPE)
+    assert a.stride(1) == 1 and b.stride(0) == 1 and a_s.stride(0) == 1, (a.stride(), b.stride(), a_s.stride())
+    assert recipe_a == k._scaling_type_value(k.BLOCKWISE_1X128_SCALING_TYPE)
+    sa = a_s.repeat_interleave(128, 1)
+    sb = (b_s.repeat_interleave(128, 0).repeat_interleave(128, 1) if recipe_b == x128x128
+          else b_s.t().repeat_interleave(128, 0))
+    return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
+
+
+def test_torch_quantizers_feed_the_block_scaled_gemm_like_the_emulation():
+    """_TorchQuant (the quantizers inductor fuses under train.compile) hands the GEMM torchao's
+    layouts and scales: fwd, dgrad and wgrad through a reference block-scaled GEMM equal the
+    emulation's quantize-dequantize + fp32 GEMM bit for bit (a transposed scale or a 1x128 group
+    taken along the wrong dim would not)."""
+    pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
+    from fp8.linear import _EmulatedKernels, _TorchaoKernels, _TorchQuant
+
+    ao = _TorchaoKernels()
+    ao.triton, ao.mm = _TorchQuant, reference_blockwise_mm  # eager: what the compiled graph runs
+    emu = _EmulatedKernels("torchao")
+    g = torch.Generator().manual_seed(0)
+    m, k, n = 256, 384, 640
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 2, k)).bfloat16()  # per-channel ranges
+    w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    w[:128, 128:256] *= 1e3  # one loud block
+    go = torch.randn(m, n, generator=g).bfloat16()
+    assert torch.equal(ao.fwd(x, w), emu.fwd(x, w))
+    assert torch.equal(ao.dgrad(go, w), emu.dgrad(go, w).bfloat16())
+    assert torch.equal(ao.wgrad(go, x), emu.wgrad(go, x).bfloat16())
+    # Traced (dynamic token count, as train.compile's second graph): _TorchQuant is picked by itself;
+    # torchao's Triton quantizers (the eager choice) cannot run on a CPU tensor.
+    compiled = _TorchaoKernels()
+    compiled.mm = reference_blockwise_mm
+    torch._dynamo.reset()
+    wgrad = torch.compile(compiled.wgrad, backend="aot_eager", fullgraph=True, dynamic=True)
+    assert torch.equal(wgrad(go, x), emu.wgrad(go, x).bfloat16())
+    torch._dynamo.reset()

@@ -121,6 +121,49 @@ def test_act_quant_equals_torchao_triton(ao, dtype):
     assert torch.equal(sy.t()[nzc], sc[nzc])
 
 
+@pytest.mark.parametrize("name", ["lhs", "rhs", "transposed_lhs", "weight_rhs", "weight_transposed_rhs"])
+def test_compiled_torch_quantizers_equal_torchao_triton(name):
+    """fp8.compiled_quant: inside torch.compile the trainer quantizes with fp8/quant.py's torch code
+    (inductor-generated kernels) - the same bytes, scales and layouts as torchao's Triton kernels."""
+    from fp8.linear import _TorchQuant, _TritonQuant
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(512, 1024, device="cuda", generator=g) * torch.logspace(-4, 3, 1024, device="cuda")
+    x = x.bfloat16() if not name.startswith("weight") else x.t().contiguous().bfloat16()  # [1024, 512] weight
+    torch._dynamo.reset()
+    got = torch.compile(getattr(_TorchQuant, name), fullgraph=True)(x)
+    want = getattr(_TritonQuant(), name)(x)
+    assert [(t.shape, t.stride()) for t in got] == [(t.shape, t.stride()) for t in want]
+    assert same_bytes(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_compiled_fp8_linear_equals_eager(monkeypatch):
+    """A torch.compile'd TorchaoFP8Linear (fused torch quantizers, fp8.compiled_quant) gives the eager
+    module's output and both gradients bit for bit; compiled_quant=False traces torchao's kernels."""
+    import fp8.linear as fl
+
+    calls = []
+    monkeypatch.setattr(fl._TorchQuant, "lhs", staticmethod(lambda x, b=128, _f=fl._TorchQuant.lhs: calls.append(1) or _f(x, b)))
+    torch.manual_seed(0)
+    lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
+    model = nn.Sequential(lin)
+    convert_to_fp8_training(model, FP8Config())
+    x = torch.randn(4, 128, 1024, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(4, 128, 2048, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        fn = torch.compile(model[0], fullgraph=True) if compiled else model[0]
+        xi = x.clone().requires_grad_(True)
+        lin.weight.grad = None
+        y = fn(xi)
+        y.backward(g)
+        outs.append((y.detach(), xi.grad, model[0].weight.grad.clone()))
+    same = {k: torch.equal(a, b) for k, a, b in zip(("out", "grad_x", "grad_w"), *outs)}
+    print(f"\ncompiled vs eager TorchaoFP8Linear: bitwise {same}, torch quantizer traced {len(calls)}x")
+    assert calls and all(same.values()), same
+
+
 def test_torchao_linear_uses_quant_py_weights(monkeypatch):
     """Intercept the weight operand torchao's linear hands to its FP8 GEMM (forward and dgrad)."""
     import torchao.prototype.blockwise_fp8_training.kernels as tl
