@@ -359,9 +359,11 @@ class FusedProjections:
             self._outs = member._mm(x, *(m.weight for m in self.members)).split(self.sizes, dim=-1)
             self._x, self._key, self._pending = x, key, set(range(len(self.members)))
         self._pending.discard(i)
-        # A column slice is strided; measured on an H100 (4 Llama-8B layers, 16k tokens) the MLP's
-        # silu/mul on strided slices cost ~8 ms per step more than on dense ones; the copy ~2 ms.
-        out = self._outs[i].contiguous()
+        # A column slice is strided; measured on an H100 (4 Llama-8B layers, 16k tokens) eager silu/mul
+        # on strided slices cost ~8 ms per step more than on dense ones; the copy ~2 ms. Compiled,
+        # the copies were saved for backward besides the GEMM output (ninth session): inductor reads
+        # the slices in place.
+        out = self._outs[i] if torch.compiler.is_compiling() else self._outs[i].contiguous()
         if not self._pending:  # every member served: drop the references
             self._x, self._outs = None, ()
         return out
@@ -390,83 +392,26 @@ def fuse_projections(model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------ torchao
 
 
-def _col_major(t: Tensor) -> Tensor:
-    """The same values laid out column-major (stride (1, rows)), as cuBLAS wants B and the scales."""
-    return t.t().contiguous().t()
-
-
-class _TritonQuant:
-    """torchao 0.18's Triton quantizers (opaque custom ops; eager and compiled). Layouts, as cuBLAS's
-    block-scaled GEMM takes them: `lhs` q [M, K] row-major + 1x128 scales [M, K/128] column-major;
-    `rhs` q [M, K] column-major + 128x1 scales [M/128, K]; `transposed_lhs` of x [M, K]: q [K, M]
-    row-major, 1x128 along M, scales [K, M/128] column-major; weights 128x128: `weight_rhs` q [N, K]
-    column-major, `weight_transposed_rhs` q [K, N] column-major, scales column-major."""
-
-    def __init__(self):
-        from torchao.prototype.blockwise_fp8_training import kernels as k
-
-        self.lhs, self.rhs = k.triton_fp8_blockwise_act_quant_lhs, k.triton_fp8_blockwise_act_quant_rhs
-        self.transposed_lhs = k.triton_fp8_blockwise_act_quant_transposed_lhs
-        self.weight_rhs = k.triton_fp8_blockwise_weight_quant_rhs
-        self.weight_transposed_rhs = k.triton_fp8_blockwise_weight_quant_transposed_rhs
-
-
-def _quant_1x128(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [R, C] (C % 128 == 0) -> q e4m3 [R, C] row-major, scales [R, C/128]: fp8/quant.py's torchao
-    recipe (quantize_act_1x128) without its padding, so a dynamic token count traces cleanly."""
-    r, c = x.shape
-    groups = x.reshape(r, c // BLOCK, BLOCK)
+def quant_lhs_torch(x: Tensor) -> Tensor:
+    """torchao's triton_fp8_blockwise_act_quant_lhs in fp8/quant.py's arithmetic (quant_groups), same
+    bytes and layout (tests/gpu): x [M, K] (K % 128 == 0) -> q e4m3 [M, K] row-major, scales
+    [M, K/128] column-major (what cuBLAS wants). Unpadded, so a dynamic token count traces cleanly."""
+    m, k = x.shape
+    groups = x.reshape(m, k // BLOCK, BLOCK)
     q, s = quant_groups(groups, groups.abs().amax(-1, keepdim=True), "torchao")
-    return q.reshape(r, c).contiguous(), s.reshape(r, c // BLOCK)  # x.t() in: the elementwise ops keep its layout
-
-
-class _TorchQuant:
-    """_TritonQuant's five quantizers in fp8/quant.py's torch arithmetic (quant_groups), same layouts
-    and bytes (tests/gpu). Used inside torch.compile: inductor fuses each into the kernel that
-    produces its input (RMSNorm, SiLU*mul, a fused group's weight concatenation, the backward's
-    gradient sums), so an operand is not written in BF16 and read back just to be quantized.
-    Eager it is slow (many small kernels)."""
-
-    @staticmethod
-    def lhs(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
-        q, s = _quant_1x128(x)
-        return q, _col_major(s)
-
-    @staticmethod
-    def rhs(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
-        q_t, s_t = _quant_1x128(x.t())  # [K, M], [K, M/128]: 128x1 groups of x
-        return q_t.t(), s_t.t().contiguous()
-
-    @staticmethod
-    def transposed_lhs(x: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
-        q, s = _quant_1x128(x.t())
-        return q, _col_major(s)
-
-    @staticmethod
-    def weight_rhs(w: Tensor, block_size: int = BLOCK) -> tuple[Tensor, Tensor]:
-        q, s = _quant_128x128(w)
-        return _col_major(q), _col_major(s)
-
-    @staticmethod
-    def weight_transposed_rhs(w: Tensor, block_size: int = BLOCK) -> tuple[Tensor, Tensor]:
-        q, s = _quant_128x128(w)
-        return q.t(), s.t()
-
-
-def _quant_128x128(w: Tensor) -> tuple[Tensor, Tensor]:
-    """w [N, K] (both % 128 == 0) -> q e4m3 [N, K], scales [N/128, K/128]: quantize_blockwise unpadded."""
-    n, k = w.shape
-    blocks = w.reshape(n // BLOCK, BLOCK, k // BLOCK, BLOCK)
-    q, s = quant_groups(blocks, blocks.abs().amax(dim=(1, 3), keepdim=True), "torchao")
-    return q.reshape(n, k).contiguous(), s.reshape(n // BLOCK, k // BLOCK).contiguous()
+    return q.reshape(m, k).contiguous(), s.reshape(m, k // BLOCK).t().contiguous().t()
 
 
 class _TorchaoKernels:
     """_BlockFP8MM's GEMMs with torchao 0.18's cuBLAS block-scaled GEMM (torchao::blockwise_scaled_mm)
     and the kernel sequence of torchao's fp8_blockwise_mm (BF16 output). Needs M % 128 == 0.
 
-    Quantizers: torchao's Triton kernels, or under torch.compile with compiled_quant (the default)
-    _TorchQuant, which inductor fuses into neighbouring kernels. Either way every op is a
+    Quantizers: torchao's Triton kernels (opaque custom ops, eager and compiled). Under
+    torch.compile with compiled_quant (the default) the 1x128 activation quantizer (forward x,
+    dgrad grad_out) is quant_lhs_torch instead, which inductor fuses into the kernel producing its
+    input (RMSNorm, SiLU*mul, the backward's gradient sums): the operand is not read back just to
+    be quantized. The transposed quantizers stay torchao's: inductor's versions of them (128x1
+    groups, transposed stores) measured slower (docs/RESULTS.md, ninth session). Every op is a
     torch.library op or plain torch, so torch.compile keeps a layer in one graph; torchao's own
     _scaled_mm calls F.scaled_mm, which dynamo cannot trace (a graph break per GEMM)."""
 
@@ -477,25 +422,33 @@ class _TorchaoKernels:
         self.x1x128 = k._scaling_type_value(k.BLOCKWISE_1X128_SCALING_TYPE)
         self.x128x128 = k._scaling_type_value(k.BLOCKWISE_128X128_SCALING_TYPE)
         self.compiled_quant = compiled_quant
-        self.triton = _TritonQuant()
+        # Layouts as cuBLAS takes them: lhs q [M, K] row-major, 1x128 scales [M, K/128] column-major;
+        # rhs q [M, K] column-major, 128x1 scales [M/128, K]; transposed_lhs of x [M, K]: q [K, M]
+        # row-major (1x128 along M), scales [K, M/128] column-major; weight_rhs q [N, K] and
+        # weight_transposed_rhs q [K, N] column-major, 128x128 scales column-major.
+        self.triton_lhs, self.rhs = k.triton_fp8_blockwise_act_quant_lhs, k.triton_fp8_blockwise_act_quant_rhs
+        self.transposed_lhs = k.triton_fp8_blockwise_act_quant_transposed_lhs
+        self.weight_rhs = k.triton_fp8_blockwise_weight_quant_rhs
+        self.weight_transposed_rhs = k.triton_fp8_blockwise_weight_quant_transposed_rhs
 
-    @property
-    def q(self):
-        return _TorchQuant if self.compiled_quant and torch.compiler.is_compiling() else self.triton
+    def lhs(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if self.compiled_quant and torch.compiler.is_compiling():
+            return quant_lhs_torch(x)
+        return self.triton_lhs(x, BLOCK)
 
     def fwd(self, x2: Tensor, w: Tensor) -> Tensor:
-        xq, xs = self.q.lhs(x2.contiguous(), BLOCK)
-        wq, ws = self.q.weight_transposed_rhs(w, block_size=BLOCK)
+        xq, xs = self.lhs(x2.contiguous())
+        wq, ws = self.weight_transposed_rhs(w, block_size=BLOCK)
         return self.mm(xq, wq, xs, self.x1x128, ws, self.x128x128, torch.bfloat16)
 
     def dgrad(self, g2: Tensor, w: Tensor) -> Tensor:
-        gq, gs = self.q.lhs(g2, BLOCK)
-        wq, ws = self.q.weight_rhs(w, block_size=BLOCK)
+        gq, gs = self.lhs(g2)
+        wq, ws = self.weight_rhs(w, block_size=BLOCK)
         return self.mm(gq, wq, gs, self.x1x128, ws, self.x128x128, torch.bfloat16)
 
     def wgrad(self, g2: Tensor, x2: Tensor) -> Tensor:
-        gq, gs = self.q.transposed_lhs(g2, BLOCK)  # g.T [N, M], 1x128 along M
-        xq, xs = self.q.rhs(x2.contiguous(), BLOCK)  # x [M, K], 128x1 along M
+        gq, gs = self.transposed_lhs(g2, BLOCK)  # g.T [N, M], 1x128 along M
+        xq, xs = self.rhs(x2.contiguous(), BLOCK)  # x [M, K], 128x1 along M
         return self.mm(gq, xq, gs, self.x1x128, xs.transpose(-1, -2), self.x1x128, torch.bfloat16)
 
 

@@ -392,16 +392,45 @@ def reference_blockwise_mm(a, b, a_s, recipe_a, b_s, recipe_b, out_dtype):
     return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
 
 
-def test_torch_quantizers_feed_the_block_scaled_gemm_like_the_emulation():
-    """_TorchQuant (the quantizers inductor fuses under train.compile) hands the GEMM torchao's
-    layouts and scales: fwd, dgrad and wgrad through a reference block-scaled GEMM equal the
-    emulation's quantize-dequantize + fp32 GEMM bit for bit (a transposed scale or a 1x128 group
-    taken along the wrong dim would not)."""
-    pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
-    from fp8.linear import _EmulatedKernels, _TorchaoKernels, _TorchQuant
+def cpu_torchao_quantizers(kernels):
+    """Point `kernels` (a _TorchaoKernels) at CPU stand-ins of torchao's Triton quantizers with their
+    layouts (kernels.py) and at reference_blockwise_mm; quantization is fp8/quant.py's (== torchao's
+    bytes, tests/gpu)."""
+    from fp8.quant import quantize_act_1x128, quantize_blockwise
 
-    ao = _TorchaoKernels()
-    ao.triton, ao.mm = _TorchQuant, reference_blockwise_mm  # eager: what the compiled graph runs
+    def col_major(t):
+        return t.t().contiguous().t()
+
+    def rhs(x, block=128):  # x [M, K] -> q column-major, 128x1 scales [M/128, K]
+        q_t, s_t = quantize_act_1x128(x.t())
+        return q_t.t(), s_t.t().contiguous()
+
+    def transposed_lhs(x, block=128):  # x [M, K] -> q [K, M] row-major, scales [K, M/128] column-major
+        q, s = quantize_act_1x128(x.t())
+        return q, col_major(s)
+
+    def weight_rhs(w, block_size=128):  # w [N, K] -> q [N, K] column-major, scales column-major
+        q, s = quantize_blockwise(w)
+        return col_major(q), col_major(s)
+
+    def weight_transposed_rhs(w, block_size=128):  # w [N, K] -> q [K, N] column-major, scales [K/128, N/128]
+        q, s = quantize_blockwise(w)
+        return q.t(), s.t()
+
+    kernels.mm, kernels.rhs, kernels.transposed_lhs = reference_blockwise_mm, rhs, transposed_lhs
+    kernels.weight_rhs, kernels.weight_transposed_rhs = weight_rhs, weight_transposed_rhs
+    return kernels
+
+
+def test_torch_lhs_quantizer_feeds_the_block_scaled_gemm_like_the_emulation():
+    """quant_lhs_torch (the 1x128 quantizer inductor fuses under train.compile) hands the GEMM torchao's
+    layout and scales: fwd, dgrad and wgrad through a reference block-scaled GEMM equal the
+    emulation's quantize-dequantize + fp32 GEMM bit for bit (a transposed scale would not)."""
+    pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
+    from fp8.linear import _EmulatedKernels, _TorchaoKernels, quant_lhs_torch
+
+    ao = cpu_torchao_quantizers(_TorchaoKernels())
+    ao.triton_lhs = lambda x, block: quant_lhs_torch(x)
     emu = _EmulatedKernels("torchao")
     g = torch.Generator().manual_seed(0)
     m, k, n = 256, 384, 640
@@ -412,11 +441,9 @@ def test_torch_quantizers_feed_the_block_scaled_gemm_like_the_emulation():
     assert torch.equal(ao.fwd(x, w), emu.fwd(x, w))
     assert torch.equal(ao.dgrad(go, w), emu.dgrad(go, w).bfloat16())
     assert torch.equal(ao.wgrad(go, x), emu.wgrad(go, x).bfloat16())
-    # Traced (dynamic token count, as train.compile's second graph): _TorchQuant is picked by itself;
-    # torchao's Triton quantizers (the eager choice) cannot run on a CPU tensor.
-    compiled = _TorchaoKernels()
-    compiled.mm = reference_blockwise_mm
+    # Traced (dynamic token count, as train.compile's second graph): quant_lhs_torch is picked by itself.
+    ao.triton_lhs = None  # would raise if called
     torch._dynamo.reset()
-    wgrad = torch.compile(compiled.wgrad, backend="aot_eager", fullgraph=True, dynamic=True)
-    assert torch.equal(wgrad(go, x), emu.wgrad(go, x).bfloat16())
+    for name, args, want in (("fwd", (x, w), emu.fwd(x, w)), ("dgrad", (go, w), emu.dgrad(go, w).bfloat16())):
+        assert torch.equal(torch.compile(getattr(ao, name), backend="aot_eager", fullgraph=True, dynamic=True)(*args), want)
     torch._dynamo.reset()

@@ -121,29 +121,28 @@ def test_act_quant_equals_torchao_triton(ao, dtype):
     assert torch.equal(sy.t()[nzc], sc[nzc])
 
 
-@pytest.mark.parametrize("name", ["lhs", "rhs", "transposed_lhs", "weight_rhs", "weight_transposed_rhs"])
-def test_compiled_torch_quantizers_equal_torchao_triton(name):
-    """fp8.compiled_quant: inside torch.compile the trainer quantizes with fp8/quant.py's torch code
-    (inductor-generated kernels) - the same bytes, scales and layouts as torchao's Triton kernels."""
-    from fp8.linear import _TorchQuant, _TritonQuant
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_torch_lhs_quantizer_equals_torchao_triton(ao, dynamic):
+    """fp8.compiled_quant: inside torch.compile the trainer's 1x128 activation quantizer is
+    quant_lhs_torch (inductor-generated) - the same bytes, scales and layout as torchao's kernel."""
+    from fp8.linear import quant_lhs_torch
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    x = torch.randn(512, 1024, device="cuda", generator=g) * torch.logspace(-4, 3, 1024, device="cuda")
-    x = x.bfloat16() if not name.startswith("weight") else x.t().contiguous().bfloat16()  # [1024, 512] weight
+    x = (torch.randn(512, 1024, device="cuda", generator=g) * torch.logspace(-4, 3, 1024, device="cuda")).bfloat16()
     torch._dynamo.reset()
-    got = torch.compile(getattr(_TorchQuant, name), fullgraph=True)(x)
-    want = getattr(_TritonQuant(), name)(x)
+    got = torch.compile(quant_lhs_torch, fullgraph=True, dynamic=dynamic)(x)
+    want = ao.triton_fp8_blockwise_act_quant_lhs(x)
     assert [(t.shape, t.stride()) for t in got] == [(t.shape, t.stride()) for t in want]
     assert same_bytes(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_compiled_fp8_linear_equals_eager(monkeypatch):
-    """A torch.compile'd TorchaoFP8Linear (fused torch quantizers, fp8.compiled_quant) gives the eager
-    module's output and both gradients bit for bit; compiled_quant=False traces torchao's kernels."""
+    """A torch.compile'd TorchaoFP8Linear (quant_lhs_torch traced in, fp8.compiled_quant) gives the
+    eager module's output and both gradients bit for bit."""
     import fp8.linear as fl
 
     calls = []
-    monkeypatch.setattr(fl._TorchQuant, "lhs", staticmethod(lambda x, b=128, _f=fl._TorchQuant.lhs: calls.append(1) or _f(x, b)))
+    monkeypatch.setattr(fl, "quant_lhs_torch", lambda x, _f=fl.quant_lhs_torch: calls.append(1) or _f(x))
     torch.manual_seed(0)
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     model = nn.Sequential(lin)
