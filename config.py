@@ -160,10 +160,6 @@ class FP8Config:
     """Trainer: q/k/v and gate/up of a layer as ONE FP8 GEMM each on the concatenated weights, as
     vLLM computes qkv_proj/gate_up_proj (the input is quantized once per group; same numerics up
     to accumulation order; parameter names unchanged). False: one GEMM per linear (ablation)."""
-    compiled_quant: bool = True
-    """Under train.compile=inductor the trainer's FP8 quantizers are fp8/quant.py's pure torch, which
-    inductor fuses into the kernels producing their inputs (same FP8 bytes as torchao's kernels).
-    False: torchao's Triton quantizers as opaque ops in the graph (ablation). Eager: always torchao's."""
     emulate: bool = False
     """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
     the emulation (same numerics, slower than BF16), with a warning unless this is set."""

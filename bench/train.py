@@ -27,13 +27,12 @@ which torchao's wgrad needs) is what the linears see. Modes:
                keeps q_proj in BF16 with them (vLLM fuses q/k/v into one qkv_proj that is all FP8 or
                all BF16), so attention's input projections are BF16, o_proj and the MLP FP8
   fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
-  fp8_opaque_quant  (compiled only, ablation) fp8_compile with fp8.compiled_quant=False: torchao's Triton
-               quantizers as opaque ops in the graph instead of fp8/quant.py's torch code fused by inductor
+  fp8_two_pass (not in the default set, ablation) fp8 with torchao's separate 1x128 and 128x1 activation
+               quantizers (two reads of x and of grad_out) instead of fp8/kernels.py's quant_dual (one)
   <mode>_compile  <mode> with every decoder layer torch.compile'd (inductor, static shapes, as
                torchtitan compiles per block): norms, RoPE, SiLU*mul and residual adds fused into few
                Triton kernels; our FP8 autograd Function is traced (fused groups included: one graph,
-               4 FP8 GEMMs per layer), the GEMMs are opaque custom ops in it, the quantizers fp8/quant.py's
-               torch code that inductor fuses into their producers (fp8.compiled_quant).
+               4 FP8 GEMMs per layer), the quantizers and GEMMs are opaque custom ops in it.
                Its speedup is against bf16_compile; speedup_eager against bf16.
 Reported: ms/iter (median of --iters after --warmup, CUDA events), tok_s, tflops (6 x linear params
 x tokens + 6 x seq_len^2 x hidden x rows x layers for causal attention, fwd + bwd), speedup vs bf16
@@ -71,14 +70,14 @@ STACK_MODES = {  # mode -> FP8Config overrides (None = no conversion); '<mode>_c
     "fp8_unfused": {"fuse_projections": False},
     "fp8_kv_bf16": {"keep_bf16": ["*.k_proj", "*.v_proj"]},
     "fp8_mlp": {"keep_bf16": ["*.self_attn.*"]},
-    "fp8_opaque_quant": {"compiled_quant": False},
+    "fp8_two_pass": {},  # + use_two_pass_quant
 }
 STACK_MODES |= {f"{m}_compile": v for m, v in STACK_MODES.items()}
 COMPILED = "_compile"
 DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_unfused", "bf16_compile", "fp8_compile"]
 # Kernel name -> category for --profile (first match wins; checked against lower-cased names).
 KERNEL_CATEGORIES = [
-    ("fp8 quantize", ("fp8_blockwise", "quant", "amax")),  # amax: inductor's fused quantizers (+ their producer)
+    ("fp8 quantize", ("fp8_blockwise", "quant")),
     ("attention", ("flash", "fmha", "attention", "attn")),
     ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "scaled_mm", "sm90_", "splitk")),
     ("optimizer", ("adam", "multi_tensor")),
@@ -143,11 +142,34 @@ def build_stack(hf_cfg, mode: str, device, seed: int = 0):
     converted = []
     if STACK_MODES[mode] is not None:
         converted = convert_to_fp8_training(model, FP8Config(train=True, **STACK_MODES[mode]))
+    if mode.startswith("fp8_two_pass"):
+        use_two_pass_quant(model)
     if mode.endswith(COMPILED):
         torch._dynamo.reset()  # a fresh cache per mode: the modes' graphs never count against each other's limit
         for layer in model.layers:
             layer.compile(dynamic=False)  # each token count gets its own static graph
     return model, converted
+
+
+def use_two_pass_quant(model) -> None:
+    """The fp8_two_pass ablation: the FP8 linears of `model` quantize activations and gradients with
+    torchao's act_quant_lhs + act_quant_rhs (one read each, same bytes) instead of quant_dual."""
+    import copy
+
+    from torchao.prototype.blockwise_fp8_training import kernels as k
+
+    from fp8.linear import is_fp8_linear
+
+    def two_pass(x):
+        q, s = k.triton_fp8_blockwise_act_quant_lhs(x, 128)
+        qc, sc = k.triton_fp8_blockwise_act_quant_rhs(x, 128)  # [M, K] column-major = [K, M] row-major
+        return q, s, qc.t(), sc
+
+    linears = [m for m in model.modules() if is_fp8_linear(m)]
+    kernels = copy.copy(linears[0]._kernels)
+    kernels.dual = two_pass
+    for m in linears:
+        m._kernels = kernels
 
 
 def stack_inputs(hf_cfg, tokens: int, seq_len: int, device, seed: int = 0):

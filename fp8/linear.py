@@ -56,8 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fp8.quant import (dequantize_blockwise, fake_quant_act_1x128, fake_quant_act_128x1, fake_quant_weight,
-                       quant_groups)
+from fp8.quant import dequantize_blockwise, fake_quant_act_1x128, fake_quant_act_128x1, fake_quant_weight
 
 if TYPE_CHECKING:
     from config import FP8Config
@@ -184,36 +183,40 @@ class _BlockFP8MM(torch.autograd.Function):
 
     Shapes: x [..., K], weights [N_i, K] -> y [..., sum N_i] (one weight for a plain linear, a
     fused group's members otherwise: see FusedProjections). `kernels` does the three quantized
-    GEMMs: fwd(x2, w) = q1x128(x) @ q128x128(W).T, dgrad(g2, w) = q1x128(g) @ q128x128(W),
-    wgrad(g2, x2) = q128x1(g).T @ q128x1(x), where 128x1 groups run along the token dim (the
-    contracting dim of the wgrad GEMM). Saved for backward: x and the members' weights, not their
-    concatenation (re-concatenated in backward), and the weight is re-quantized there (as torchao
-    does), so memory matches BF16 linears.
+    GEMMs: forward q1x128(x) @ q128x128(W).T, dgrad q1x128(g) @ q128x128(W), wgrad
+    q128x1(g).T @ q128x1(x), where 128x1 groups run along the token dim (the contracting dim of
+    the wgrad GEMM). kernels.fwd(x2, w, save) returns y and what wgrad needs of x (with torchao's
+    kernels: its FP8 128x1 copy, half the bytes of x; emulated: x), kernels.bwd(g2, w, saved,
+    need_x, need_w) the two gradients. Saved: that, and the members' weights, not their
+    concatenation (re-concatenated in backward); the weight is re-quantized there, as torchao does.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, kernels, *weights: Tensor) -> Tensor:
-        ctx.kernels = kernels
-        ctx.save_for_backward(x, *weights)
-        return _block_fp8_forward(x, kernels, weights)
+        y, saved = _block_fp8_forward(x, kernels, weights, save=any(ctx.needs_input_grad[2:]))
+        ctx.kernels, ctx.x_shape, ctx.x_dtype, ctx.n_saved = kernels, x.shape, x.dtype, len(saved)
+        ctx.save_for_backward(*saved, *weights)
+        return y
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        x, *weights = ctx.saved_tensors
+        saved, weights = ctx.saved_tensors[:ctx.n_saved], ctx.saved_tensors[ctx.n_saved:]
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # [M, N]
-        grad_x, grad_ws = None, [None] * len(weights)
-        if ctx.needs_input_grad[0]:
-            w = weights[0] if len(weights) == 1 else torch.cat(weights)
-            grad_x = ctx.kernels.dgrad(g2, w).to(x.dtype).reshape(x.shape)
-        if any(ctx.needs_input_grad[2:]):
-            grad_w = ctx.kernels.wgrad(g2, x.reshape(-1, x.shape[-1]))  # [N, K]
+        w = weights[0] if len(weights) == 1 else torch.cat(weights)
+        need_w = any(ctx.needs_input_grad[2:])
+        grad_x, grad_w = ctx.kernels.bwd(g2, w, saved, ctx.needs_input_grad[0], need_w)
+        if grad_x is not None:
+            grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
+        grad_ws = [None] * len(weights)
+        if grad_w is not None:  # [N, K]
             grad_ws = [g.to(w.dtype) for g, w in zip(grad_w.split([w.shape[0] for w in weights]), weights)]
         return grad_x, None, *grad_ws
 
 
-def _block_fp8_forward(x: Tensor, kernels, weights: tuple[Tensor, ...]) -> Tensor:
+def _block_fp8_forward(x: Tensor, kernels, weights: tuple[Tensor, ...], save: bool = False):
     w = weights[0] if len(weights) == 1 else torch.cat(weights)
-    return kernels.fwd(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+    y, saved = kernels.fwd(x.reshape(-1, x.shape[-1]), w, save)
+    return y.reshape(*x.shape[:-1], w.shape[0]), saved
 
 
 def block_fp8_mm(x: Tensor, kernels, *weights: Tensor) -> Tensor:
@@ -222,7 +225,7 @@ def block_fp8_mm(x: Tensor, kernels, *weights: Tensor) -> Tensor:
     (the old_logp forward of a train.compile'd trainer)."""
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return _BlockFP8MM.apply(x, kernels, *weights)
-    return _block_fp8_forward(x, kernels, weights)
+    return _block_fp8_forward(x, kernels, weights)[0]
 
 
 @torch.library.custom_op("fp8_grpo::fake_quant", mutates_args=())
@@ -249,15 +252,16 @@ class _EmulatedKernels:
     def __init__(self, act_recipe: str):
         self.act_recipe = act_recipe
 
-    def fwd(self, x2: Tensor, w: Tensor) -> Tensor:
+    def fwd(self, x2: Tensor, w: Tensor, save: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
         x_fq, w_fq = _fake_quant_op(x2, "1x128", self.act_recipe), _fake_quant_op(w, "128x128", "")
-        return (x_fq @ w_fq.t()).to(x2.dtype)
+        return (x_fq @ w_fq.t()).to(x2.dtype), (x2,) if save else ()
 
-    def dgrad(self, g2: Tensor, w: Tensor) -> Tensor:
-        return _fake_quant_op(g2, "1x128", "torchao") @ _fake_quant_op(w, "128x128", "")
-
-    def wgrad(self, g2: Tensor, x2: Tensor) -> Tensor:
-        return _fake_quant_op(g2, "128x1", "torchao").t() @ _fake_quant_op(x2, "128x1", "torchao")
+    def bwd(self, g2: Tensor, w: Tensor, saved: tuple[Tensor, ...], need_x: bool, need_w: bool):
+        grad_x = _fake_quant_op(g2, "1x128", "torchao") @ _fake_quant_op(w, "128x128", "") if need_x else None
+        grad_w = None
+        if need_w:
+            grad_w = _fake_quant_op(g2, "128x1", "torchao").t() @ _fake_quant_op(saved[0], "128x1", "torchao")
+        return grad_x, grad_w
 
 
 class EmulatedFP8Linear(nn.Linear):
@@ -392,64 +396,51 @@ def fuse_projections(model: nn.Module) -> int:
 # ------------------------------------------------------------------------------------ torchao
 
 
-def quant_lhs_torch(x: Tensor) -> Tensor:
-    """torchao's triton_fp8_blockwise_act_quant_lhs in fp8/quant.py's arithmetic (quant_groups), same
-    bytes and layout (tests/gpu): x [M, K] (K % 128 == 0) -> q e4m3 [M, K] row-major, scales
-    [M, K/128] column-major (what cuBLAS wants). Unpadded, so a dynamic token count traces cleanly."""
-    m, k = x.shape
-    groups = x.reshape(m, k // BLOCK, BLOCK)
-    q, s = quant_groups(groups, groups.abs().amax(-1, keepdim=True), "torchao")
-    return q.reshape(m, k).contiguous(), s.reshape(m, k // BLOCK).t().contiguous().t()
-
-
 class _TorchaoKernels:
     """_BlockFP8MM's GEMMs with torchao 0.18's cuBLAS block-scaled GEMM (torchao::blockwise_scaled_mm)
-    and the kernel sequence of torchao's fp8_blockwise_mm (BF16 output). Needs M % 128 == 0.
+    and its Triton weight quantizers, plus fp8/kernels.py's quant_dual for activations and
+    gradients (one read for both layouts where torchao reads twice; same bytes). Needs M % 128 == 0.
+    BF16 output. Every kernel is a torch.library op, so torch.compile keeps a layer in one graph;
+    torchao's own _scaled_mm calls F.scaled_mm, which dynamo cannot trace (a graph break per GEMM).
 
-    Quantizers: torchao's Triton kernels (opaque custom ops, eager and compiled). Under
-    torch.compile with compiled_quant (the default) the 1x128 activation quantizer (forward x,
-    dgrad grad_out) is quant_lhs_torch instead, which inductor fuses into the kernel producing its
-    input (RMSNorm, SiLU*mul, the backward's gradient sums): the operand is not read back just to
-    be quantized. The transposed quantizers stay torchao's: inductor's versions of them (128x1
-    groups, transposed stores) measured slower (docs/RESULTS.md, ninth session). Every op is a
-    torch.library op or plain torch, so torch.compile keeps a layer in one graph; torchao's own
-    _scaled_mm calls F.scaled_mm, which dynamo cannot trace (a graph break per GEMM)."""
+    Layouts, as cuBLAS takes them: lhs q [M, K] row-major, 1x128 scales [M, K/128] column-major;
+    quant_dual adds the 128x1 copy as [K, M] row-major + scales [M/128, K]; weight_rhs q [N, K] and
+    weight_transposed_rhs q [K, N] column-major, 128x128 scales column-major."""
 
-    def __init__(self, compiled_quant: bool = True):
+    def __init__(self):
         from torchao.prototype.blockwise_fp8_training import kernels as k
+
+        from fp8.kernels import quant_dual
 
         self.mm = k.blockwise_scaled_mm
         self.x1x128 = k._scaling_type_value(k.BLOCKWISE_1X128_SCALING_TYPE)
         self.x128x128 = k._scaling_type_value(k.BLOCKWISE_128X128_SCALING_TYPE)
-        self.compiled_quant = compiled_quant
-        # Layouts as cuBLAS takes them: lhs q [M, K] row-major, 1x128 scales [M, K/128] column-major;
-        # rhs q [M, K] column-major, 128x1 scales [M/128, K]; transposed_lhs of x [M, K]: q [K, M]
-        # row-major (1x128 along M), scales [K, M/128] column-major; weight_rhs q [N, K] and
-        # weight_transposed_rhs q [K, N] column-major, 128x128 scales column-major.
-        self.triton_lhs, self.rhs = k.triton_fp8_blockwise_act_quant_lhs, k.triton_fp8_blockwise_act_quant_rhs
-        self.transposed_lhs = k.triton_fp8_blockwise_act_quant_transposed_lhs
+        self.lhs, self.dual = k.triton_fp8_blockwise_act_quant_lhs, quant_dual
         self.weight_rhs = k.triton_fp8_blockwise_weight_quant_rhs
         self.weight_transposed_rhs = k.triton_fp8_blockwise_weight_quant_transposed_rhs
 
-    def lhs(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        if self.compiled_quant and torch.compiler.is_compiling():
-            return quant_lhs_torch(x)
-        return self.triton_lhs(x, BLOCK)
-
-    def fwd(self, x2: Tensor, w: Tensor) -> Tensor:
-        xq, xs = self.lhs(x2.contiguous())
+    def fwd(self, x2: Tensor, w: Tensor, save: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
+        if save:  # the weight gradient will need x's 128x1 copy: quantize both layouts in one pass
+            xq, xs, xqt, xst = self.dual(x2.contiguous())
+            saved = (xqt, xst)
+        else:
+            (xq, xs), saved = self.lhs(x2.contiguous(), BLOCK), ()
         wq, ws = self.weight_transposed_rhs(w, block_size=BLOCK)
-        return self.mm(xq, wq, xs, self.x1x128, ws, self.x128x128, torch.bfloat16)
+        return self.mm(xq, wq, xs, self.x1x128, ws, self.x128x128, torch.bfloat16), saved
 
-    def dgrad(self, g2: Tensor, w: Tensor) -> Tensor:
-        gq, gs = self.lhs(g2)
-        wq, ws = self.weight_rhs(w, block_size=BLOCK)
-        return self.mm(gq, wq, gs, self.x1x128, ws, self.x128x128, torch.bfloat16)
-
-    def wgrad(self, g2: Tensor, x2: Tensor) -> Tensor:
-        gq, gs = self.transposed_lhs(g2, BLOCK)  # g.T [N, M], 1x128 along M
-        xq, xs = self.rhs(x2.contiguous(), BLOCK)  # x [M, K], 128x1 along M
-        return self.mm(gq, xq, gs, self.x1x128, xs.transpose(-1, -2), self.x1x128, torch.bfloat16)
+    def bwd(self, g2: Tensor, w: Tensor, saved: tuple[Tensor, ...], need_x: bool, need_w: bool):
+        grad_x = grad_w = None
+        if need_w:
+            gq, gs, gqt, gst = self.dual(g2)
+            xqt, xst = saved
+            # g.T [N, M] with 1x128 groups along M, x [M, K] with 128x1 groups: both along the tokens
+            grad_w = self.mm(gqt, xqt.t(), gst.t(), self.x1x128, xst.t(), self.x1x128, torch.bfloat16)
+        elif need_x:
+            gq, gs = self.lhs(g2, BLOCK)
+        if need_x:
+            wq, ws = self.weight_rhs(w, block_size=BLOCK)
+            grad_x = self.mm(gq, wq, gs, self.x1x128, ws, self.x128x128, torch.bfloat16)
+        return grad_x, grad_w
 
 
 def keep_triton_autotuning() -> None:
@@ -540,7 +531,7 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
     Parameters are reused, so an optimizer created earlier stays valid.
     """
     plan = fp8_plan(model, cfg)
-    converted, kinds, kernels = [], set(), None
+    converted, kinds = [], set()
     for raw_name, mod in list(model.named_modules()):
         name = clean_name(raw_name)
         if not isinstance(mod, nn.Linear) or is_fp8_linear(mod) or not plan.get(name, (False,))[0]:
@@ -548,8 +539,6 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
         if use_torchao(cfg, mod.weight.device) and mod.weight.dtype in (torch.bfloat16, torch.float32):
             new, kind = torchao_linear_cls().from_float(mod), "torchao"
             new.train(mod.training)
-            if not cfg.compiled_quant:
-                new._kernels = kernels or (kernels := _TorchaoKernels(compiled_quant=False))
         else:
             new, kind = EmulatedFP8Linear.from_linear(mod, "torchao"), "emulated"
         _replace(model, raw_name, new)

@@ -51,7 +51,7 @@ VLLM_EPS = 1e-10  # vLLM per_token_group_quant_fp8 default eps, applied to amax 
 RECIPES = ("torchao", "vllm")
 
 
-def quant_groups(x: Tensor, amax: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
+def _quant_groups(x: Tensor, amax: Tensor, recipe: str) -> tuple[Tensor, Tensor]:
     """q = e4m3(x scaled), scale (what dequantization multiplies by); amax broadcasts against x."""
     if recipe == "torchao":
         s = (FP8_MAX / amax.double().clamp(min=TORCHAO_EPS)).float()  # fp32 multiplier
@@ -80,7 +80,7 @@ def quantize_blockwise(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
     nb, kb = math.ceil(n / block), math.ceil(k / block)
     blocks = _pad2d(w.detach(), nb * block, kb * block).view(nb, block, kb, block)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)  # [nb, 1, kb, 1], exact in w.dtype
-    q, scale_inv = quant_groups(blocks, amax, "torchao")
+    q, scale_inv = _quant_groups(blocks, amax, "torchao")
     q = q.view(nb * block, kb * block)[:n, :k].contiguous()
     return q, scale_inv.view(nb, kb)
 
@@ -107,7 +107,7 @@ def quantize_act_1x128(x: Tensor, recipe: str = "torchao", block: int = 128) -> 
     g = math.ceil(k / block)
     xp = F.pad(x.detach(), (0, g * block - k)) if g * block != k else x.detach()
     groups = xp.reshape(*x.shape[:-1], g, block)  # [..., G, block]
-    q, scale = quant_groups(groups, groups.abs().amax(dim=-1, keepdim=True), recipe)
+    q, scale = _quant_groups(groups, groups.abs().amax(dim=-1, keepdim=True), recipe)
     q = q.reshape(*x.shape[:-1], g * block)[..., :k].contiguous()
     return q, scale.squeeze(-1)
 

@@ -392,22 +392,22 @@ def reference_blockwise_mm(a, b, a_s, recipe_a, b_s, recipe_b, out_dtype):
     return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
 
 
-def cpu_torchao_quantizers(kernels):
-    """Point `kernels` (a _TorchaoKernels) at CPU stand-ins of torchao's Triton quantizers with their
-    layouts (kernels.py) and at reference_blockwise_mm; quantization is fp8/quant.py's (== torchao's
-    bytes, tests/gpu)."""
-    from fp8.quant import quantize_act_1x128, quantize_blockwise
+def cpu_torchao_kernels():
+    """_TorchaoKernels with CPU stand-ins of its Triton quantizers (fp8/quant.py, == their bytes:
+    tests/gpu) in the layouts their docstrings give, and reference_blockwise_mm."""
+    from fp8.linear import _TorchaoKernels
+    from fp8.quant import quantize_act_1x128, quantize_act_128x1, quantize_blockwise
 
     def col_major(t):
         return t.t().contiguous().t()
 
-    def rhs(x, block=128):  # x [M, K] -> q column-major, 128x1 scales [M/128, K]
-        q_t, s_t = quantize_act_1x128(x.t())
-        return q_t.t(), s_t.t().contiguous()
-
-    def transposed_lhs(x, block=128):  # x [M, K] -> q [K, M] row-major, scales [K, M/128] column-major
-        q, s = quantize_act_1x128(x.t())
+    def lhs(x, block=128):  # q [M, K] row-major, scales [M, K/128] column-major
+        q, s = quantize_act_1x128(x)
         return q, col_major(s)
+
+    def dual(x):  # + the 128x1 copy: qt [K, M] row-major, st [M/128, K] row-major
+        qc, sc = quantize_act_128x1(x)
+        return *lhs(x), qc.t().contiguous(), sc
 
     def weight_rhs(w, block_size=128):  # w [N, K] -> q [N, K] column-major, scales column-major
         q, s = quantize_blockwise(w)
@@ -417,33 +417,32 @@ def cpu_torchao_quantizers(kernels):
         q, s = quantize_blockwise(w)
         return q.t(), s.t()
 
-    kernels.mm, kernels.rhs, kernels.transposed_lhs = reference_blockwise_mm, rhs, transposed_lhs
-    kernels.weight_rhs, kernels.weight_transposed_rhs = weight_rhs, weight_transposed_rhs
-    return kernels
+    k = _TorchaoKernels()
+    k.mm, k.lhs, k.dual, k.weight_rhs, k.weight_transposed_rhs = (
+        reference_blockwise_mm, lhs, dual, weight_rhs, weight_transposed_rhs)
+    return k
 
 
-def test_torch_lhs_quantizer_feeds_the_block_scaled_gemm_like_the_emulation():
-    """quant_lhs_torch (the 1x128 quantizer inductor fuses under train.compile) hands the GEMM torchao's
-    layout and scales: fwd, dgrad and wgrad through a reference block-scaled GEMM equal the
-    emulation's quantize-dequantize + fp32 GEMM bit for bit (a transposed scale would not)."""
+@pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
+def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need):
+    """_TorchaoKernels' forward and backward hand the GEMM operands and scales in the right layouts:
+    through a reference block-scaled GEMM they equal the emulation's quantize-dequantize + fp32
+    GEMM bit for bit (a transposed scale or the saved 128x1 copy read the wrong way would not);
+    the forward saves x's FP8 128x1 copy only when the weight gradient needs it."""
     pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
-    from fp8.linear import _EmulatedKernels, _TorchaoKernels, quant_lhs_torch
+    from fp8.linear import _EmulatedKernels
 
-    ao = cpu_torchao_quantizers(_TorchaoKernels())
-    ao.triton_lhs = lambda x, block: quant_lhs_torch(x)
-    emu = _EmulatedKernels("torchao")
+    ao, emu = cpu_torchao_kernels(), _EmulatedKernels("torchao")
     g = torch.Generator().manual_seed(0)
     m, k, n = 256, 384, 640
     x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 2, k)).bfloat16()  # per-channel ranges
     w = (torch.randn(n, k, generator=g) * 0.02).bfloat16()
     w[:128, 128:256] *= 1e3  # one loud block
     go = torch.randn(m, n, generator=g).bfloat16()
-    assert torch.equal(ao.fwd(x, w), emu.fwd(x, w))
-    assert torch.equal(ao.dgrad(go, w), emu.dgrad(go, w).bfloat16())
-    assert torch.equal(ao.wgrad(go, x), emu.wgrad(go, x).bfloat16())
-    # Traced (dynamic token count, as train.compile's second graph): quant_lhs_torch is picked by itself.
-    ao.triton_lhs = None  # would raise if called
-    torch._dynamo.reset()
-    for name, args, want in (("fwd", (x, w), emu.fwd(x, w)), ("dgrad", (go, w), emu.dgrad(go, w).bfloat16())):
-        assert torch.equal(torch.compile(getattr(ao, name), backend="aot_eager", fullgraph=True, dynamic=True)(*args), want)
-    torch._dynamo.reset()
+    need_x, need_w = need
+    (y, saved), (y_emu, saved_emu) = ao.fwd(x, w, save=need_w), emu.fwd(x, w, save=need_w)
+    assert torch.equal(y, y_emu)
+    assert [t.dtype for t in saved] == ([torch.float8_e4m3fn, torch.float32] if need_w else [])
+    got, want = ao.bwd(go, w, saved, need_x, need_w), emu.bwd(go, w, saved_emu, need_x, need_w)
+    for a, b in zip(got, want):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))

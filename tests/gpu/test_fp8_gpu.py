@@ -2,6 +2,8 @@
 
 * quant.py == torchao's Triton quantization kernels, bit for bit (weights 128x128, activations
   1x128 and 128x1), and the FP8 weight torchao's linear actually feeds its GEMM == quant.py's;
+* fp8/kernels.py's quant_dual == torchao's three activation quantizers, bit for bit; a compiled
+  FP8 linear == the eager one, bit for bit;
 * convert_to_fp8_training on a small Llama (hidden 1024) picks torchao; forward/backward are
   finite with a token count that is not a multiple of 128 (padding path);
 * FP8 error vs the BF16 reference (bf16_reference) below stated bounds;
@@ -121,66 +123,65 @@ def test_act_quant_equals_torchao_triton(ao, dtype):
     assert torch.equal(sy.t()[nzc], sc[nzc])
 
 
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_compiled_torch_lhs_quantizer_equals_torchao_triton(ao, dynamic):
-    """fp8.compiled_quant: inside torch.compile the trainer's 1x128 activation quantizer is
-    quant_lhs_torch (inductor-generated) - the same bytes, scales and layout as torchao's kernel."""
-    from fp8.linear import quant_lhs_torch
+@pytest.mark.parametrize("shape", [(512, 1024), (384, 14336)])
+def test_quant_dual_equals_torchao_triton(ao, shape):
+    """fp8/kernels.py's quant_dual (one read, both layouts) == torchao's act_quant_lhs, act_quant_rhs
+    and act_quant_transposed_lhs: same bytes, scales and layouts (zero groups included)."""
+    from fp8.kernels import quant_dual
 
     g = torch.Generator(device="cuda").manual_seed(2)
-    x = (torch.randn(512, 1024, device="cuda", generator=g) * torch.logspace(-4, 3, 1024, device="cuda")).bfloat16()
-    torch._dynamo.reset()
-    got = torch.compile(quant_lhs_torch, fullgraph=True, dynamic=dynamic)(x)
-    want = ao.triton_fp8_blockwise_act_quant_lhs(x)
-    assert [(t.shape, t.stride()) for t in got] == [(t.shape, t.stride()) for t in want]
-    assert same_bytes(got[0], want[0]) and torch.equal(got[1], want[1])
+    m, k = shape
+    x = torch.randn(m, k, device="cuda", generator=g) * torch.logspace(-4, 3, k, device="cuda")
+    x[5, :128] = 0  # a zero 1x128 group
+    x[128:256, 7] = 0  # a zero 128x1 group
+    x = x.bfloat16()
+    q, s, qt, st = quant_dual(x)
+    for got, want in (((q, s), ao.triton_fp8_blockwise_act_quant_lhs(x)),
+                      ((qt.t(), st), ao.triton_fp8_blockwise_act_quant_rhs(x)),
+                      ((qt, st.t()), ao.triton_fp8_blockwise_act_quant_transposed_lhs(x))):
+        assert [(t.shape, t.stride()) for t in got] == [(t.shape, t.stride()) for t in want]
+        assert same_bytes(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="multiples of 128"):
+        quant_dual(x[:100])
 
 
-def test_compiled_fp8_linear_equals_eager(monkeypatch):
-    """A torch.compile'd TorchaoFP8Linear (quant_lhs_torch traced in, fp8.compiled_quant) gives the
+def test_compiled_fp8_linear_equals_eager():
+    """A torch.compile'd TorchaoFP8Linear (quant_dual and torchao's ops traced as custom ops) gives the
     eager module's output and both gradients bit for bit."""
-    import fp8.linear as fl
-
-    calls = []
-    monkeypatch.setattr(fl, "quant_lhs_torch", lambda x, _f=fl.quant_lhs_torch: calls.append(1) or _f(x))
     torch.manual_seed(0)
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
-    model = nn.Sequential(lin)
-    convert_to_fp8_training(model, FP8Config())
+    mod = torchao_linear_cls().from_float(lin)
     x = torch.randn(4, 128, 1024, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(4, 128, 2048, device="cuda", dtype=torch.bfloat16)
     outs = []
     for compiled in (False, True):
         torch._dynamo.reset()
-        fn = torch.compile(model[0], fullgraph=True) if compiled else model[0]
+        fn = torch.compile(mod, fullgraph=True) if compiled else mod
         xi = x.clone().requires_grad_(True)
         lin.weight.grad = None
         y = fn(xi)
         y.backward(g)
-        outs.append((y.detach(), xi.grad, model[0].weight.grad.clone()))
+        outs.append((y.detach(), xi.grad, lin.weight.grad.clone()))
+    torch._dynamo.reset()
     same = {k: torch.equal(a, b) for k, a, b in zip(("out", "grad_x", "grad_w"), *outs)}
-    print(f"\ncompiled vs eager TorchaoFP8Linear: bitwise {same}, torch quantizer traced {len(calls)}x")
-    assert calls and all(same.values()), same
+    print(f"\ncompiled vs eager TorchaoFP8Linear: bitwise {same}")
+    assert all(same.values()), same
 
 
 def test_torchao_linear_uses_quant_py_weights(monkeypatch):
-    """Intercept the weight operand torchao's linear hands to its FP8 GEMM (forward and dgrad)."""
-    import torchao.prototype.blockwise_fp8_training.kernels as tl
-
-    # Import torchao's linear.py before patching: it binds the kernels by name at import time, and
-    # an import under the patch would keep the interceptors (and this test's weight) for good.
+    """Intercept the weight operand our torchao linear hands to its FP8 GEMM (forward and dgrad)."""
     cls = torchao_linear_cls()
     seen = {}
-    for name in ("triton_fp8_blockwise_weight_quant_transposed_rhs", "triton_fp8_blockwise_weight_quant_rhs"):
-        orig = getattr(tl, name)
-        monkeypatch.setattr(tl, name, lambda w, *a, _o=orig, _n=name, **k: seen.setdefault(_n, _o(w, *a, **k)))
+    for name in ("weight_transposed_rhs", "weight_rhs"):
+        orig = getattr(cls._kernels, name)
+        monkeypatch.setattr(cls._kernels, name, lambda w, *a, _o=orig, _n=name, **k: seen.setdefault(_n, _o(w, *a, **k)))
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     mod = cls.from_float(lin)
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     mod(x).sum().backward()
     q, s = quantize_blockwise(lin.weight)
-    y_t, s_t = seen["triton_fp8_blockwise_weight_quant_transposed_rhs"]
-    y, s2 = seen["triton_fp8_blockwise_weight_quant_rhs"]
+    y_t, s_t = seen["weight_transposed_rhs"]
+    y, s2 = seen["weight_rhs"]
     assert same_bytes(y_t.t(), q) and torch.equal(s_t.t(), s)
     assert same_bytes(y, q) and torch.equal(s2, s)
 

@@ -1,0 +1,67 @@
+"""One Triton kernel of ours: an activation quantized into BOTH GEMM layouts in one pass (GPU only).
+
+Every FP8 linear needs each activation twice: x as 1x128 groups for the forward GEMM and as
+128x1 groups (along tokens) for the weight-gradient GEMM; grad_out as 1x128 groups for dgrad
+and as 128x1 groups for wgrad. torchao 0.18 reads the BF16 tensor once per layout (its
+act_quant_lhs, act_quant_rhs and act_quant_transposed_lhs kernels). `quant_dual` loads each
+128x128 tile once and writes both: the row-wise tile (torchao's lhs layout) and the column-wise
+tile stored transposed (the rhs / transposed_lhs layout; the two are the same bytes). The
+arithmetic is torchao's line for line, so the FP8 bytes and scales are the same (tests/gpu). With
+it the linear saves the FP8 128x1 copy of x for backward instead of x in BF16: half the bytes.
+
+Imported lazily by fp8/linear.py (Triton, CUDA).
+"""
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from torch.library import triton_op, wrap_triton
+
+BLOCK = 128
+EPS = 1e-12  # torchao kernels.EPS
+E4M3 = torch.float8_e4m3fn
+
+
+@triton.jit
+def _quant_dual_kernel(x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K,
+                       BLOCK: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    k = pid_k * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + m[:, None] * K + k[None, :])  # M, K multiples of 128: no masks
+    ax = tl.abs(x)
+    # 1x128 groups (one per row of the tile), as torchao's act_quant_lhs
+    amax = tl.clamp(tl.max(ax, axis=1), min=EPS, max=float("inf")).to(tl.float64)
+    scale = (FP8_MAX / amax).to(tl.float32)[:, None]
+    y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_row_ptr.dtype.element_ty)
+    tl.store(q_row_ptr + m[:, None] * K + k[None, :], y)
+    tl.store(s_row_ptr + pid_k * M + m[:, None], tl.div_rn(1.0, scale))  # [M, K/128] column-major
+    # 128x1 groups (one per column), as act_quant_rhs / act_quant_transposed_lhs; stored as [K, M]
+    amax = tl.clamp(tl.max(ax, axis=0), min=EPS, max=float("inf")).to(tl.float64)
+    scale = (FP8_MAX / amax).to(tl.float32)[None, :]
+    y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_col_ptr.dtype.element_ty)
+    tl.store(q_col_ptr + k[None, :] * M + m[:, None], y)
+    tl.store(s_col_ptr + pid_m * K + k[None, :], tl.div_rn(1.0, scale))  # [M/128, K] row-major
+
+
+@triton_op("fp8_grpo::quant_dual", mutates_args={})
+def quant_dual(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """x [M, K] row-major (both multiples of 128) -> (q [M, K] row-major, s [M, K/128] column-major:
+    1x128 groups; qt [K, M] row-major, st [M/128, K] row-major: 128x1 groups).
+
+    As cuBLAS's block-scaled GEMM takes them: (q, s) is an A operand (torchao's lhs); for the
+    weight gradient x gives B = (qt.t(), st.t()) (torchao's rhs) and grad_out gives
+    A = (qt, st.t()) (torchao's transposed_lhs)."""
+    m, k = x.shape
+    if m % BLOCK or k % BLOCK or not x.is_contiguous():
+        raise ValueError(f"quant_dual needs a contiguous [M, K] with M, K multiples of {BLOCK}, got "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+    q = torch.empty(m, k, dtype=E4M3, device=x.device)
+    s = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()
+    qt = torch.empty(k, m, dtype=E4M3, device=x.device)
+    st = torch.empty(m // BLOCK, k, dtype=torch.float32, device=x.device)
+    wrap_triton(_quant_dual_kernel)[(m // BLOCK, k // BLOCK)](
+        x, q, s, qt, st, m, k, BLOCK=BLOCK, EPS=EPS, FP8_MAX=torch.finfo(E4M3).max, num_warps=8)
+    return q, s, qt, st
