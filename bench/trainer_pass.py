@@ -14,6 +14,8 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
                  2026-11-23: HF builds a [rows, 1, L, L] mask, SDPA runs a masked kernel)
   <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
 Modes: bf16, then fp8 (fp8.linear.convert_to_fp8_training of the same model; torchao on Hopper).
+--compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
+only the `<mode>` variant (the others would add graphs); the first calls of a mode compile.
 Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
 per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them).
 """
@@ -57,9 +59,10 @@ def main():
     p.add_argument("--modes", default="bf16,fp8")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--compile", action="store_true", help="compile the decoder layers (train.compile=inductor)")
     args = p.parse_args()
     from config import load_config
-    from distributed import memory_metrics
+    from distributed import compile_layers, memory_metrics
     from fp8.linear import BLOCK, convert_to_fp8_training
     from modeling import load_model_and_tokenizer
     from rollout import Sample
@@ -84,7 +87,10 @@ def main():
     print(f"[trainer_pass] {workload}", flush=True)
 
     runs = []
+    if args.compile:
+        compile_layers(model, "inductor")
     for mode in args.modes.split(","):
+        torch._dynamo.reset()  # fp8 replaces the linears: a fresh graph
         if mode == "fp8":
             cfg.fp8.train = True
             print(f"[trainer_pass] fp8: {len(convert_to_fp8_training(model, cfg.fp8))} linears", flush=True)
@@ -92,6 +98,8 @@ def main():
             sys.exit(f"--modes: unknown mode {mode!r} (bf16, fp8)")
         variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
         variants += [("padded", True, "masked"), ("padded", False, "")]
+        if args.compile:
+            variants = [("padded", False, "compiled")]
         for batch, masked, label in variants:
             memory_metrics(device)  # this variant's peak starts here
             r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],

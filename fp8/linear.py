@@ -13,6 +13,8 @@ The recipe (DeepSeek-V3 style, as in torchao 0.18 `blockwise_fp8_training` and v
   q128x1(grad_out).T @ q128x1(x), where 128x1 groups run along the token dim, i.e. along the
   contracting dim of the wgrad GEMM. torchao needs tokens % 128 == 0 there; TorchaoFP8Linear
   pads the token dim with zero rows, which is exact (zeros change no amax and add nothing).
+  x's 128x1 copy is made in the forward, in the same pass as its 1x128 copy (fp8/kernels.py),
+  and saved for backward in FP8 instead of x in BF16; likewise grad_out's two copies.
 * Stays BF16: embeddings and lm_head (logits are what the RL ratio is computed from), MoE
   routers (tiny, decisions are discontinuous), linears with a bias, linears whose dims are not
   multiples of 128, names matching FP8Config.keep_bf16, the first keep_first_layers and last
@@ -28,8 +30,8 @@ systematic offset that IS correction cannot tell from policy change: it silently
 ratios, clipping and the mismatch metrics. So `fp8_plan` decides for both convert_* here and
 fp8/export.py, and both quantize weights with fp8/quant.py (bit-identical to torchao's kernels).
 
-Backends: `convert_to_fp8_training` uses torchao's Float8BlockwiseLinear (cuBLAS/Triton FP8
-GEMMs) on SM90 when not cfg.emulate, else EmulatedFP8Linear: quantize-dequantize with
+Backends: `convert_to_fp8_training` uses torchao's Float8BlockwiseLinear (cuBLAS FP8 GEMMs,
+torchao's Triton weight quantizers, our quant_dual for activations) on SM90 when not cfg.emulate, else EmulatedFP8Linear: quantize-dequantize with
 fp8/quant.py and a float32 matmul. Differences of the emulation from torchao: (1) accumulation:
 torchao accumulates e4m3 products in the tensor cores' FP8 accumulator per 128-chunk and applies
 scale_a*scale_b per chunk, we multiply dequantized float32 operands in one fp32 GEMM (measured on
