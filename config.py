@@ -160,6 +160,11 @@ class FP8Config:
     """Trainer: q/k/v and gate/up of a layer as ONE FP8 GEMM each on the concatenated weights, as
     vLLM computes qkv_proj/gate_up_proj (the input is quantized once per group; same numerics up
     to accumulation order; parameter names unchanged). False: one GEMM per linear (ablation)."""
+    cache_weights: bool = False
+    """Trainer: keep each FP8 weight's quantized copies until the optimizer changes it, so the weight
+    quantization runs once per optimizer step, not in every forward and backward of every
+    micro-batch. Costs 2 bytes per FP8 parameter (torchao's two GEMM layouts). One GPU only (with
+    FSDP the cache would hold unsharded weights)."""
     emulate: bool = False
     """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
     the emulation (same numerics, slower than BF16), with a warning unless this is set."""

@@ -13,7 +13,9 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
   <mode> masked  the padded batch with its attention mask passed to the model (the trainer before
                  2026-11-23: HF builds a [rows, 1, L, L] mask, SDPA runs a masked kernel)
   <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
-Modes: bf16, then fp8 (fp8.linear.convert_to_fp8_training of the same model; torchao on Hopper).
+Modes: bf16, then fp8 (fp8.linear.convert_to_fp8_training of the same model; torchao on Hopper),
+then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
+logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
 --compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
 only the `<mode>` variant (the others would add graphs); the first calls of a mode compile.
 Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
@@ -63,10 +65,10 @@ def main():
     args = p.parse_args()
     from config import load_config
     from distributed import compile_layers, memory_metrics
-    from fp8.linear import BLOCK, convert_to_fp8_training
+    from fp8.linear import BLOCK, attach_weight_caches, convert_to_fp8_training, is_fp8_linear, refresh_weight_caches
     from modeling import load_model_and_tokenizer
     from rollout import Sample
-    from train_grpo import collate, length_multiple
+    from train_grpo import collate, length_multiple, token_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
     cfg = load_config(args.config, [f"train.device={device.type}"])
@@ -91,11 +93,14 @@ def main():
         compile_layers(model, "inductor")
     for mode in args.modes.split(","):
         torch._dynamo.reset()  # fp8 replaces the linears: a fresh graph
-        if mode == "fp8":
+        if mode in ("fp8", "fp8_cached") and not any(is_fp8_linear(m) for m in model.modules()):
             cfg.fp8.train = True
             print(f"[trainer_pass] fp8: {len(convert_to_fp8_training(model, cfg.fp8))} linears", flush=True)
-        elif mode != "bf16":
-            sys.exit(f"--modes: unknown mode {mode!r} (bf16, fp8)")
+        if mode == "fp8_cached":
+            print(f"[trainer_pass] fp8_cached: {attach_weight_caches(model)} weight caches", flush=True)
+            refresh_weight_caches(model)  # before a compiled forward, which cannot fill them
+        elif mode not in ("bf16", "fp8"):
+            sys.exit(f"--modes: unknown mode {mode!r} (bf16, fp8, fp8_cached)")
         variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
         variants += [("padded", True, "masked"), ("padded", False, "")]
         if args.compile:
@@ -104,6 +109,8 @@ def main():
             memory_metrics(device)  # this variant's peak starts here
             r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
                  **passes(model, *batches[batch], masked, args.iters), **memory_metrics(device)}
+            with torch.no_grad():
+                r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0).double().sum().item()
             print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
                   flush=True)
             runs.append(r)

@@ -190,44 +190,96 @@ class _BlockFP8MM(torch.autograd.Function):
     the wgrad GEMM). kernels.fwd(x2, w, save) returns y and what wgrad needs of x (with torchao's
     kernels: its FP8 128x1 copy, half the bytes of x; emulated: x), kernels.bwd(g2, w, saved,
     need_x, need_w) the two gradients. Saved: that, and the members' weights, not their
-    concatenation (re-concatenated in backward); the weight is re-quantized there, as torchao does.
+    concatenation (re-concatenated in backward); the weight is re-quantized there, as torchao does,
+    unless `cached` holds its quantized copies (fp8.cache_weights: WeightCache).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, kernels, *weights: Tensor) -> Tensor:
-        y, saved = _block_fp8_forward(x, kernels, weights, save=any(ctx.needs_input_grad[2:]))
-        ctx.kernels, ctx.x_shape, ctx.x_dtype, ctx.n_saved = kernels, x.shape, x.dtype, len(saved)
-        ctx.save_for_backward(*saved, *weights)
+    def forward(ctx, x: Tensor, kernels, cached, *weights: Tensor) -> Tensor:
+        y, saved = _block_fp8_forward(x, kernels, weights, cached, save=any(ctx.needs_input_grad[3:]))
+        ctx.kernels, ctx.x_shape, ctx.x_dtype = kernels, x.shape, x.dtype
+        ctx.n_saved, ctx.n_cached = len(saved), len(cached or ())
+        ctx.save_for_backward(*saved, *(cached or ()), *weights)
         return y
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        saved, weights = ctx.saved_tensors[:ctx.n_saved], ctx.saved_tensors[ctx.n_saved:]
+        saved, rest = ctx.saved_tensors[:ctx.n_saved], ctx.saved_tensors[ctx.n_saved:]
+        cached, weights = rest[:ctx.n_cached] or None, rest[ctx.n_cached:]
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # [M, N]
-        w = weights[0] if len(weights) == 1 else torch.cat(weights)
-        need_w = any(ctx.needs_input_grad[2:])
-        grad_x, grad_w = ctx.kernels.bwd(g2, w, saved, ctx.needs_input_grad[0], need_w)
+        w = _weight(weights, cached)
+        need_w = any(ctx.needs_input_grad[3:])
+        grad_x, grad_w = ctx.kernels.bwd(g2, w, saved, ctx.needs_input_grad[0], need_w, cached)
         if grad_x is not None:
             grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
         grad_ws = [None] * len(weights)
         if grad_w is not None:  # [N, K]
             grad_ws = [g.to(w.dtype) for g, w in zip(grad_w.split([w.shape[0] for w in weights]), weights)]
-        return grad_x, None, *grad_ws
+        return grad_x, None, None, *grad_ws
 
 
-def _block_fp8_forward(x: Tensor, kernels, weights: tuple[Tensor, ...], save: bool = False):
-    w = weights[0] if len(weights) == 1 else torch.cat(weights)
-    y, saved = kernels.fwd(x.reshape(-1, x.shape[-1]), w, save)
-    return y.reshape(*x.shape[:-1], w.shape[0]), saved
+def _weight(weights: tuple[Tensor, ...], cached) -> Tensor | None:
+    """The GEMM's weight: the one weight, or a fused group's concatenation; None when cached."""
+    return None if cached else weights[0] if len(weights) == 1 else torch.cat(weights)
 
 
-def block_fp8_mm(x: Tensor, kernels, *weights: Tensor) -> Tensor:
+def _block_fp8_forward(x: Tensor, kernels, weights: tuple[Tensor, ...], cached=None, save: bool = False):
+    y, saved = kernels.fwd(x.reshape(-1, x.shape[-1]), _weight(weights, cached), save, cached)
+    return y.reshape(*x.shape[:-1], y.shape[-1]), saved
+
+
+def block_fp8_mm(x: Tensor, kernels, *weights: Tensor, cache: WeightCache | None = None) -> Tensor:
     """_BlockFP8MM.apply where a gradient is needed, else its forward alone: nothing saved, and
     torch.compile (torch 2.11) mis-binds an autograd.Function with *args traced under no_grad
     (the old_logp forward of a train.compile'd trainer)."""
+    cached = cache.get() if cache is not None else None
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        return _BlockFP8MM.apply(x, kernels, *weights)
-    return _block_fp8_forward(x, kernels, weights)[0]
+        return _BlockFP8MM.apply(x, kernels, cached, *weights)
+    return _block_fp8_forward(x, kernels, weights, cached)[0]
+
+
+class WeightCache:
+    """fp8.cache_weights: the quantized copies of one GEMM's weight (a linear's, or a fused group's
+    concatenation), in the layouts its kernels take (kernels.quant_weight), kept until the weights
+    change. The weight quantization (and a fused group's weight concatenation) then runs once per
+    optimizer step instead of in every forward and backward of every micro-batch; it costs a second
+    copy of the FP8 weights (2 bytes per parameter with torchao's two layouts).
+
+    Eager, each use compares the weights' version counters and re-quantizes after any in-place
+    change. Inside torch.compile it cannot: refresh_weight_caches after every optimizer step
+    (train_grpo hooks it onto the optimizer). Refreshes write in place, so compiled graphs keep
+    their inputs."""
+
+    def __init__(self, weights: list[Tensor], kernels):
+        self.weights, self.kernels = weights, kernels
+        self.tensors: tuple[Tensor, ...] | None = None
+        self.key: tuple | None = None
+
+    def _key(self) -> tuple:
+        return tuple((w._version, w.data_ptr()) for w in self.weights)
+
+    def get(self) -> tuple[Tensor, ...] | None:
+        if not torch.compiler.is_compiling() and self._key() != self.key:
+            self.refresh()
+        return self.tensors
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        new = self.kernels.quant_weight(_weight(tuple(w.detach() for w in self.weights), None))
+        if self.tensors is None:
+            self.tensors = new
+        else:
+            for dst, src in zip(self.tensors, new):
+                dst.copy_(src)
+        self.key = self._key()
+
+
+def refresh_weight_caches(model: nn.Module) -> int:
+    """Re-quantize every WeightCache of `model` (after an optimizer step); returns their count."""
+    caches = {id(c): c for m in model.modules() if (c := getattr(m, "_wcache", None)) is not None}
+    for c in caches.values():
+        c.refresh()
+    return len(caches)
 
 
 @torch.library.custom_op("fp8_grpo::fake_quant", mutates_args=())
@@ -254,12 +306,16 @@ class _EmulatedKernels:
     def __init__(self, act_recipe: str):
         self.act_recipe = act_recipe
 
-    def fwd(self, x2: Tensor, w: Tensor, save: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
-        x_fq, w_fq = _fake_quant_op(x2, "1x128", self.act_recipe), _fake_quant_op(w, "128x128", "")
+    def quant_weight(self, w: Tensor) -> tuple[Tensor]:
+        return (_fake_quant_op(w, "128x128", ""),)
+
+    def fwd(self, x2: Tensor, w: Tensor | None, save: bool = False, cached=None) -> tuple[Tensor, tuple[Tensor, ...]]:
+        (w_fq,) = cached or self.quant_weight(w)
+        x_fq = _fake_quant_op(x2, "1x128", self.act_recipe)
         return (x_fq @ w_fq.t()).to(x2.dtype), (x2,) if save else ()
 
-    def bwd(self, g2: Tensor, w: Tensor, saved: tuple[Tensor, ...], need_x: bool, need_w: bool):
-        grad_x = _fake_quant_op(g2, "1x128", "torchao") @ _fake_quant_op(w, "128x128", "") if need_x else None
+    def bwd(self, g2: Tensor, w: Tensor | None, saved: tuple[Tensor, ...], need_x: bool, need_w: bool, cached=None):
+        grad_x = _fake_quant_op(g2, "1x128", "torchao") @ (cached or self.quant_weight(w))[0] if need_x else None
         grad_w = None
         if need_w:
             grad_w = _fake_quant_op(g2, "128x1", "torchao").t() @ _fake_quant_op(saved[0], "128x1", "torchao")
@@ -275,6 +331,7 @@ class EmulatedFP8Linear(nn.Linear):
 
     fp8_enabled = True  # False inside bf16_reference()
     _fused: FusedProjections | None = None  # set by convert_to_fp8_training (fp8.fuse_projections)
+    _wcache: WeightCache | None = None  # set by convert_to_fp8_training (fp8.cache_weights)
 
     def __init__(self, *args, act_recipe: str = "torchao", **kwargs):
         super().__init__(*args, **kwargs)
@@ -324,7 +381,7 @@ class EmulatedFP8Linear(nn.Linear):
         return y if self.bias is None else y + self.bias
 
     def _mm(self, x: Tensor, *weights: Tensor) -> Tensor:
-        return block_fp8_mm(x, self._kernels, *weights)
+        return block_fp8_mm(x, self._kernels, *weights, cache=self._wcache)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8=block128, act_recipe={self.act_recipe}"
@@ -395,6 +452,19 @@ def fuse_projections(model: nn.Module) -> int:
     return n
 
 
+def attach_weight_caches(model: nn.Module) -> int:
+    """fp8.cache_weights: one WeightCache per FP8 GEMM of `model` (a fused group's members share one)."""
+    n = 0
+    for m in model.modules():
+        if is_fp8_linear(m) and m._wcache is None:
+            members = m._fused.members if m._fused is not None else [m]
+            cache = WeightCache([x.weight for x in members], m._kernels)
+            for x in members:
+                x._wcache = cache
+            n += 1
+    return n
+
+
 # ------------------------------------------------------------------------------------ torchao
 
 
@@ -421,16 +491,20 @@ class _TorchaoKernels:
         self.weight_rhs = k.triton_fp8_blockwise_weight_quant_rhs
         self.weight_transposed_rhs = k.triton_fp8_blockwise_weight_quant_transposed_rhs
 
-    def fwd(self, x2: Tensor, w: Tensor, save: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
+    def quant_weight(self, w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The forward's (weight_transposed_rhs) and the dgrad's (weight_rhs) operands of w."""
+        return (*self.weight_transposed_rhs(w, block_size=BLOCK), *self.weight_rhs(w, block_size=BLOCK))
+
+    def fwd(self, x2: Tensor, w: Tensor | None, save: bool = False, cached=None) -> tuple[Tensor, tuple[Tensor, ...]]:
         if save:  # the weight gradient will need x's 128x1 copy: quantize both layouts in one pass
             xq, xs, xqt, xst = self.dual(x2.contiguous())
             saved = (xqt, xst)
         else:
             (xq, xs), saved = self.lhs(x2.contiguous(), BLOCK), ()
-        wq, ws = self.weight_transposed_rhs(w, block_size=BLOCK)
+        wq, ws = cached[:2] if cached else self.weight_transposed_rhs(w, block_size=BLOCK)
         return self.mm(xq, wq, xs, self.x1x128, ws, self.x128x128, torch.bfloat16), saved
 
-    def bwd(self, g2: Tensor, w: Tensor, saved: tuple[Tensor, ...], need_x: bool, need_w: bool):
+    def bwd(self, g2: Tensor, w: Tensor | None, saved: tuple[Tensor, ...], need_x: bool, need_w: bool, cached=None):
         grad_x = grad_w = None
         if need_w:
             gq, gs, gqt, gst = self.dual(g2)
@@ -440,7 +514,7 @@ class _TorchaoKernels:
         elif need_x:
             gq, gs = self.lhs(g2, BLOCK)
         if need_x:
-            wq, ws = self.weight_rhs(w, block_size=BLOCK)
+            wq, ws = cached[2:] if cached else self.weight_rhs(w, block_size=BLOCK)
             grad_x = self.mm(gq, wq, gs, self.x1x128, ws, self.x128x128, torch.bfloat16)
         return grad_x, grad_w
 
@@ -469,6 +543,7 @@ def torchao_linear_cls() -> type:
     class TorchaoFP8Linear(Float8BlockwiseLinear):
         fp8_enabled = True
         _fused: FusedProjections | None = None
+        _wcache: WeightCache | None = None
         _kernels = _TorchaoKernels()  # an attribute, as EmulatedFP8Linear's (stateless, shared)
 
         def forward(self, x: Tensor) -> Tensor:
@@ -481,7 +556,7 @@ def torchao_linear_cls() -> type:
             m = x2.shape[0]
             if m % BLOCK:  # torchao's wgrad kernels need M % 128 == 0; zero rows are exact
                 x2 = F.pad(x2, (0, 0, 0, BLOCK - m % BLOCK))
-            y = block_fp8_mm(x2, self._kernels, *weights)
+            y = block_fp8_mm(x2, self._kernels, *weights, cache=self._wcache)
             return y[:m].reshape(*x.shape[:-1], y.shape[-1])
 
     TorchaoFP8Linear.__module__, TorchaoFP8Linear.__qualname__ = __name__, "TorchaoFP8Linear"
@@ -549,6 +624,8 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
     kind = "block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")"
     if cfg.fuse_projections and (n := fuse_projections(model)):
         kind += f", {n} q/k/v + gate/up groups fused into one GEMM each"
+    if cfg.cache_weights:
+        kind += f", {attach_weight_caches(model)} FP8 weights cached between optimizer steps"
     _log_summary(kind, plan)
     return converted
 

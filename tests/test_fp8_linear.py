@@ -446,3 +446,56 @@ def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need):
     got, want = ao.bwd(go, w, saved, need_x, need_w), emu.bwd(go, w, saved_emu, need_x, need_w)
     for a, b in zip(got, want):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
+    cached = ao.quant_weight(w)  # fp8.cache_weights: the weight's operands made once, reused
+    y_c, saved_c = ao.fwd(x, None, need_w, cached)
+    assert torch.equal(y_c, y_emu)
+    for a, b in zip(ao.bwd(go, None, saved_c, need_x, need_w, cached), want):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
+
+
+def _cache_run(cache: bool, compiled: bool = False, steps: int = 2):
+    """A 2-layer FP8 Llama through `steps` x (2 micro-batches of forward + backward, AdamW step):
+    each step's token logprobs and the final weights."""
+    from distributed import compile_layers
+    from fp8.linear import refresh_weight_caches
+    from train_grpo import token_logprobs
+
+    model = tiny_llama(layers=2)
+    convert_to_fp8_training(model, FP8Config(cache_weights=cache))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if cache:
+        opt.register_step_post_hook(lambda *_: refresh_weight_caches(model))  # as train_grpo does
+        refresh_weight_caches(model)
+    if compiled:
+        torch._dynamo.reset()
+        compile_layers(model, "aot_eager")
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 64, (2, 32), generator=g) for _ in range(2)]
+    logps = []
+    for _ in range(steps):
+        with torch.no_grad():
+            logps.append(torch.cat([token_logprobs(model, ids, torch.ones_like(ids), 1.0) for ids in batches]))
+        for ids in batches:
+            token_logprobs(model, ids, torch.ones_like(ids), 1.0).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    torch._dynamo.reset()
+    return logps, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_weight_cache_changes_nothing_but_the_quantization_count(compiled, monkeypatch):
+    """fp8.cache_weights: the same logprobs and updated weights, bit for bit, over optimizer steps
+    (a cache kept past a step would differ from step 1 on), eager (version counters) and traced
+    (the optimizer hook); the weight is quantized once per GEMM per step instead of in every pass."""
+    from fp8.linear import _EmulatedKernels
+
+    ref_logps, ref_params = _cache_run(cache=False, compiled=compiled)
+    calls = []
+    orig = _EmulatedKernels.quant_weight
+    monkeypatch.setattr(_EmulatedKernels, "quant_weight", lambda self, w: calls.append(1) or orig(self, w))
+    logps, params = _cache_run(cache=True, compiled=compiled)
+    assert all(torch.equal(a, b) for a, b in zip(logps, ref_logps))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    # 2 layers x 4 GEMMs (qkv, o, gate_up, down): at the start and after each of the 2 steps
+    assert len(calls) == 8 * 3, len(calls)

@@ -138,17 +138,19 @@ def test_gc_timer_counts_collections_once():
 def test_compiled_trainer_matches_eager(tmp_path, calib_pass):
     """train.compile=aot_eager (dynamo + AOT autograd, no code generation) reproduces the eager run's
     losses, gradient norms, q/k/v scales and rewards step by step: the FP8 linears, the fused
-    projections, the no-grad old_logp forward and the (eager) calibration capture all trace right."""
+    projections, the no-grad old_logp forward and the (eager) calibration capture all trace right;
+    so does it with fp8.cache_weights (the cached FP8 weights re-quantized after each optimizer step)."""
     common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=3",
               "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "fp8.kv_cache=true",
               f"fp8.calib_pass={calib_pass}", "rollout.prompts_per_step=8", "train.save_final=false"]
     runs = {}
-    for backend in ("none", "aot_eager"):
-        p = run([*common, f"train.run_name={backend}", f"train.compile={backend}"], cwd=tmp_path)
+    for name, backend, cache in (("none", "none", False), ("aot_eager", "aot_eager", False), ("cached", "aot_eager", True)):
+        p = run([*common, f"train.run_name={name}", f"train.compile={backend}", f"fp8.cache_weights={cache}"],
+                cwd=tmp_path)
         assert p.returncode == 0, p.stderr[-3000:]
-        runs[backend] = read_metrics(tmp_path / backend)
-    assert len(runs["none"]) == len(runs["aot_eager"]) == 3
-    for eager, compiled in zip(runs["none"], runs["aot_eager"]):
+        runs[name] = read_metrics(tmp_path / name)
+    assert len(runs["none"]) == len(runs["aot_eager"]) == len(runs["cached"]) == 3
+    for eager, compiled in [*zip(runs["none"], runs["aot_eager"]), *zip(runs["none"], runs["cached"])]:
         for k in ("loss/policy", "optim/grad_norm", "fp8/q_scale_mean", "fp8/k_scale_mean", "fp8/v_scale_mean",
                   "mismatch/token_mult_prob_error", "reward/mean"):
             assert compiled[k] == pytest.approx(eager[k], rel=1e-6, abs=1e-9), (eager["step"], k)
