@@ -31,12 +31,13 @@ ratios, clipping and the mismatch metrics. So `fp8_plan` decides for both conver
 fp8/export.py, and both quantize weights with fp8/quant.py (bit-identical to torchao's kernels).
 
 Backends: `convert_to_fp8_training` uses torchao's Float8BlockwiseLinear (cuBLAS FP8 GEMMs,
-torchao's Triton weight quantizers, our quant_dual for activations) on SM90 when not cfg.emulate, else EmulatedFP8Linear: quantize-dequantize with
-fp8/quant.py and a float32 matmul. Differences of the emulation from torchao: (1) accumulation:
-torchao accumulates e4m3 products in the tensor cores' FP8 accumulator per 128-chunk and applies
-scale_a*scale_b per chunk, we multiply dequantized float32 operands in one fp32 GEMM (measured on
-an H100, tests/gpu: emulation vs torchao 6.6e-4 relative for output, dgrad and wgrad, elementwise
-<= 2 bf16 ulps + 5e-3 rms; the emulation is the exact product rounded once, torchao adds ~1e-4);
+torchao's Triton weight quantizers, our quant_dual for activations) on SM90 when not
+cfg.emulate, else EmulatedFP8Linear: quantize-dequantize with fp8/quant.py and a float32 matmul.
+Differences of the emulation from torchao: (1) accumulation: torchao accumulates e4m3 products
+in the tensor cores' FP8 accumulator per 128-chunk and applies scale_a*scale_b per chunk, we
+multiply dequantized float32 operands in one fp32 GEMM (measured on an H100, tests/gpu:
+emulation vs torchao 6.6e-4 relative for output, dgrad and wgrad, elementwise <= 2 bf16 ulps
++ 5e-3 rms; the emulation is the exact product rounded once, torchao adds ~1e-4);
 (2) torchao always returns BF16, we return the input dtype (an fp32 CPU model stays fp32).
 `convert_to_fp8_rollout` builds the CPU stand-in for vLLM's W8A8 linear: activations use
 vLLM's 1x128 recipe (divide by amax/448) and weights can be pinned to the exact exported FP8
