@@ -170,6 +170,16 @@ def test_two_ranks_with_fp8_emulation_stay_close(tmp_path):
                                rtol=0.02, atol=0)
 
 
+def test_weight_cache_is_refused_with_fsdp(tmp_path):
+    """fp8.cache_weights would hold unsharded FP8 weights on every rank: one line naming the fix."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "train_grpo.py"), *COMMON, f"train.out_dir={tmp_path}", "fp8.cache_weights=true"]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert "fp8.cache_weights keeps unsharded FP8 weights" in p.stderr and "fp8.cache_weights=false" in p.stderr
+
+
 def test_prompts_must_split_into_whole_groups(monkeypatch):
     import distributed
 
