@@ -29,6 +29,8 @@ which torchao's wgrad needs) is what the linears see. Modes:
   fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
   fp8_two_pass (not in the default set, ablation) fp8 with torchao's separate 1x128 and 128x1 activation
                quantizers (two reads of x and of grad_out) instead of fp8/kernels.py's quant_dual (one)
+  fp8_cached   (not in the default set) fp8 with fp8.cache_weights: each weight quantized once per
+               iteration (after the optimizer step) instead of in forward and again in backward
   <mode>_compile  <mode> with every decoder layer torch.compile'd (inductor, static shapes, as
                torchtitan compiles per block): norms, RoPE, SiLU*mul and residual adds fused into few
                Triton kernels; our FP8 autograd Function is traced (fused groups included: one graph,
@@ -71,6 +73,7 @@ STACK_MODES = {  # mode -> FP8Config overrides (None = no conversion); '<mode>_c
     "fp8_kv_bf16": {"keep_bf16": ["*.k_proj", "*.v_proj"]},
     "fp8_mlp": {"keep_bf16": ["*.self_attn.*"]},
     "fp8_two_pass": {},  # + use_two_pass_quant
+    "fp8_cached": {"cache_weights": True},
 }
 STACK_MODES |= {f"{m}_compile": v for m, v in STACK_MODES.items()}
 COMPILED = "_compile"
@@ -187,8 +190,14 @@ def stack_inputs(hf_cfg, tokens: int, seq_len: int, device, seed: int = 0):
 
 
 def make_optimizer(model):
+    """Fused AdamW on CUDA; with fp8.cache_weights, the FP8 weight caches refreshed after each step."""
+    from fp8.linear import refresh_weight_caches
+
     fused = all(p.is_cuda for p in model.parameters())
-    return torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=fused or None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=fused or None)
+    if refresh_weight_caches(model):  # as train_grpo does
+        opt.register_step_post_hook(lambda *_: refresh_weight_caches(model))
+    return opt
 
 
 def stack_step(model, opt, x, pos, grad) -> None:

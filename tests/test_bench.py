@@ -350,7 +350,8 @@ def test_stack_fp8_plan_per_mode():
     assert (full.hidden_size, full.intermediate_size, full.num_key_value_heads) == (4096, 14336, 8)
     want = {"bf16": [], "fp8": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
             "fp8_kv_bf16": ["o_proj", "gate_proj", "up_proj", "down_proj"],  # q goes with k/v (vLLM's qkv_proj)
-            "fp8_mlp": ["gate_proj", "up_proj", "down_proj"]}
+            "fp8_mlp": ["gate_proj", "up_proj", "down_proj"],
+            "fp8_cached": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
     for mode, leaves in want.items():
         model, converted = bt.build_stack(cfg, mode, "cpu")
         parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
@@ -385,6 +386,11 @@ def test_stack_bench_runs_on_cpu(monkeypatch):
     bt.stack_step(model, opt, x, pos, grad)
     assert x.grad is not None and torch.isfinite(x.grad.float()).all()
     assert not torch.equal(before, model.layers[0].mlp.down_proj.weight)  # AdamW stepped
+    model, _ = bt.build_stack(bt.stack_config(1), "fp8_cached", "cpu")  # fp8.cache_weights
+    opt = bt.make_optimizer(model)
+    cache = model.layers[0].mlp.down_proj._wcache
+    bt.stack_step(model, opt, x, pos, grad)
+    assert cache.key == cache._key()  # re-quantized by the optimizer's hook, after its step
 
 
 def test_stack_bench_records_a_failing_mode_and_goes_on(monkeypatch):

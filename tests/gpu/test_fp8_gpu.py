@@ -145,12 +145,19 @@ def test_quant_dual_equals_torchao_triton(ao, shape):
         quant_dual(x[:100])
 
 
-def test_compiled_fp8_linear_equals_eager():
+@pytest.mark.parametrize("cache", [False, True])
+def test_compiled_fp8_linear_equals_eager(cache):
     """A torch.compile'd TorchaoFP8Linear (quant_dual and torchao's ops traced as custom ops) gives the
-    eager module's output and both gradients bit for bit."""
+    eager module's output and both gradients bit for bit; so does it with fp8.cache_weights."""
+    from fp8.linear import refresh_weight_caches
+
     torch.manual_seed(0)
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
-    mod = torchao_linear_cls().from_float(lin)
+    model = nn.Sequential(lin)
+    convert_to_fp8_training(model, FP8Config(cache_weights=cache))
+    mod = model[0]
+    if cache:
+        assert refresh_weight_caches(model) == 1
     x = torch.randn(4, 128, 1024, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(4, 128, 2048, device="cuda", dtype=torch.bfloat16)
     outs = []
@@ -158,13 +165,13 @@ def test_compiled_fp8_linear_equals_eager():
         torch._dynamo.reset()
         fn = torch.compile(mod, fullgraph=True) if compiled else mod
         xi = x.clone().requires_grad_(True)
-        lin.weight.grad = None
+        mod.weight.grad = None
         y = fn(xi)
         y.backward(g)
-        outs.append((y.detach(), xi.grad, lin.weight.grad.clone()))
+        outs.append((y.detach(), xi.grad, mod.weight.grad.clone()))
     torch._dynamo.reset()
     same = {k: torch.equal(a, b) for k, a, b in zip(("out", "grad_x", "grad_w"), *outs)}
-    print(f"\ncompiled vs eager TorchaoFP8Linear: bitwise {same}")
+    print(f"\ncompiled vs eager TorchaoFP8Linear (cache={cache}): bitwise {same}")
     assert all(same.values()), same
 
 
