@@ -58,6 +58,9 @@ def quant_dual(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if m % BLOCK or k % BLOCK or not x.is_contiguous():
         raise ValueError(f"quant_dual needs a contiguous [M, K] with M, K multiples of {BLOCK}, got "
                          f"{tuple(x.shape)} strides {x.stride()}")
+    if m * k >= 2**31:  # the kernel's offsets are int32
+        raise ValueError(f"quant_dual: {m} tokens x {k} features is >= 2^31 elements; use smaller micro-batches "
+                         "(train.micro_batch_size)")
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     s = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()
     qt = torch.empty(k, m, dtype=E4M3, device=x.device)
