@@ -253,9 +253,6 @@ def train(args) -> Path:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
                                   eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
-    if cfg.fp8.train and cfg.fp8.cache_weights:  # re-quantize the cached FP8 weights after every step
-        from fp8.linear import refresh_weight_caches
-        optimizer.register_step_post_hook(lambda *_: refresh_weight_caches(model))
     warmup = cfg.optim.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     sampler = PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
@@ -276,8 +273,9 @@ def train(args) -> Path:
         start_step, kv_scales, bad_steps = state["step"], state["kv_scales"], state.get("bad_steps", 0)
         logger.truncate(start_step)  # steps the interrupted run logged past the checkpoint are redone
         logger.print(f"resumed from {ckpt} at step {start_step}")
-    if cfg.fp8.train and cfg.fp8.cache_weights:  # before the first (maybe compiled) forward
-        refresh_weight_caches(model)
+    if cfg.fp8.train and cfg.fp8.cache_weights:  # fp8.cache_weights: filled now, re-quantized after every step
+        from fp8.linear import refresh_weight_caches_on_step
+        refresh_weight_caches_on_step(model, optimizer)
 
     def sync_engine():
         t0 = time.perf_counter()

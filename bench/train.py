@@ -191,12 +191,11 @@ def stack_inputs(hf_cfg, tokens: int, seq_len: int, device, seed: int = 0):
 
 def make_optimizer(model):
     """Fused AdamW on CUDA; with fp8.cache_weights, the FP8 weight caches refreshed after each step."""
-    from fp8.linear import refresh_weight_caches
+    from fp8.linear import refresh_weight_caches_on_step
 
     fused = all(p.is_cuda for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=fused or None)
-    if refresh_weight_caches(model):  # as train_grpo does
-        opt.register_step_post_hook(lambda *_: refresh_weight_caches(model))
+    refresh_weight_caches_on_step(model, opt)  # as train_grpo does
     return opt
 
 

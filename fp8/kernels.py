@@ -18,9 +18,9 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-BLOCK = 128
-EPS = 1e-12  # torchao kernels.EPS
-E4M3 = torch.float8_e4m3fn
+from fp8.quant import E4M3, FP8_MAX, TORCHAO_EPS
+
+BLOCK = 128  # fp8.linear.BLOCK (linear imports this module)
 
 
 @triton.jit
@@ -66,5 +66,5 @@ def quant_dual(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     qt = torch.empty(k, m, dtype=E4M3, device=x.device)
     st = torch.empty(m // BLOCK, k, dtype=torch.float32, device=x.device)
     wrap_triton(_quant_dual_kernel)[(m // BLOCK, k // BLOCK)](
-        x, q, s, qt, st, m, k, BLOCK=BLOCK, EPS=EPS, FP8_MAX=torch.finfo(E4M3).max, num_warps=8)
+        x, q, s, qt, st, m, k, BLOCK=BLOCK, EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=8)
     return q, s, qt, st

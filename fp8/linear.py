@@ -283,6 +283,15 @@ def refresh_weight_caches(model: nn.Module) -> int:
     return len(caches)
 
 
+def refresh_weight_caches_on_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Fill `model`'s WeightCaches now (before a compiled forward, which cannot) and re-quantize them
+    after every step of `optimizer`; returns their count (0: no caches, no hook)."""
+    n = refresh_weight_caches(model)
+    if n:
+        optimizer.register_step_post_hook(lambda *_: refresh_weight_caches(model))
+    return n
+
+
 @torch.library.custom_op("fp8_grpo::fake_quant", mutates_args=())
 def _fake_quant_op(x: Tensor, groups: str, recipe: str) -> Tensor:
     """fp8/quant.py's dequantize(quantize(x)), float32, contiguous; groups '1x128' (activations,

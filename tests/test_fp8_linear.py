@@ -457,15 +457,14 @@ def _cache_run(cache: bool, compiled: bool = False, steps: int = 2):
     """A 2-layer FP8 Llama through `steps` x (2 micro-batches of forward + backward, AdamW step):
     each step's token logprobs and the final weights."""
     from distributed import compile_layers
-    from fp8.linear import refresh_weight_caches
+    from fp8.linear import refresh_weight_caches_on_step
     from train_grpo import token_logprobs
 
     model = tiny_llama(layers=2)
     convert_to_fp8_training(model, FP8Config(cache_weights=cache))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if cache:
-        opt.register_step_post_hook(lambda *_: refresh_weight_caches(model))  # as train_grpo does
-        refresh_weight_caches(model)
+        assert refresh_weight_caches_on_step(model, opt) == 8  # as train_grpo does
     if compiled:
         torch._dynamo.reset()
         compile_layers(model, "aot_eager")
