@@ -14,9 +14,11 @@ training).
 `stack`: --layers (default 4) Llama-3.1-8B decoder layers (transformers LlamaModel: hidden 4096,
 intermediate 14336, 32 heads, 8 KV heads, rope theta 500000; a 128-entry embedding that is never
 used; SDPA attention: flash-attn is not on the GPU host), bf16 parameters, train mode. One
-iteration = zero_grad + forward of a packed micro-batch of --tokens (8192, 16384) hidden states
-(requires_grad, as if from an embedding) + backward of a random output gradient + fused AdamW
-step. A micro-batch is tokens / seq_len causal rows of --seq-len (default 2048; 0 = one row):
+iteration = zero_grad + --accum (default 1) x [forward of a packed micro-batch of --tokens (8192,
+16384) hidden states (requires_grad, as if from an embedding) + backward of a random output
+gradient] + fused AdamW step. A GRPO step accumulates many micro-batches per optimizer step
+(bench/step_8b_long_h100.yaml: 64); --accum 4 shows what the per-step costs (AdamW, and with
+fp8.cache_weights the weight quantization) weigh there. A micro-batch is tokens / seq_len causal rows of --seq-len (default 2048; 0 = one row):
 packed documents of that length, without a varlen kernel; the token count (a multiple of 128,
 which torchao's wgrad needs) is what the linears see. Modes:
   bf16         nn.Linear everywhere
@@ -30,13 +32,13 @@ which torchao's wgrad needs) is what the linears see. Modes:
   fp8_two_pass (not in the default set, ablation) fp8 with torchao's separate 1x128 and 128x1 activation
                quantizers (two reads of x and of grad_out) instead of fp8/kernels.py's quant_dual (one)
   fp8_cached   (not in the default set) fp8 with fp8.cache_weights: each weight quantized once per
-               iteration (after the optimizer step) instead of in forward and again in backward
+               optimizer step instead of in every micro-batch's forward and again in its backward
   <mode>_compile  <mode> with every decoder layer torch.compile'd (inductor, static shapes, as
                torchtitan compiles per block): norms, RoPE, SiLU*mul and residual adds fused into few
                Triton kernels; our FP8 autograd Function is traced (fused groups included: one graph,
                4 FP8 GEMMs per layer), the quantizers and GEMMs are opaque custom ops in it.
                Its speedup is against bf16_compile; speedup_eager against bf16.
-Reported: ms/iter (median of --iters after --warmup, CUDA events), tok_s, tflops (6 x linear params
+Reported: ms per micro-batch (iteration time / accum; median of --iters after --warmup, CUDA events), tok_s, tflops (6 x linear params
 x tokens + 6 x seq_len^2 x hidden x rows x layers for causal attention, fwd + bwd), speedup vs bf16
 (vs bf16_compile for a compiled mode; speedup_eager: vs bf16 for every mode),
 peak memory, rel_err of the stack's output vs bf16 (same weights, before any step); with --profile
@@ -199,12 +201,13 @@ def make_optimizer(model):
     return opt
 
 
-def stack_step(model, opt, x, pos, grad) -> None:
-    """One training iteration: zero_grad, forward, backward, AdamW step."""
+def stack_step(model, opt, x, pos, grad, accum: int = 1) -> None:
+    """One training iteration: zero_grad, `accum` x (forward, backward), AdamW step."""
     opt.zero_grad(set_to_none=True)
     x.grad = None
-    out = model(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state  # [rows, seq, hidden]
-    out.backward(grad)
+    for _ in range(accum):
+        out = model(inputs_embeds=x, position_ids=pos, use_cache=False).last_hidden_state  # [rows, seq, hidden]
+        out.backward(grad)
     opt.step()
 
 
@@ -234,8 +237,9 @@ def summarize_kernels(kernels: list[tuple[str, float]], iters: int, top: int = 4
             "top_kernels": [{"name": n[:120], "category": kernel_category(n), "ms": ms / iters} for n, ms in ranked]}
 
 
-def profile_kernels(fn, iters: int = 2) -> dict:
-    """Run fn `iters` times under torch.profiler (CUDA activity) and summarize its kernels."""
+def profile_kernels(fn, iters: int = 2, per_call: int = 1) -> dict:
+    """Run fn `iters` times under torch.profiler (CUDA activity) and summarize its kernels per
+    1 / per_call of a call (per micro-batch of a call that runs per_call of them)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -245,19 +249,20 @@ def profile_kernels(fn, iters: int = 2) -> dict:
         torch.cuda.synchronize()
     kernels = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()
                if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
-    return summarize_kernels(kernels, iters)
+    return summarize_kernels(kernels, iters * per_call)
 
 
 def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, modes=DEFAULT_STACK_MODES,
                 warmup: int = 3, iters: int = 10, device="cuda", timer=None, profile_dir: Path | None = None,
-                on_mode=None) -> list[dict]:
+                on_mode=None, accums=(1,)) -> list[dict]:
     """Each mode's runs (one per token count); on_mode(runs so far) after each mode (e.g. to save)."""
     timer = timer or (lambda fn: cuda_time_ms(fn, warmup=warmup, iters=iters))
     hf_cfg = stack_config(layers)
     runs, ref, bf16_ms = [], {}, {}
     for mode in modes:
         try:
-            runs += _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, device, timer, profile_dir, ref, bf16_ms)
+            runs += _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref,
+                                      bf16_ms)
         except Exception as e:  # e.g. a compile failure: record it, measure the other modes
             traceback.print_exc()
             runs.append({"workload": f"stack {layers}x Llama-3.1-8B layers", "mode": mode,
@@ -269,12 +274,14 @@ def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, mode
     return runs
 
 
-def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, device, timer, profile_dir, ref, bf16_ms) -> list[dict]:
+def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref,
+                      bf16_ms) -> list[dict]:
     """bench_stack for one mode; fills ref (bf16 outputs) and bf16_ms (bf16 timings) for later modes."""
     runs = []
     model, converted = build_stack(hf_cfg, mode, device)
     opt = make_optimizer(model)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    base = "bf16" + COMPILED * mode.endswith(COMPILED)
     for t in tokens:
         x, pos, grad = stack_inputs(hf_cfg, t, seq_len, device)
         with torch.no_grad():  # before any optimizer step: the same weights in every mode
@@ -282,34 +289,37 @@ def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, device, timer, prof
         if mode == "bf16":
             ref[t] = out
         rel = float((out - ref[t]).norm() / ref[t].norm()) if t in ref else None
-        base = "bf16" + COMPILED * mode.endswith(COMPILED)
         del out
-        if device != "cpu" and torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-        ms = timer(lambda: stack_step(model, opt, x, pos, grad))
-        if mode in ("bf16", "bf16" + COMPILED):
-            bf16_ms[mode, t] = ms
         rows = t // (seq_len or t)
-        run = {"workload": f"stack {layers}x Llama-3.1-8B layers {t} tok ({rows}x{seq_len or t})", "mode": mode,
-               "ms": ms, "tok_s": t / ms * 1e3, "tflops": stack_flops(hf_cfg, t, seq_len) / ms / 1e9,
-               "speedup": bf16_ms[base, t] / ms if (base, t) in bf16_ms else None,
-               "speedup_eager": bf16_ms["bf16", t] / ms if ("bf16", t) in bf16_ms else None,
-               "rel_err": rel, "layers": layers,
-               "tokens": t, "seq_len": seq_len or t, "fp8_linears": len(converted),
-               "bf16_linears": n_linear - len(converted)}
-        if device != "cpu" and torch.cuda.is_available():
-            run["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if profile_dir is not None:
-            prof = profile_kernels(lambda: stack_step(model, opt, x, pos, grad))
-            run["profile"] = prof["categories"]
-            run["gpu_busy"] = prof["gpu_ms_per_iter"] / ms  # < 1: the GPU waits on kernel launches
-            write_json(Path(profile_dir) / f"profile_stack_{mode}_{t}.json", {**run, **prof})
-            print(f"  kernels {prof['gpu_ms_per_iter']:.1f} ms/iter (GPU busy {run['gpu_busy']:.0%}): " + ", ".join(
-                f"{c} {v['ms']:.1f} ({v['share']:.0%})" for c, v in prof["categories"].items()), flush=True)
-        runs.append(run)
-        sp = f"x{run['speedup']:.2f} vs {base}" if run["speedup"] else ""
-        print(f"{run['workload']} {mode}: {ms:.1f} ms/iter, {run['tok_s']:,.0f} tok/s, "
-              f"{run['tflops']:.0f} TFLOP/s {sp}", flush=True)
+        for a in accums:
+            if device != "cpu" and torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            step_ms = timer(lambda: stack_step(model, opt, x, pos, grad, a))
+            ms = step_ms / a  # per micro-batch
+            if mode in ("bf16", "bf16" + COMPILED):
+                bf16_ms[mode, t, a] = ms
+            per_step = f", {a} micro-batches per optimizer step" if a > 1 else ""
+            run = {"workload": f"stack {layers}x Llama-3.1-8B layers {t} tok ({rows}x{seq_len or t}){per_step}",
+                   "mode": mode, "ms": ms, "tok_s": t / ms * 1e3, "tflops": stack_flops(hf_cfg, t, seq_len) / ms / 1e9,
+                   "speedup": bf16_ms[base, t, a] / ms if (base, t, a) in bf16_ms else None,
+                   "speedup_eager": bf16_ms["bf16", t, a] / ms if ("bf16", t, a) in bf16_ms else None,
+                   "rel_err": rel, "layers": layers, "tokens": t, "seq_len": seq_len or t, "accum": a,
+                   "fp8_linears": len(converted), "bf16_linears": n_linear - len(converted)}
+            if device != "cpu" and torch.cuda.is_available():
+                run["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if profile_dir is not None:
+                prof = profile_kernels(lambda: stack_step(model, opt, x, pos, grad, a), per_call=a)
+                run["profile"] = prof["categories"]
+                run["gpu_busy"] = prof["gpu_ms_per_iter"] / ms  # < 1: the GPU waits on kernel launches
+                write_json(Path(profile_dir) / f"profile_stack_{mode}_{t}{f'_accum{a}' if a > 1 else ''}.json",
+                           {**run, **prof})
+                print(f"  kernels {prof['gpu_ms_per_iter']:.1f} ms/micro-batch (GPU busy {run['gpu_busy']:.0%}): "
+                      + ", ".join(f"{c} {v['ms']:.1f} ({v['share']:.0%})" for c, v in prof["categories"].items()),
+                      flush=True)
+            runs.append(run)
+            sp = f"x{run['speedup']:.2f} vs {base}" if run["speedup"] else ""
+            print(f"{run['workload']} {mode}: {ms:.1f} ms/micro-batch, {run['tok_s']:,.0f} tok/s, "
+                  f"{run['tflops']:.0f} TFLOP/s {sp}", flush=True)
         del x, pos, grad
     return runs
 
@@ -353,6 +363,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4, help="stack: decoder layers")
     p.add_argument("--tokens", type=parse_ints, default=[8192, 16384], help="stack: tokens per micro-batch")
     p.add_argument("--seq-len", type=int, default=2048, help="stack: row length (0 = one row of --tokens)")
+    p.add_argument("--accum", type=parse_ints, default=[1],
+                   help="stack: micro-batches per optimizer step, comma list (default 1)")
     p.add_argument("--modes", type=parse_stack_modes, default=DEFAULT_STACK_MODES,
                    help=f"stack: comma list of {list(STACK_MODES)}")
     p.add_argument("--warmup", type=int, default=3, help="stack: untimed iterations (autotuning happens here)")
@@ -376,7 +388,7 @@ def main(argv=None):
     if args.what in ("stack", "all"):
         runs = bench_stack(args.layers, args.tokens, args.seq_len, args.modes, args.warmup, args.iters,
                            profile_dir=out if args.profile else None,
-                           on_mode=lambda done: save_train_results(done, out))  # a timeout loses one mode at most
+                           on_mode=lambda done: save_train_results(done, out), accums=args.accum)  # a timeout loses one mode at most
         print(f"wrote {out / 'train.json'}")
         print(markdown_table(runs, STACK_COLS))
     if args.what in ("linear", "all"):

@@ -12,6 +12,8 @@ it the linear saves the FP8 128x1 copy of x for backward instead of x in BF16: h
 Imported lazily by fp8/linear.py (Triton, CUDA).
 """
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -23,27 +25,52 @@ from fp8.quant import E4M3, FP8_MAX, TORCHAO_EPS
 BLOCK = 128  # fp8.linear.BLOCK (linear imports this module)
 
 
+# (k tiles per program, num_warps, num_stages): the launch configuration. The bytes written do not
+# depend on it (each group's amax is an exact max); only the speed does. FP8_GRPO_QUANT_DUAL="t,w,s"
+# overrides it (bench/quant.py sweeps the choices and prints the best for the GPU it runs on).
+DEFAULT_CONFIG = (1, 8, 1)
+
+
+def _config_from_env(text: str | None) -> tuple[int, int, int]:
+    if not text:
+        return DEFAULT_CONFIG
+    try:
+        tiles, warps, stages = (int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"FP8_GRPO_QUANT_DUAL={text!r}: expected 'tiles,num_warps,num_stages', e.g. '4,8,2'") from None
+    if tiles < 1 or warps not in (1, 2, 4, 8, 16, 32) or stages < 1:
+        raise ValueError(f"FP8_GRPO_QUANT_DUAL={text!r}: tiles and num_stages must be >= 1, num_warps a power "
+                         "of 2 up to 32")
+    return tiles, warps, stages
+
+
+CONFIG = _config_from_env(os.environ.get("FP8_GRPO_QUANT_DUAL"))
+
+
 @triton.jit
-def _quant_dual_kernel(x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K,
-                       BLOCK: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+def _quant_dual_kernel(x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, BLOCK: tl.constexpr,
+                       TILES: tl.constexpr, STAGES: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    # One program: rows [pid_m * 128, +128) x k-tiles [pid_k * TILES, +TILES) (the last program fewer).
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     m = pid_m * BLOCK + tl.arange(0, BLOCK)
-    k = pid_k * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + m[:, None] * K + k[None, :])  # M, K multiples of 128: no masks
-    ax = tl.abs(x)
-    # 1x128 groups (one per row of the tile), as torchao's act_quant_lhs
-    amax = tl.clamp(tl.max(ax, axis=1), min=EPS, max=float("inf")).to(tl.float64)
-    scale = (FP8_MAX / amax).to(tl.float32)[:, None]
-    y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_row_ptr.dtype.element_ty)
-    tl.store(q_row_ptr + m[:, None] * K + k[None, :], y)
-    tl.store(s_row_ptr + pid_k * M + m[:, None], tl.div_rn(1.0, scale))  # [M, K/128] column-major
-    # 128x1 groups (one per column), as act_quant_rhs / act_quant_transposed_lhs; stored as [K, M]
-    amax = tl.clamp(tl.max(ax, axis=0), min=EPS, max=float("inf")).to(tl.float64)
-    scale = (FP8_MAX / amax).to(tl.float32)[None, :]
-    y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_col_ptr.dtype.element_ty)
-    tl.store(q_col_ptr + k[None, :] * M + m[:, None], y)
-    tl.store(s_col_ptr + pid_m * K + k[None, :], tl.div_rn(1.0, scale))  # [M/128, K] row-major
+    first = pid_k * TILES
+    for kt in tl.range(first, tl.minimum(first + TILES, K // BLOCK), num_stages=STAGES):
+        k = kt * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + m[:, None] * K + k[None, :])  # M, K multiples of 128: no masks
+        ax = tl.abs(x)
+        # 1x128 groups (one per row of the tile), as torchao's act_quant_lhs
+        amax = tl.clamp(tl.max(ax, axis=1), min=EPS, max=float("inf")).to(tl.float64)
+        scale = (FP8_MAX / amax).to(tl.float32)[:, None]
+        y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_row_ptr.dtype.element_ty)
+        tl.store(q_row_ptr + m[:, None] * K + k[None, :], y)
+        tl.store(s_row_ptr + kt * M + m[:, None], tl.div_rn(1.0, scale))  # [M, K/128] column-major
+        # 128x1 groups (one per column), as act_quant_rhs / act_quant_transposed_lhs; stored as [K, M]
+        amax = tl.clamp(tl.max(ax, axis=0), min=EPS, max=float("inf")).to(tl.float64)
+        scale = (FP8_MAX / amax).to(tl.float32)[None, :]
+        y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_col_ptr.dtype.element_ty)
+        tl.store(q_col_ptr + k[None, :] * M + m[:, None], y)
+        tl.store(s_col_ptr + pid_m * K + k[None, :], tl.div_rn(1.0, scale))  # [M/128, K] row-major
 
 
 @triton_op("fp8_grpo::quant_dual", mutates_args={})
@@ -54,6 +81,11 @@ def quant_dual(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     As cuBLAS's block-scaled GEMM takes them: (q, s) is an A operand (torchao's lhs); for the
     weight gradient x gives B = (qt.t(), st.t()) (torchao's rhs) and grad_out gives
     A = (qt, st.t()) (torchao's transposed_lhs)."""
+    return quant_dual_with(x, CONFIG)
+
+
+def quant_dual_with(x: Tensor, config: tuple[int, int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """quant_dual with an explicit launch configuration (tiles, num_warps, num_stages)."""
     m, k = x.shape
     if m % BLOCK or k % BLOCK or not x.is_contiguous():
         raise ValueError(f"quant_dual needs a contiguous [M, K] with M, K multiples of {BLOCK}, got "
@@ -61,10 +93,12 @@ def quant_dual(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if m * k >= 2**31:  # the kernel's offsets are int32
         raise ValueError(f"quant_dual: {m} tokens x {k} features is >= 2^31 elements; use smaller micro-batches "
                          "(train.micro_batch_size)")
+    tiles, warps, stages = config
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     s = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()
     qt = torch.empty(k, m, dtype=E4M3, device=x.device)
     st = torch.empty(m // BLOCK, k, dtype=torch.float32, device=x.device)
-    wrap_triton(_quant_dual_kernel)[(m // BLOCK, k // BLOCK)](
-        x, q, s, qt, st, m, k, BLOCK=BLOCK, EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=8)
+    grid = (m // BLOCK, triton.cdiv(k // BLOCK, tiles))
+    wrap_triton(_quant_dual_kernel)[grid](x, q, s, qt, st, m, k, BLOCK=BLOCK, TILES=tiles, STAGES=stages,
+                                          EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=warps)
     return q, s, qt, st

@@ -373,19 +373,27 @@ def test_stack_bench_runs_on_cpu(monkeypatch):
         calls.append(1)
         return 2.0
 
-    runs = bt.bench_stack(1, tokens=[256], seq_len=128, modes=["bf16", "fp8_kv_bf16"], device="cpu", timer=timer)
-    assert len(calls) == 2 and [r["mode"] for r in runs] == ["bf16", "fp8_kv_bf16"]
-    bf16, fp8 = runs
+    runs = bt.bench_stack(1, tokens=[256], seq_len=128, modes=["bf16", "fp8_kv_bf16"], device="cpu", timer=timer,
+                          accums=[1, 4])
+    assert len(calls) == 4 and [(r["mode"], r["accum"]) for r in runs] == [
+        ("bf16", 1), ("bf16", 4), ("fp8_kv_bf16", 1), ("fp8_kv_bf16", 4)]
+    bf16, _, fp8, fp8_accum = runs
     assert bf16["rel_err"] == 0.0 and 0 < fp8["rel_err"] < 0.05 and fp8["speedup"] == 1.0
     assert (fp8["fp8_linears"], fp8["bf16_linears"]) == (4, 3) and fp8["tokens"] == 256 and fp8["seq_len"] == 128
     assert fp8["workload"] == "stack 1x Llama-3.1-8B layers 256 tok (2x128)"
+    # 4 micro-batches per optimizer step: the iteration's 2 ms is 0.5 ms per micro-batch, its own workload
+    assert fp8_accum["ms"] == 0.5 and fp8_accum["tok_s"] == 256 / 0.5e-3 and fp8_accum["speedup"] == 1.0
+    assert fp8_accum["workload"] == "stack 1x Llama-3.1-8B layers 256 tok (2x128), 4 micro-batches per optimizer step"
     model, _ = bt.build_stack(bt.stack_config(1), "fp8", "cpu")
     opt = bt.make_optimizer(model)
     x, pos, grad = bt.stack_inputs(model.config, 256, 128, "cpu")
     before = model.layers[0].mlp.down_proj.weight.detach().clone()
-    bt.stack_step(model, opt, x, pos, grad)
+    forwards = []
+    model.layers[0].register_forward_hook(lambda *_: forwards.append(1))
+    bt.stack_step(model, opt, x, pos, grad, accum=3)
     assert x.grad is not None and torch.isfinite(x.grad.float()).all()
     assert not torch.equal(before, model.layers[0].mlp.down_proj.weight)  # AdamW stepped
+    assert len(forwards) == 3 and [s["step"].item() for s in opt.state.values()][:1] == [1]  # once
     model, _ = bt.build_stack(bt.stack_config(1), "fp8_cached", "cpu")  # fp8.cache_weights
     opt = bt.make_optimizer(model)
     cache = model.layers[0].mlp.down_proj._wcache

@@ -1,0 +1,81 @@
+"""fp8/kernels.py quant_dual: launch configurations vs bandwidth at the trainer's shapes (Hopper).
+
+    python bench/quant.py            # sweep -> OUT/quant.json (its "best": 't,w,s'), a table
+    export FP8_GRPO_QUANT_DUAL=$(python -c "import json; print(json.load(open('bench/results/quant.json'))['best'])")
+
+One Llama-3.1-8B decoder layer quantizes 8 activations per training micro-batch of M tokens with
+quant_dual: forward the inputs of qkv, o_proj, gate/up (K = 4096) and down_proj (14336); backward
+the output gradients of qkv (6144), o_proj (4096), gate/up (28672) and down_proj (4096). Each
+configuration (k tiles per program, num_warps, num_stages; the bytes written do not depend on it)
+is timed on those 8 shapes at M = 8192 and 16384 tokens (median of CUDA-event timings); reported
+per layer: ms, GB/s (quant_dual reads 2 bytes and writes 2 bytes per element, plus scales) and the
+ratio to a BF16 clone of the same tensors (the same bytes moved by torch's copy kernel: the memory
+floor), and for reference torchao's two-kernel path (act_quant_lhs + act_quant_transposed_lhs).
+"""
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
+
+LAYER_K = [4096, 4096, 4096, 14336, 6144, 4096, 28672, 4096]  # x: qkv, o, gate/up, down; grads: qkv, o, gate/up, down
+CONFIGS = [(1, w, 1) for w in (4, 8, 16)] + list(itertools.product((2, 4, 8), (4, 8, 16), (1, 2, 3)))
+
+
+def layer_ms(fn, tokens: int, tensors: dict) -> float:
+    """Sum over one layer's 8 shapes of fn(x)'s median time."""
+    return sum(cuda_time_ms(lambda x=tensors[tokens, k]: fn(x), warmup=3, iters=20) for k in LAYER_K)
+
+
+def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
+    """Rows per (config, tokens) and the best config as 't,w,s' (least summed time over `tokens`)."""
+    from torchao.prototype.blockwise_fp8_training import kernels as ao
+
+    from fp8.kernels import quant_dual_with
+
+    tensors = {(m, k): torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in tokens for k in set(LAYER_K)}
+    rows, floor = [], {}
+    for m in tokens:
+        floor[m] = layer_ms(torch.clone, m, tensors)
+        elements = m * sum(LAYER_K)
+        gbs = lambda ms: 4 * elements / ms / 1e6  # noqa: E731  2 bytes read + 2 written per element
+        two = layer_ms(lambda x: (ao.triton_fp8_blockwise_act_quant_lhs(x, 128),
+                                  ao.triton_fp8_blockwise_act_quant_transposed_lhs(x, 128)), m, tensors)
+        rows.append({"config": "bf16 clone (memory floor)", "tokens": m, "ms": floor[m], "gb_s": gbs(floor[m])})
+        rows.append({"config": "torchao lhs + transposed_lhs", "tokens": m, "ms": two, "gb_s": gbs(two),
+                     "vs_floor": two / floor[m]})
+        for cfg in configs:
+            ms = layer_ms(lambda x, c=cfg: quant_dual_with(x, c), m, tensors)
+            rows.append({"config": ",".join(map(str, cfg)), "tokens": m, "ms": ms, "gb_s": gbs(ms),
+                         "vs_floor": ms / floor[m]})
+            print(f"{m} tok  quant_dual {rows[-1]['config']}: {ms:.3f} ms/layer, {rows[-1]['gb_s']:.0f} GB/s "
+                  f"({rows[-1]['vs_floor']:.2f}x the copy floor)", file=sys.stderr, flush=True)
+    total = {}
+    for r in rows:
+        if r["config"][0].isdigit():
+            total[r["config"]] = total.get(r["config"], 0.0) + r["ms"]
+    return rows, min(total, key=total.get)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results)")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        sys.exit("bench/quant.py needs a Hopper (SM90) GPU (Triton kernels, torchao's SM90 quantizers)")
+    from fp8.kernels import DEFAULT_CONFIG
+
+    rows, best = sweep()
+    path = write_results("quant", rows, Path(args.out), best=best, default=",".join(map(str, DEFAULT_CONFIG)))
+    print(markdown_table(rows, ["config", "tokens", "ms", "gb_s", "vs_floor"]))
+    print(f"best: {best} (default {DEFAULT_CONFIG}); wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
