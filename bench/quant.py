@@ -1,12 +1,12 @@
 """fp8/kernels.py quant_dual: launch configurations vs bandwidth at the trainer's shapes (Hopper).
 
-    python bench/quant.py            # sweep -> OUT/quant.json (its "best": 't,w,s'), a table
+    python bench/quant.py            # sweep -> OUT/quant.json (its "best": 'split,warps'), a table
     export FP8_GRPO_QUANT_DUAL=$(python -c "import json; print(json.load(open('bench/results/quant.json'))['best'])")
 
 One Llama-3.1-8B decoder layer quantizes 8 activations per training micro-batch of M tokens with
 quant_dual: forward the inputs of qkv, o_proj, gate/up (K = 4096) and down_proj (14336); backward
 the output gradients of qkv (6144), o_proj (4096), gate/up (28672) and down_proj (4096). Each
-configuration (k tiles per program, num_warps, num_stages; the bytes written do not depend on it)
+configuration (row splits of the 128x128 tile, num_warps; the bytes written do not depend on it)
 is timed on those 8 shapes at M = 8192 and 16384 tokens (one CUDA graph of the 8 calls, median of
 20 replays); reported
 per layer: ms, GB/s (quant_dual reads 2 bytes and writes 2 bytes per element, plus scales) and the
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
 
 LAYER_K = [4096, 4096, 4096, 14336, 6144, 4096, 28672, 4096]  # x: qkv, o, gate/up, down; grads: qkv, o, gate/up, down
-CONFIGS = [(1, w, 1) for w in (4, 8, 16)] + list(itertools.product((2, 4, 8), (4, 8, 16), (1, 2, 3)))
+CONFIGS = list(itertools.product((1, 2, 4, 8), (4, 8, 16)))  # (row splits, num_warps)
 
 
 def layer_ms(fn, tokens: int, tensors: dict) -> float:
@@ -48,7 +48,7 @@ def layer_ms(fn, tokens: int, tensors: dict) -> float:
 
 
 def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
-    """Rows per (config, tokens) and the best config as 't,w,s' (least summed time over `tokens`)."""
+    """Rows per (config, tokens) and the best config as 'split,warps' (least summed time over `tokens`)."""
     from fp8.kernels import quant_dual_with
 
     tensors = {(m, k): torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in tokens for k in set(LAYER_K)}
