@@ -14,17 +14,19 @@ implementation name (sdpa, eager, flash_attention_*) as a wrapper around the fun
 flash-attention kernel selection, which key on it, are untouched. The wrapper looks at a small
 state object on each attention module (`module._fp8_qkv`); modules without one (any other model
 in the process) pass straight through. With a state it
-  (a) while a QKVCalibrator captures: records max|q|, max|k|, max|v| of that layer
-      (module.layer_idx) into the current micro-batch's [L, 3] record (device tensor, no sync);
+  (a) while a QKVCalibrator captures: max-reduces max|q|, max|k|, max|v| into that module's
+      state.amax [3] (device tensor, in place, no sync), the current micro-batch's record;
   (b) when kv scales are set: fake-quantizes q, k, v to e4m3 with the per-layer scales before
       calling the real attention (how the CPU engine emulates vLLM's FP8 KV cache + attention).
 Idle cost: one getattr per attention call. Recording runs under no_grad on detached tensors, so
 gradients are untouched; fake quantization uses a straight-through gradient if ever trained.
-Capturing appends Python-side records, so capture() runs compiled modules eagerly
-(torch.compiler.set_stance("force_eager")): a train.compile'd trainer calibrates in eager mode.
+Recording is an in-place tensor update, which torch.compile traces: a train.compile'd trainer
+calibrates inside its compiled layers (one more graph variant per layer: recording on/off).
 
-Micro-batches: a forward pre-hook on the model starts a new record, so gradient-checkpoint
-recomputation (attention runs again in backward) max-reduces into the same record. Padding: when
+Micro-batches: a forward pre-hook on the model (eager: outside the compiled layers) closes the
+previous record (stacks the modules' amax into an [L, 3] record and zeroes them) and starts a new
+one, so gradient-checkpoint recomputation (attention runs again in backward) max-reduces into the
+same record. Padding: when
 the model is called with a 2-D attention_mask [B, T] matching q/k/v, padded positions are
 excluded from the amax (pad embeddings are finite but not representative); packed inputs
 (no mask) use every position.
@@ -52,11 +54,12 @@ from fp8.quant import FP8_MAX, fake_quant_per_tensor
 class _State:
     """Per attention module: who records, and the (q, k, v) scales for fake quantization."""
 
-    __slots__ = ("calibrator", "scales")
+    __slots__ = ("calibrator", "scales", "amax")
 
     def __init__(self):
         self.calibrator: QKVCalibrator | None = None
         self.scales: tuple[float, float, float] | None = None
+        self.amax: Tensor | None = None  # [3] max|q|, max|k|, max|v| of the open record
 
 
 class _FakeQuantSTE(torch.autograd.Function):
@@ -95,7 +98,7 @@ def _wrap(impl: str) -> None:
         st = getattr(module, "_fp8_qkv", None)
         if st is not None:
             if st.calibrator is not None:
-                st.calibrator._record(module.layer_idx, query, key, value)
+                st.calibrator._record(st, query, key, value)
             if st.scales is not None:
                 qs, ks, vs = st.scales
                 query = _fake_quant(query, qs, True)
@@ -217,44 +220,53 @@ class QKVCalibrator:
         self._mods = install(model)
         self.num_layers = max(self._mods) + 1
         self._records: list[Tensor] = []  # each [L, 3] float32 on the model's device
-        self._new_record = True
+        self._open = False  # a model forward recorded into the modules' amax: a record not yet in _records
         self._mask: Tensor | None = None
 
     def reset(self) -> None:
         self._records.clear()
-        self._new_record = True
+        self._open = False
 
     @contextlib.contextmanager
     def capture(self, reset: bool = True):
         """Record while inside; reset=True forgets earlier records first."""
         if reset:
             self.reset()
+        device = next(self.model.parameters()).device
         hook = self.model.register_forward_pre_hook(self._on_forward, with_kwargs=True)
         for m in self._mods.values():
             m._fp8_qkv.calibrator = self
+            m._fp8_qkv.amax = torch.zeros(3, device=device)
         try:
-            with torch.compiler.set_stance("force_eager"):  # records are Python side effects
-                yield self
+            yield self
         finally:
             hook.remove()
+            self._close()
             for m in self._mods.values():
-                m._fp8_qkv.calibrator = None
+                m._fp8_qkv.calibrator = m._fp8_qkv.amax = None
             self._mask = None
 
+    def _close(self) -> None:
+        """Move the open record into _records ([L, 3]; layers without attention 0) and zero the buffers."""
+        if self._open:
+            amax = [m._fp8_qkv.amax for m in self._mods.values()]
+            rec = torch.zeros(self.num_layers, 3, device=amax[0].device)
+            rec[list(self._mods)] = torch.stack(amax)
+            torch._foreach_zero_(amax)
+            self._records.append(rec)
+        self._open = False
+
     def _on_forward(self, module, args, kwargs):
-        self._new_record = True
+        self._close()
+        self._open = True
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         mask = _token_mask if mask is None else mask
         self._mask = mask if isinstance(mask, Tensor) and mask.dim() == 2 else None
 
     @torch.no_grad()
-    def _record(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> None:
-        if self._new_record or not self._records:
-            self._records.append(torch.zeros(self.num_layers, 3, device=q.device))
-            self._new_record = False
+    def _record(self, st: _State, q: Tensor, k: Tensor, v: Tensor) -> None:
         amax = torch.stack([_masked_amax(t, self._mask) for t in (q, k, v)])
-        rec = self._records[-1]
-        rec[layer] = torch.maximum(rec[layer], amax)
+        st.amax.copy_(torch.maximum(st.amax, amax))
 
     def amax(self) -> Tensor:
         """[n_microbatches, L, 3] float32 (CPU): max|q|, max|k|, max|v| per record and layer."""

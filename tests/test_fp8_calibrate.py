@@ -136,6 +136,36 @@ def test_capture_keeps_gradients_and_checkpointing():
         calib.scales()
 
 
+def test_capture_inside_compiled_layers():
+    """train.compile'd layers record inside their graphs (no graph break, no eager fallback): the
+    records equal an eager capture's, one per forward, padding excluded as in eager."""
+    from torch._dynamo.testing import CompileCounter
+    from torch._dynamo.utils import counters
+
+    from distributed import compile_layers
+
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 2:] = 0
+    records = []
+    for compiled in (False, True):
+        model = tiny_llama()
+        backend = CompileCounter()
+        if compiled:
+            torch._dynamo.reset()
+            counters.clear()
+            compile_layers(model, backend)
+        calib = QKVCalibrator(model)
+        with calib.capture(), torch.no_grad():
+            model(input_ids=ids)
+            model(input_ids=ids, attention_mask=mask)
+        records.append(calib.amax())
+    torch._dynamo.reset()
+    assert backend.frame_count >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert records[1].shape == (2, 2, 3) and torch.equal(records[0], records[1])
+    assert not torch.equal(records[1][0], records[1][1])  # the padded forward's amax leaves pads out
+
+
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_fp8_attention_emulation_is_exact_quant_dequant(impl):
     model = tiny_llama(impl)
