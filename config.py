@@ -222,8 +222,8 @@ class TrainConfig:
     GEMMs into few Triton kernels and cuts launch overhead (GPU; on CPU it needs a C compiler and
     buys little); 'aot_eager' traces without code generation, to debug compile problems. The
     first step pays the compilation, and the second distinct sequence length one more (a
-    dynamic-shape graph). q/k/v calibration forwards run eagerly (fp8.calib_pass=logprobs: the
-    old_logp forward too). Off: eager PyTorch."""
+    dynamic-shape graph); q/k/v calibration records inside the compiled layers (a second graph
+    variant: recording on). Off: eager PyTorch."""
 
 
 @dataclass

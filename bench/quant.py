@@ -8,11 +8,10 @@ quant_dual: forward the inputs of qkv, o_proj, gate/up (K = 4096) and down_proj 
 the output gradients of qkv (6144), o_proj (4096), gate/up (28672) and down_proj (4096). Each
 configuration (row splits of the 128x128 tile, num_warps; the bytes written do not depend on it)
 is timed on those 8 shapes at M = 8192 and 16384 tokens (one CUDA graph of the 8 calls, median of
-20 replays); reported
-per layer: ms, GB/s (quant_dual reads 2 bytes and writes 2 bytes per element, plus scales) and the
-ratio to a BF16 clone of the same tensors (the same bytes moved by torch's copy kernel: the memory
-floor). (torchao's two-kernel path is the stack's fp8_two_pass mode: its quantizers autotune 45
-configs per new shape, minutes here.)
+20 replays); reported per layer: ms, GB/s (quant_dual reads 2 bytes and writes 2 bytes per
+element, plus scales) and the ratio to a BF16 clone of the same tensors (the same bytes moved by
+torch's copy kernel: the memory floor). (torchao's two-kernel path is the stack's fp8_two_pass
+mode: its quantizers autotune 45 configs per new shape, minutes here.)
 """
 
 import argparse
@@ -52,16 +51,16 @@ def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
     from fp8.kernels import quant_dual_with
 
     tensors = {(m, k): torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in tokens for k in set(LAYER_K)}
-    rows, floor = [], {}
+    rows = []
     for m in tokens:
-        floor[m] = layer_ms(torch.clone, m, tensors)
+        floor = layer_ms(torch.clone, m, tensors)
         elements = m * sum(LAYER_K)
         gbs = lambda ms: 4 * elements / ms / 1e6  # noqa: E731  2 bytes read + 2 written per element
-        rows.append({"config": "bf16 clone (memory floor)", "tokens": m, "ms": floor[m], "gb_s": gbs(floor[m])})
+        rows.append({"config": "bf16 clone (memory floor)", "tokens": m, "ms": floor, "gb_s": gbs(floor)})
         for cfg in configs:
             ms = layer_ms(lambda x, c=cfg: quant_dual_with(x, c), m, tensors)
             rows.append({"config": ",".join(map(str, cfg)), "tokens": m, "ms": ms, "gb_s": gbs(ms),
-                         "vs_floor": ms / floor[m]})
+                         "vs_floor": ms / floor})
             print(f"{m} tok  quant_dual {rows[-1]['config']}: {ms:.3f} ms/layer, {rows[-1]['gb_s']:.0f} GB/s "
                   f"({rows[-1]['vs_floor']:.2f}x the copy floor)", file=sys.stderr, flush=True)
     total = {}

@@ -18,9 +18,10 @@ iteration = zero_grad + --accum (default 1) x [forward of a packed micro-batch o
 16384) hidden states (requires_grad, as if from an embedding) + backward of a random output
 gradient] + fused AdamW step. A GRPO step accumulates many micro-batches per optimizer step
 (bench/step_8b_long_h100.yaml: 64); --accum 4 shows what the per-step costs (AdamW, and with
-fp8.cache_weights the weight quantization) weigh there. A micro-batch is tokens / seq_len causal rows of --seq-len (default 2048; 0 = one row):
-packed documents of that length, without a varlen kernel; the token count (a multiple of 128,
-which torchao's wgrad needs) is what the linears see. Modes:
+fp8.cache_weights the weight quantization) weigh there. A micro-batch is tokens / seq_len causal
+rows of --seq-len (default 2048; 0 = one row): packed documents of that length, without a varlen
+kernel; the token count (a multiple of 128, which torchao's wgrad needs) is what the linears see.
+Modes:
   bf16         nn.Linear everywhere
   fp8          fp8.linear.convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8,
                q/k/v and gate/up as one GEMM each (fp8.fuse_projections, as vLLM computes them)
@@ -38,9 +39,10 @@ which torchao's wgrad needs) is what the linears see. Modes:
                Triton kernels; our FP8 autograd Function is traced (fused groups included: one graph,
                4 FP8 GEMMs per layer), the quantizers and GEMMs are opaque custom ops in it.
                Its speedup is against bf16_compile; speedup_eager against bf16.
-Reported: ms per micro-batch (iteration time / accum; median of --iters after --warmup, CUDA events), tok_s, tflops (6 x linear params
-x tokens + 6 x seq_len^2 x hidden x rows x layers for causal attention, fwd + bwd), speedup vs bf16
-(vs bf16_compile for a compiled mode; speedup_eager: vs bf16 for every mode),
+Reported: ms per micro-batch (iteration time / accum; median of --iters after --warmup, CUDA
+events), tok_s, tflops (6 x linear params x tokens + 6 x seq_len^2 x hidden x rows x layers for
+causal attention, fwd + bwd), speedup vs bf16 (vs bf16_compile for a compiled mode;
+speedup_eager: vs bf16 for every mode),
 peak memory, rel_err of the stack's output vs bf16 (same weights, before any step); with --profile
 also gpu_busy = kernel time / wall time (well below 1: launch-bound, what compiling fixes).
 
@@ -388,7 +390,8 @@ def main(argv=None):
     if args.what in ("stack", "all"):
         runs = bench_stack(args.layers, args.tokens, args.seq_len, args.modes, args.warmup, args.iters,
                            profile_dir=out if args.profile else None,
-                           on_mode=lambda done: save_train_results(done, out), accums=args.accum)  # a timeout loses one mode at most
+                           on_mode=lambda done: save_train_results(done, out),  # a timeout loses one mode at most
+                           accums=args.accum)
         print(f"wrote {out / 'train.json'}")
         print(markdown_table(runs, STACK_COLS))
     if args.what in ("linear", "all"):
