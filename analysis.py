@@ -491,9 +491,11 @@ class _QKVRecorder(QKVCalibrator):
     def __init__(self, model):
         super().__init__(model)
         self.values: dict[int, list[tuple[Tensor, Tensor, Tensor]]] = {i: [] for i in self._mods}
+        self._layer = {id(m._fp8_qkv): i for i, m in self._mods.items()}  # attention state -> layer index
 
-    def _record(self, layer, q, k, v):
-        super()._record(layer, q, k, v)
+    def _record(self, st, q, k, v):
+        super()._record(st, q, k, v)
+        layer = self._layer[id(st)]
         m = self._mask  # [B, T] when the model was called with a 2-D attention mask
         if m is not None and m.shape == (q.shape[0], q.shape[2]):
             keep = m.to(q.device, torch.bool)[:, None, :, None]  # [B, 1, T, 1]
