@@ -3,9 +3,10 @@
 Every FP8 linear needs each activation twice: x as 1x128 groups for the forward GEMM and as
 128x1 groups (along tokens) for the weight-gradient GEMM; grad_out as 1x128 groups for dgrad
 and as 128x1 groups for wgrad. torchao 0.18 reads the BF16 tensor once per layout (its
-act_quant_lhs, act_quant_rhs and act_quant_transposed_lhs kernels). `quant_dual` loads each
-128x128 tile once and writes both: the row-wise tile (torchao's lhs layout) and the column-wise
-tile stored transposed (the rhs / transposed_lhs layout; the two are the same bytes). The
+act_quant_lhs, act_quant_rhs and act_quant_transposed_lhs kernels). `quant_dual` reads each
+128x128 tile from memory once and writes both: the row-wise tile (torchao's lhs layout) and the
+column-wise tile stored transposed (the rhs / transposed_lhs layout; the two are the same bytes);
+by default in two 64-row slices whose second read hits the cache (fewer registers per thread). The
 arithmetic is torchao's line for line, so the FP8 bytes and scales are the same (tests/gpu). With
 it the linear saves the FP8 128x1 copy of x for backward instead of x in BF16: half the bytes.
 
