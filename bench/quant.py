@@ -51,7 +51,7 @@ def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
     from fp8.kernels import quant_dual_with
 
     tensors = {(m, k): torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in tokens for k in set(LAYER_K)}
-    rows = []
+    rows, total = [], dict.fromkeys(configs, 0.0)
     for m in tokens:
         floor = layer_ms(torch.clone, m, tensors)
         elements = m * sum(LAYER_K)
@@ -59,15 +59,12 @@ def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
         rows.append({"config": "bf16 clone (memory floor)", "tokens": m, "ms": floor, "gb_s": gbs(floor)})
         for cfg in configs:
             ms = layer_ms(lambda x, c=cfg: quant_dual_with(x, c), m, tensors)
+            total[cfg] += ms
             rows.append({"config": ",".join(map(str, cfg)), "tokens": m, "ms": ms, "gb_s": gbs(ms),
                          "vs_floor": ms / floor})
             print(f"{m} tok  quant_dual {rows[-1]['config']}: {ms:.3f} ms/layer, {rows[-1]['gb_s']:.0f} GB/s "
                   f"({rows[-1]['vs_floor']:.2f}x the copy floor)", file=sys.stderr, flush=True)
-    total = {}
-    for r in rows:
-        if r["config"][0].isdigit():
-            total[r["config"]] = total.get(r["config"], 0.0) + r["ms"]
-    return rows, min(total, key=total.get)
+    return rows, ",".join(map(str, min(total, key=total.get)))
 
 
 def main(argv=None):
