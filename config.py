@@ -160,6 +160,11 @@ class FP8Config:
     """Trainer: q/k/v and gate/up of a layer as ONE FP8 GEMM each on the concatenated weights, as
     vLLM computes qkv_proj/gate_up_proj (the input is quantized once per group; same numerics up
     to accumulation order; parameter names unchanged). False: one GEMM per linear (ablation)."""
+    fuse_swiglu: bool = True
+    """Trainer, with fuse_projections: a SwiGLU MLP (Llama, Qwen, Mistral) computes silu(gate) * up
+    inside the FP8 quantization of down_proj's input, and its gradient inside the quantization of
+    gate/up's output gradient (fp8/kernels.py on Hopper), so neither is written in BF16 and read back.
+    Same numerics (h rounded to BF16 once, as torch.compile does). False: HF's MLP forward (ablation)."""
     cache_weights: bool = False
     """Trainer: keep each FP8 weight's quantized copies until the optimizer changes it, so the weight
     quantization runs once per optimizer step, not in every forward and backward of every

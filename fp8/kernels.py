@@ -10,6 +10,10 @@ by default in two 64-row slices whose second read hits the cache (fewer register
 arithmetic is torchao's line for line, so the FP8 bytes and scales are the same (tests/gpu). With
 it the linear saves the FP8 128x1 copy of x for backward instead of x in BF16: half the bytes.
 
+The same kernel also makes its tile before quantizing it: for a SwiGLU MLP (fp8.fuse_swiglu),
+down_proj's input h = silu(gate) * up from gate_up's output, and in backward the gradient of
+[gate | up] from h's gradient, so neither is written to memory in BF16 and read back.
+
 Imported lazily by fp8/linear.py (Triton, CUDA).
 """
 
@@ -50,12 +54,45 @@ CONFIG = _config_from_env(os.environ.get("FP8_GRPO_QUANT_DUAL"))
 
 
 @triton.jit
-def _quant_dual_kernel(x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, BLOCK: tl.constexpr,
-                       SPLIT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
-    # One program: the 128x128 tile at rows pid_m * 128, columns pid_k * 128. SPLIT = 1: the tile is
-    # loaded once and quantized both ways. SPLIT > 1: it is visited in SPLIT row slices, each loaded
-    # twice (once for its rows' 1x128 groups and the columns' running amax, once more for the 128x1
-    # groups: the second read hits the cache), so fewer values are live per thread.
+def _tile(x_ptr, gu_ptr, m, pid_k, K, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    # The BF16 tile [len(m), 128] at columns pid_k * 128 of the [M, K] tensor being quantized. MODE 0: x
+    # itself. MODE 1: h = silu(gate) * up of gu = [gate | up] [M, 2K] (the MLP's down_proj input).
+    # MODE 2: the gradient of gu [M, K = 2I] from x = the gradient of h [M, I]. In float32, rounded
+    # once to BF16, as inductor's fused SiLU*mul (forward and backward) kernels do.
+    c = pid_k * BLOCK + tl.arange(0, BLOCK)
+    if MODE == 0:
+        t = tl.load(x_ptr + m[:, None] * K + c[None, :])
+    elif MODE == 1:
+        row = gu_ptr + m[:, None] * (2 * K)
+        g = tl.load(row + c[None, :]).to(tl.float32)
+        u = tl.load(row + K + c[None, :]).to(tl.float32)
+        t = (g * tl.sigmoid(g) * u).to(tl.bfloat16)
+    else:
+        inter = K // 2
+        row = gu_ptr + m[:, None] * K
+        if pid_k * BLOCK < inter:  # d/dgate = dh * up * silu'(gate)
+            dh = tl.load(x_ptr + m[:, None] * inter + c[None, :]).to(tl.float32)
+            g = tl.load(row + c[None, :]).to(tl.float32)
+            u = tl.load(row + inter + c[None, :]).to(tl.float32)
+            s = tl.sigmoid(g)
+            t = (dh * u * (s * (1.0 + g * (1.0 - s)))).to(tl.bfloat16)
+        else:  # d/dup = dh * silu(gate)
+            c = c - inter
+            dh = tl.load(x_ptr + m[:, None] * inter + c[None, :]).to(tl.float32)
+            g = tl.load(row + c[None, :]).to(tl.float32)
+            t = (dh * (g * tl.sigmoid(g))).to(tl.bfloat16)
+    return t
+
+
+@triton.jit
+def _quant_dual_kernel(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K,
+                       BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, COLS: tl.constexpr,
+                       STORE_X: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    # One program: the 128x128 tile at rows pid_m * 128, columns pid_k * 128 (of the tensor _tile
+    # makes). SPLIT = 1: the tile is made once and quantized both ways. SPLIT > 1: it is visited in
+    # SPLIT row slices, each made twice (once for its rows' 1x128 groups and the columns' running
+    # amax, once more for the 128x1 groups: the second read hits the cache), so fewer values are live
+    # per thread. COLS = False: the 1x128 groups only. STORE_X: also write the BF16 tile (tests).
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     SUB: tl.constexpr = BLOCK // SPLIT
@@ -63,7 +100,9 @@ def _quant_dual_kernel(x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, 
     col_amax = tl.zeros([BLOCK], dtype=tl.float32)
     for i in tl.static_range(SPLIT):
         m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
-        x = tl.load(x_ptr + m[:, None] * K + k[None, :])  # M, K multiples of 128: no masks
+        x = _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, BLOCK)  # M, K multiples of 128: no masks
+        if STORE_X:
+            tl.store(x_out_ptr + m[:, None] * K + k[None, :], x)
         ax = tl.abs(x)
         # 1x128 groups (one per row of the tile), as torchao's act_quant_lhs
         amax = tl.clamp(tl.max(ax, axis=1), min=EPS, max=float("inf")).to(tl.float64)
@@ -71,16 +110,18 @@ def _quant_dual_kernel(x_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, 
         y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_row_ptr.dtype.element_ty)
         tl.store(q_row_ptr + m[:, None] * K + k[None, :], y)
         tl.store(s_row_ptr + pid_k * M + m[:, None], tl.div_rn(1.0, scale))  # [M, K/128] column-major
-        col_amax = tl.maximum(col_amax, tl.max(ax, axis=0).to(tl.float32))
-    # 128x1 groups (one per column), as act_quant_rhs / act_quant_transposed_lhs; stored as [K, M]
-    amax = tl.clamp(col_amax, min=EPS, max=float("inf")).to(tl.float64)
-    scale = (FP8_MAX / amax).to(tl.float32)[None, :]
-    for i in tl.static_range(SPLIT):
-        m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
-        x = x if SPLIT == 1 else tl.load(x_ptr + m[:, None] * K + k[None, :])
-        y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_col_ptr.dtype.element_ty)
-        tl.store(q_col_ptr + k[None, :] * M + m[:, None], y)
-    tl.store(s_col_ptr + pid_m * K + k[None, :], tl.div_rn(1.0, scale))  # [M/128, K] row-major
+        if COLS:
+            col_amax = tl.maximum(col_amax, tl.max(ax, axis=0).to(tl.float32))
+    if COLS:
+        # 128x1 groups (one per column), as act_quant_rhs / act_quant_transposed_lhs; stored as [K, M]
+        amax = tl.clamp(col_amax, min=EPS, max=float("inf")).to(tl.float64)
+        scale = (FP8_MAX / amax).to(tl.float32)[None, :]
+        for i in tl.static_range(SPLIT):
+            m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
+            x = x if SPLIT == 1 else _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, BLOCK)
+            y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_col_ptr.dtype.element_ty)
+            tl.store(q_col_ptr + k[None, :] * M + m[:, None], y)
+        tl.store(s_col_ptr + pid_m * K + k[None, :], tl.div_rn(1.0, scale))  # [M/128, K] row-major
 
 
 @triton_op("fp8_grpo::quant_dual", mutates_args={})
@@ -96,18 +137,58 @@ def quant_dual(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 def quant_dual_with(x: Tensor, config: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """quant_dual with an explicit launch configuration (split, num_warps)."""
+    _check(x, "x")
+    return _launch(x, x, x.shape[1], mode=0, config=config)
+
+
+# The SwiGLU MLP's activations quantized where they are made (fp8.fuse_swiglu): h = silu(gate) * up
+# and the gradient of gu = [gate | up] are never written to memory in BF16.
+@triton_op("fp8_grpo::swiglu_quant_dual", mutates_args={})
+def swiglu_quant_dual(gu: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """gu = [gate | up] [M, 2I] BF16 -> h = silu(gate) * up [M, I] quantized as quant_dual(h)."""
+    _check(gu, "gu", 2 * BLOCK, bf16=True)
+    return _launch(gu, gu, gu.shape[1] // 2, mode=1)
+
+
+@triton_op("fp8_grpo::swiglu_quant_lhs", mutates_args={})
+def swiglu_quant_lhs(gu: Tensor) -> tuple[Tensor, Tensor]:
+    """swiglu_quant_dual's 1x128 groups only (q, s): the forward GEMM's operand, no weight gradient."""
+    _check(gu, "gu", 2 * BLOCK, bf16=True)
+    return _launch(gu, gu, gu.shape[1] // 2, mode=1, cols=False)
+
+
+@triton_op("fp8_grpo::swiglu_backward_quant_dual", mutates_args={})
+def swiglu_backward_quant_dual(grad_h: Tensor, gu: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The gradient of gu = [gate | up] [M, 2I] from grad_h [M, I], the gradient of h = silu(gate) * up,
+    quantized as quant_dual(grad_gu)."""
+    _check(gu, "gu", 2 * BLOCK, bf16=True)
+    _check(grad_h, "grad_h", shape=(gu.shape[0], gu.shape[1] // 2), bf16=True)
+    return _launch(grad_h, gu, gu.shape[1], mode=2)
+
+
+def _check(x: Tensor, name: str, multiple: int = BLOCK, shape: tuple[int, int] | None = None,
+           bf16: bool = False) -> None:
     m, k = x.shape
-    if m % BLOCK or k % BLOCK or not x.is_contiguous():
-        raise ValueError(f"quant_dual needs a contiguous [M, K] with M, K multiples of {BLOCK}, got "
-                         f"{tuple(x.shape)} strides {x.stride()}")
-    if m * k >= 2**31:  # the kernel's offsets are int32
-        raise ValueError(f"quant_dual: {m} tokens x {k} features is >= 2^31 elements; use smaller micro-batches "
+    if m % BLOCK or k % multiple or not x.is_contiguous() or (shape and tuple(x.shape) != shape) or (
+            bf16 and x.dtype != torch.bfloat16):
+        want = f"{list(shape)}" if shape else f"[M, K] with M a multiple of {BLOCK} and K of {multiple}"
+        raise ValueError(f"{name}: needs a contiguous {'BF16 ' if bf16 else ''}{want}, got {tuple(x.shape)} "
+                         f"{x.dtype} strides {x.stride()}")
+    if x.numel() >= 2**31:  # the kernel's offsets are int32
+        raise ValueError(f"{name}: {m} tokens x {k} features is >= 2^31 elements; use smaller micro-batches "
                          "(train.micro_batch_size)")
-    split, warps = config
+
+
+def _launch(x: Tensor, gu: Tensor, k: int, mode: int, cols: bool = True, config: tuple[int, int] | None = None,
+            x_out: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Run _quant_dual_kernel over an [M, k] output: (q, s, qt, st), or (q, s) without cols."""
+    m = x.shape[0]
+    split, warps = config or CONFIG
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     s = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()
-    qt = torch.empty(k, m, dtype=E4M3, device=x.device)
-    st = torch.empty(m // BLOCK, k, dtype=torch.float32, device=x.device)
-    wrap_triton(_quant_dual_kernel)[(m // BLOCK, k // BLOCK)](x, q, s, qt, st, m, k, BLOCK=BLOCK, SPLIT=split,
-                                                              EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=warps)
-    return q, s, qt, st
+    qt = torch.empty(k, m, dtype=E4M3, device=x.device) if cols else q
+    st = torch.empty(m // BLOCK, k, dtype=torch.float32, device=x.device) if cols else s
+    wrap_triton(_quant_dual_kernel)[(m // BLOCK, k // BLOCK)](
+        x, gu, x if x_out is None else x_out, q, s, qt, st, m, k, BLOCK=BLOCK, SPLIT=split, MODE=mode, COLS=cols,
+        STORE_X=x_out is not None, EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=warps)
+    return (q, s, qt, st) if cols else (q, s)

@@ -53,6 +53,7 @@ import logging
 import os
 import re
 import sys
+import types
 from typing import TYPE_CHECKING
 
 import torch
@@ -321,8 +322,10 @@ class _EmulatedKernels:
 
     def fwd(self, x2: Tensor, w: Tensor | None, save: bool = False, cached=None) -> tuple[Tensor, tuple[Tensor, ...]]:
         (w_fq,) = cached or self.quant_weight(w)
-        x_fq = _fake_quant_op(x2, "1x128", self.act_recipe)
-        return (x_fq @ w_fq.t()).to(x2.dtype), (x2,) if save else ()
+        y = _fake_quant_op(x2, "1x128", self.act_recipe) @ w_fq.t()
+        # not a no-op .to(): torch 2.11's compiled autograd.Function drops the gradient of an output
+        # that is `t.to(t.dtype)` (it returns t itself), all its gradients come out zero
+        return y if y.dtype == x2.dtype else y.to(x2.dtype), (x2,) if save else ()
 
     def bwd(self, g2: Tensor, w: Tensor | None, saved: tuple[Tensor, ...], need_x: bool, need_w: bool, cached=None):
         grad_x = _fake_quant_op(g2, "1x128", "torchao") @ (cached or self.quant_weight(w))[0] if need_x else None
@@ -330,6 +333,13 @@ class _EmulatedKernels:
         if need_w:
             grad_w = _fake_quant_op(g2, "128x1", "torchao").t() @ _fake_quant_op(saved[0], "128x1", "torchao")
         return grad_x, grad_w
+
+    def fwd_swiglu(self, gu: Tensor, w: Tensor | None, save: bool = False, cached=None):
+        return self.fwd(swiglu(gu), w, save, cached)
+
+    def bwd_swiglu(self, grad_h: Tensor, gu: Tensor, w: Tensor | None, saved: tuple[Tensor, ...], need_x: bool,
+                   need_w: bool, cached=None):
+        return self.bwd(swiglu_backward(grad_h, gu), w, saved, need_x, need_w, cached)
 
 
 class EmulatedFP8Linear(nn.Linear):
@@ -475,6 +485,103 @@ def attach_weight_caches(model: nn.Module) -> int:
     return n
 
 
+def swiglu(gu: Tensor) -> Tensor:
+    """h = silu(gate) * up of gu = [gate | up] [..., 2I], computed in float32 and rounded once to gu's
+    dtype, as inductor's fused kernel and fp8/kernels.py do (eager torch also rounds silu(gate))."""
+    g, u = gu.float().chunk(2, dim=-1)
+    return (g * torch.sigmoid(g) * u).to(gu.dtype)
+
+
+def swiglu_backward(grad_h: Tensor, gu: Tensor) -> Tensor:
+    """The gradient of gu = [gate | up] from grad_h, the gradient of swiglu(gu); float32, rounded once."""
+    g, u = gu.float().chunk(2, dim=-1)
+    dh, s = grad_h.float(), torch.sigmoid(g)
+    return torch.cat([dh * u * (s * (1 + g * (1 - s))), dh * (g * s)], dim=-1).to(grad_h.dtype)
+
+
+class _BlockFP8SwiGLU(torch.autograd.Function):
+    """y = down(silu(gate) * up) of a SwiGLU MLP, x [M, H] -> y [M, H], as two _BlockFP8MM GEMMs
+    (gate|up, then down) whose middle never exists in BF16 on the GPU: kernels.fwd_swiglu makes
+    h = swiglu(gu) inside the quantization of down's input, kernels.bwd_swiglu the gradient of gu
+    inside the quantization of gate|up's output gradient (fp8/kernels.py). Same numerics as the
+    unfused linears (up to h's rounding: once, as compiled; eager torch rounds silu(gate) too).
+    Saved: x's and h's FP8 128x1 copies and gu [M, 2I] (which the unfused MLP's backward saves too)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, kernels, cached_gu, cached_down, w_gate: Tensor, w_up: Tensor,
+                w_down: Tensor) -> Tensor:
+        y, saved_x, gu, saved_h = _swiglu_forward(x, kernels, (w_gate, w_up), w_down, cached_gu, cached_down, True)
+        ctx.kernels, ctx.x_dtype = kernels, x.dtype
+        ctx.n = (len(saved_x), len(saved_h), len(cached_gu or ()), len(cached_down or ()))
+        ctx.save_for_backward(*saved_x, gu, *saved_h, *(cached_gu or ()), *(cached_down or ()), w_gate, w_up, w_down)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor):
+        t, (nx, nh, ncg, ncd) = list(ctx.saved_tensors), ctx.n
+        saved_x, gu, saved_h = t[:nx], t[nx], t[nx + 1:nx + 1 + nh]
+        t = t[nx + 1 + nh:]
+        cached_gu, cached_down, (w_gate, w_up, w_down) = t[:ncg] or None, t[ncg:ncg + ncd] or None, t[ncg + ncd:]
+        need = ctx.needs_input_grad
+        grad_h, grad_down = ctx.kernels.bwd(grad_y.contiguous(), _weight((w_down,), cached_down), tuple(saved_h),
+                                            True, need[6], cached_down)
+        grad_x, grad_gu = ctx.kernels.bwd_swiglu(grad_h, gu, _weight((w_gate, w_up), cached_gu), tuple(saved_x),
+                                                 need[0], need[4] or need[5], cached_gu)
+        grad_gate = grad_up = None
+        if grad_gu is not None:
+            grad_gate, grad_up = (g.to(w.dtype) for g, w in zip(grad_gu.split(w_gate.shape[0]), (w_gate, w_up)))
+        grad_x = grad_x.to(ctx.x_dtype) if grad_x is not None else None
+        return grad_x, None, None, None, grad_gate, grad_up, grad_down.to(w_down.dtype) if grad_down is not None else None
+
+
+def _swiglu_forward(x: Tensor, kernels, w_gu: tuple[Tensor, Tensor], w_down: Tensor, cached_gu, cached_down,
+                    save: bool):
+    gu, saved_x = kernels.fwd(x, _weight(w_gu, cached_gu), save, cached_gu)
+    y, saved_h = kernels.fwd_swiglu(gu, _weight((w_down,), cached_down), save, cached_down)
+    return y, saved_x, gu, saved_h
+
+
+def _swiglu_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
+    """forward of a SwiGLU MLP linked by fuse_swiglu: down_proj(act_fn(gate_proj(x)) * up_proj(x)) as one
+    _BlockFP8SwiGLU (the class's own forward inside bf16_reference)."""
+    gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+    if not (gate.fp8_enabled and up.fp8_enabled and down.fp8_enabled):
+        return type(self).forward(self, x)
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    if m % BLOCK:  # torchao's wgrad kernels need M % 128 == 0; zero rows are exact
+        x2 = F.pad(x2, (0, 0, 0, BLOCK - m % BLOCK))
+    cached_gu, cached_down = (c.get() if c is not None else None for c in (gate._wcache, down._wcache))
+    weights = (gate.weight, up.weight, down.weight)
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        y = _BlockFP8SwiGLU.apply(x2, gate._kernels, cached_gu, cached_down, *weights)
+    else:  # as block_fp8_mm: nothing saved, and no autograd.Function traced under no_grad
+        y = _swiglu_forward(x2, gate._kernels, weights[:2], weights[2], cached_gu, cached_down, False)[0]
+    return y[:m].reshape(*x.shape[:-1], y.shape[-1])
+
+
+def fuse_swiglu(model: nn.Module) -> int:
+    """fp8.fuse_swiglu: every SwiGLU MLP of `model` - children exactly gate_proj, up_proj, down_proj and a
+    SiLU act_fn, forward down_proj(act_fn(gate_proj(x)) * up_proj(x)) as in Llama, Qwen2/3, Mistral -
+    whose three linears are FP8 of one class with gate/up fused (fuse_projections) computes through
+    _BlockFP8SwiGLU (its forward is replaced on the instance; names and parameters unchanged).
+    Returns the count."""
+    n = 0
+    for mlp in model.modules():
+        children = dict(mlp.named_children())
+        if set(children) != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+            continue
+        gate, up, down, act = (children[k] for k in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
+            continue
+        if not (is_fp8_linear(down) and type(down) is type(gate) and gate._fused is not None
+                and gate._fused.members == [gate, up] and down.weight.dtype == gate.weight.dtype):
+            continue
+        mlp.forward = types.MethodType(_swiglu_mlp_forward, mlp)
+        n += 1
+    return n
+
+
 # ------------------------------------------------------------------------------------ torchao
 
 
@@ -492,12 +599,14 @@ class _TorchaoKernels:
     def __init__(self):
         from torchao.prototype.blockwise_fp8_training import kernels as k
 
-        from fp8.kernels import quant_dual
+        from fp8.kernels import quant_dual, swiglu_backward_quant_dual, swiglu_quant_dual, swiglu_quant_lhs
 
         self.mm = k.blockwise_scaled_mm
         self.x1x128 = k._scaling_type_value(k.BLOCKWISE_1X128_SCALING_TYPE)
         self.x128x128 = k._scaling_type_value(k.BLOCKWISE_128X128_SCALING_TYPE)
         self.lhs, self.dual = k.triton_fp8_blockwise_act_quant_lhs, quant_dual
+        self.swiglu_dual, self.swiglu_lhs, self.swiglu_bwd_dual = (swiglu_quant_dual, swiglu_quant_lhs,
+                                                                    swiglu_backward_quant_dual)
         self.weight_rhs = k.triton_fp8_blockwise_weight_quant_rhs
         self.weight_transposed_rhs = k.triton_fp8_blockwise_weight_quant_transposed_rhs
 
@@ -506,26 +615,39 @@ class _TorchaoKernels:
         return (*self.weight_transposed_rhs(w, block_size=BLOCK), *self.weight_rhs(w, block_size=BLOCK))
 
     def fwd(self, x2: Tensor, w: Tensor | None, save: bool = False, cached=None) -> tuple[Tensor, tuple[Tensor, ...]]:
-        if save:  # the weight gradient will need x's 128x1 copy: quantize both layouts in one pass
-            xq, xs, xqt, xst = self.dual(x2.contiguous())
-            saved = (xqt, xst)
-        else:
-            (xq, xs), saved = self.lhs(x2.contiguous(), BLOCK), ()
+        # save: the weight gradient will need x's 128x1 copy: quantize both layouts in one pass
+        xq, xs, *x128x1 = self.dual(x2.contiguous()) if save else self.lhs(x2.contiguous(), BLOCK)
+        return self._gemm(xq, xs, w, cached), tuple(x128x1)
+
+    def fwd_swiglu(self, gu: Tensor, w: Tensor | None, save: bool = False, cached=None):
+        """fwd(swiglu(gu), ...), with silu(gate) * up made inside the quantization kernel."""
+        hq, hs, *h128x1 = self.swiglu_dual(gu) if save else self.swiglu_lhs(gu)
+        return self._gemm(hq, hs, w, cached), tuple(h128x1)
+
+    def _gemm(self, xq: Tensor, xs: Tensor, w: Tensor | None, cached) -> Tensor:
         wq, ws = cached[:2] if cached else self.weight_transposed_rhs(w, block_size=BLOCK)
-        return self.mm(xq, wq, xs, self.x1x128, ws, self.x128x128, torch.bfloat16), saved
+        return self.mm(xq, wq, xs, self.x1x128, ws, self.x128x128, torch.bfloat16)
 
     def bwd(self, g2: Tensor, w: Tensor | None, saved: tuple[Tensor, ...], need_x: bool, need_w: bool, cached=None):
+        g = self.dual(g2) if need_w else self.lhs(g2, BLOCK) if need_x else ()
+        return self._gemms_bwd(g, w, saved, need_x, need_w, cached)
+
+    def bwd_swiglu(self, grad_h: Tensor, gu: Tensor, w: Tensor | None, saved: tuple[Tensor, ...], need_x: bool,
+                   need_w: bool, cached=None):
+        """bwd(swiglu_backward(grad_h, gu), ...), with the gradient made inside the quantization kernel."""
+        return self._gemms_bwd(self.swiglu_bwd_dual(grad_h, gu), w, saved, need_x, need_w, cached)
+
+    def _gemms_bwd(self, g: tuple[Tensor, ...], w: Tensor | None, saved: tuple[Tensor, ...], need_x: bool,
+                   need_w: bool, cached):
         grad_x = grad_w = None
         if need_w:
-            gq, gs, gqt, gst = self.dual(g2)
+            gqt, gst = g[2:]
             xqt, xst = saved
             # g.T [N, M] with 1x128 groups along M, x [M, K] with 128x1 groups: both along the tokens
             grad_w = self.mm(gqt, xqt.t(), gst.t(), self.x1x128, xst.t(), self.x1x128, torch.bfloat16)
-        elif need_x:
-            gq, gs = self.lhs(g2, BLOCK)
         if need_x:
             wq, ws = cached[2:] if cached else self.weight_rhs(w, block_size=BLOCK)
-            grad_x = self.mm(gq, wq, gs, self.x1x128, ws, self.x128x128, torch.bfloat16)
+            grad_x = self.mm(g[0], wq, g[1], self.x1x128, ws, self.x128x128, torch.bfloat16)
         return grad_x, grad_w
 
 
@@ -634,6 +756,8 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
     kind = "block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")"
     if cfg.fuse_projections and (n := fuse_projections(model)):
         kind += f", {n} q/k/v + gate/up groups fused into one GEMM each"
+    if cfg.fuse_projections and cfg.fuse_swiglu and (n := fuse_swiglu(model)):
+        kind += f", {n} SwiGLU MLPs with silu*mul inside the FP8 quantization"
     if cfg.cache_weights:
         kind += f", {attach_weight_caches(model)} FP8 weights cached between optimizer steps"
     _log_summary(kind, plan)

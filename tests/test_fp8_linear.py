@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from config import FP8Config
 from fp8.linear import (
     EmulatedFP8Linear, bf16_reference, convert_to_fp8_rollout, convert_to_fp8_training, fp8_eligible, fp8_plan,
-    is_fp8_linear, use_torchao,
+    is_fp8_linear, swiglu, swiglu_backward, use_torchao,
 )
 from fp8.quant import (
     dequantize_act_1x128, dequantize_act_128x1, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1,
@@ -205,7 +205,7 @@ def test_fused_projections_match_separate_linears():
     ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
     sep, fused = tiny_llama(layers=2), tiny_llama(layers=2)
     convert_to_fp8_training(sep, FP8Config(fuse_projections=False))
-    convert_to_fp8_training(fused, FP8Config())
+    convert_to_fp8_training(fused, FP8Config(fuse_swiglu=False))  # the SwiGLU MLP: test_fused_swiglu_*
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
     assert attn.q_proj._fused is attn.k_proj._fused is attn.v_proj._fused is not None
     assert mlp.gate_proj._fused is mlp.up_proj._fused is not None and mlp.down_proj._fused is None
@@ -230,6 +230,70 @@ def test_fused_projections_match_separate_linears():
         assert not torch.allclose(fused(input_ids=ids).logits, logits_f, atol=1e-5)
 
 
+def test_swiglu_and_its_backward_against_autograd():
+    """swiglu / swiglu_backward (what the fused MLP and fp8/kernels.py compute) == silu(gate) * up and
+    its autograd gradient (the silu' formula; both in float32); in bf16 rounded once from float32."""
+    gu = torch.randn(16, 2 * 40, dtype=torch.float64) * 3
+    dh = torch.randn(16, 40, dtype=torch.float64)
+    g = gu.clone().requires_grad_(True)
+    h = F.silu(g[:, :40]) * g[:, 40:]
+    (want,) = torch.autograd.grad(h, g, dh)
+    torch.testing.assert_close(swiglu(gu), h.detach(), rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(swiglu_backward(dh, gu), want, rtol=2e-6, atol=1e-6)
+    b = gu.bfloat16()
+    assert torch.equal(swiglu(b), (F.silu(b.float()[:, :40]) * b.float()[:, 40:]).bfloat16())
+
+
+class _SiLUAsSwiglu(nn.Module):  # silu as swiglu() computes it: the unfused MLP's forward then matches bitwise
+    def forward(self, g):
+        return g * torch.sigmoid(g)
+
+
+def test_fused_swiglu_mlp_matches_hf_mlp():
+    """fp8.fuse_swiglu: a SwiGLU MLP runs as ONE autograd node (silu*mul between its two FP8 GEMMs) with
+    the HF MLP's numerics: same output, gradients equal up to float32 rounding (which moves a few FP8
+    roundings of grad_gu: ~1e-4), with a token count that needs padding to 128."""
+    plain, fused = tiny_llama(layers=1), tiny_llama(layers=1)
+    convert_to_fp8_training(plain, FP8Config(fuse_swiglu=False))
+    convert_to_fp8_training(fused, FP8Config())
+    plain.model.layers[0].mlp.act_fn = _SiLUAsSwiglu()
+    x = torch.randn(2, 40, 256, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(2, 40, 256, generator=torch.Generator().manual_seed(1))
+    outs = []
+    for model in (plain, fused):
+        mlp = model.model.layers[0].mlp
+        xi = x.clone().requires_grad_(True)
+        y = mlp(xi)
+        y.backward(g)
+        outs.append([y.detach(), xi.grad] + [mlp.get_submodule(n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")])
+    assert torch.equal(outs[0][0], outs[1][0])
+    for name, a, b in zip(("x", "gate", "up", "down"), outs[0][1:], outs[1][1:]):  # a wrong slice or silu': ~1
+        assert (a - b).norm() <= 1e-3 * a.norm(), name
+
+
+def test_fuse_swiglu_links_only_swiglu_mlps():
+    """Only all-FP8 SwiGLU MLPs are linked (not one with a BF16 down_proj or a GELU); names and
+    parameters unchanged; bf16_reference runs HF's forward; a deepcopy computes with its own linears."""
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(3))
+    plain, fused = tiny_llama(layers=3), tiny_llama(layers=3)
+    for m in (plain, fused):
+        m.model.layers[2].mlp.act_fn = nn.GELU()
+    convert_to_fp8_training(plain, FP8Config(keep_bf16=["*.1.mlp.down_proj"], fuse_swiglu=False))
+    convert_to_fp8_training(fused, FP8Config(keep_bf16=["*.1.mlp.down_proj"]))
+    assert ["forward" in vars(layer.mlp) for layer in fused.model.layers] == [True, False, False]
+    assert "forward" not in vars(plain.model.layers[0].mlp)
+    assert dict(plain.named_parameters()).keys() == dict(fused.named_parameters()).keys()
+    with bf16_reference(fused), bf16_reference(plain):
+        torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits)
+    copy = __import__("copy").deepcopy(fused)
+    assert copy.model.layers[0].mlp.forward.__self__ is copy.model.layers[0].mlp
+    with torch.no_grad():
+        want = fused(input_ids=ids).logits
+        copy.model.layers[0].mlp.down_proj.weight.mul_(2)  # the copy's own weights, not the original's
+        assert torch.equal(fused(input_ids=ids).logits, want)
+        assert not torch.allclose(copy(input_ids=ids).logits, want)
+
+
 def test_fused_member_called_alone_or_twice():
     """A member called with a new input, alone or repeatedly, recomputes the group's GEMM and
     still returns its own output (an in-place change of the input also invalidates the cache)."""
@@ -250,8 +314,8 @@ def test_fused_member_called_alone_or_twice():
 
 
 def test_fp8_layers_trace_under_torch_compile():
-    """A decoder layer with FP8 linears compiles as ONE graph with 4 FP8 GEMM nodes (q/k/v and
-    gate/up fused, as in eager) and computes what eager does, gradients too."""
+    """A decoder layer with FP8 linears compiles as ONE graph with 3 FP8 autograd nodes (q/k/v fused,
+    o_proj, the SwiGLU MLP's two GEMMs in one, as in eager) and computes what eager does, gradients too."""
     import torch._dynamo
 
     eager, compiled = tiny_llama(layers=1), tiny_llama(layers=1)
@@ -265,7 +329,7 @@ def test_fp8_layers_trace_under_torch_compile():
     explain = torch._dynamo.explain(layer)(x, position_embeddings=pe, attention_mask=None, position_ids=pos)
     assert (explain.graph_count, explain.graph_break_count) == (1, 0), explain.break_reasons
     applies = [n for n in explain.graphs[0].graph.nodes if "autograd_function_apply" in str(n.target)]
-    assert len(applies) == 4  # qkv, o, gate_up, down
+    assert len(applies) == 3  # qkv, o, gate_up + down
     layer.compile(backend="aot_eager", dynamic=False)
     outs = []
     for m in (eager, compiled):
@@ -341,7 +405,7 @@ def test_inductor_compiles_emulated_fp8_layers(monkeypatch):
         logp.sum().backward()
         outs.append((logp.detach(), model.model.layers[0].self_attn.k_proj.weight.grad))
     torch._dynamo.reset()
-    # 2 layers x 4 GEMM groups (qkv, o, gate_up, down): x and grad_out 1x128, x and grad_out 128x1
+    # 2 layers x 4 GEMMs (qkv, o, gate_up, down): x and grad_out 1x128, x and grad_out 128x1
     assert calls == {"1x128": 16, "128x1": 16}
     rel = [float((a - b).norm() / b.norm()) for a, b in zip(*outs)]
     # Measured: logp 5e-5, k_proj grad 0.04. Not closer, because FP8 amplifies the 1e-7 reassociation
