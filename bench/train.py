@@ -24,20 +24,24 @@ kernel; the token count (a multiple of 128, which torchao's wgrad needs) is what
 Modes:
   bf16         nn.Linear everywhere
   fp8          fp8.linear.convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8,
-               q/k/v and gate/up as one GEMM each (fp8.fuse_projections, as vLLM computes them)
+               q/k/v and gate/up as one GEMM each (fp8.fuse_projections, as vLLM computes them), the
+               MLP's silu*mul inside the FP8 quantization of down_proj's input (fp8.fuse_swiglu)
   fp8_unfused  fp8 with fuse_projections=False: one GEMM (and one quantization of the input) per linear
   fp8_kv_bf16  (not in the default set) fp8 with FP8Config.keep_bf16 = ['*.k_proj', '*.v_proj']; the shared skip-list (fp8_plan)
                keeps q_proj in BF16 with them (vLLM fuses q/k/v into one qkv_proj that is all FP8 or
                all BF16), so attention's input projections are BF16, o_proj and the MLP FP8
   fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
   fp8_two_pass (not in the default set, ablation) fp8 with torchao's separate 1x128 and 128x1 activation
-               quantizers (two reads of x and of grad_out) instead of fp8/kernels.py's quant_dual (one)
+               quantizers (two reads of x and of grad_out) instead of fp8/kernels.py's quant_dual (one),
+               without fuse_swiglu
   fp8_cached   (not in the default set) fp8 with fp8.cache_weights: each weight quantized once per
                optimizer step instead of in every micro-batch's forward and again in its backward
+  fp8_cached_noswiglu  (ablation) fp8_cached with fp8.fuse_swiglu=False: HF's MLP forward, so silu*mul
+               and its backward write BF16 tensors that the FP8 quantization then reads back
   <mode>_compile  <mode> with every decoder layer torch.compile'd (inductor, static shapes, as
-               torchtitan compiles per block): norms, RoPE, SiLU*mul and residual adds fused into few
-               Triton kernels; our FP8 autograd Function is traced (fused groups included: one graph,
-               4 FP8 GEMMs per layer), the quantizers and GEMMs are opaque custom ops in it.
+               torchtitan compiles per block): norms, RoPE and residual adds fused into few Triton
+               kernels; our FP8 autograd Functions are traced (one graph, 4 FP8 GEMMs per layer), the
+               quantizers and GEMMs are opaque custom ops in it.
                Its speedup is against bf16_compile; speedup_eager against bf16.
 Reported: ms per micro-batch (iteration time / accum; median of --iters after --warmup, CUDA
 events), tok_s, tflops (6 x linear params x tokens + 6 x seq_len^2 x hidden x rows x layers for
@@ -76,8 +80,9 @@ STACK_MODES = {  # mode -> FP8Config overrides (None = no conversion); '<mode>_c
     "fp8_unfused": {"fuse_projections": False},
     "fp8_kv_bf16": {"keep_bf16": ["*.k_proj", "*.v_proj"]},
     "fp8_mlp": {"keep_bf16": ["*.self_attn.*"]},
-    "fp8_two_pass": {},  # + use_two_pass_quant
+    "fp8_two_pass": {"fuse_swiglu": False},  # + use_two_pass_quant
     "fp8_cached": {"cache_weights": True},
+    "fp8_cached_noswiglu": {"cache_weights": True, "fuse_swiglu": False},
 }
 STACK_MODES |= {f"{m}_compile": v for m, v in STACK_MODES.items()}
 COMPILED = "_compile"

@@ -2,8 +2,9 @@
 
 * quant.py == torchao's Triton quantization kernels, bit for bit (weights 128x128, activations
   1x128 and 128x1), and the FP8 weight torchao's linear actually feeds its GEMM == quant.py's;
-* fp8/kernels.py's quant_dual == torchao's three activation quantizers, bit for bit; a compiled
-  FP8 linear == the eager one, bit for bit;
+* fp8/kernels.py's quant_dual == torchao's three activation quantizers, bit for bit; its SwiGLU
+  modes == quant_dual of swiglu(gu) / swiglu_backward; a compiled FP8 linear and a compiled fused
+  SwiGLU MLP == the eager ones, bit for bit;
 * convert_to_fp8_training on a small Llama (hidden 1024) picks torchao; forward/backward are
   finite with a token count that is not a multiple of 128 (padding path);
 * FP8 error vs the BF16 reference (bf16_reference) below stated bounds;
@@ -159,6 +160,72 @@ def test_quant_dual_launch_configs_write_the_same_bytes():
     for bad in ("2", "3,8", "2,6", "2,8,1", "a,b"):
         with pytest.raises(ValueError, match="FP8_GRPO_QUANT_DUAL"):
             _config_from_env(bad)
+
+
+def test_swiglu_quant_kernels_quantize_swiglu_like_quant_dual():
+    """fp8/kernels.py's SwiGLU modes: the BF16 tile they quantize is fp8.linear's swiglu(gu) /
+    swiglu_backward(grad_h, gu) within one bf16 ulp (float32 sigmoid implementations differ), and the
+    bytes and scales they write are quant_dual's of that tile, bit for bit, for each launch config."""
+    from fp8.kernels import _launch, quant_dual, swiglu_backward_quant_dual, swiglu_quant_dual, swiglu_quant_lhs
+    from fp8.linear import swiglu, swiglu_backward
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    m, inter = 384, 1408
+    gu = (torch.randn(m, 2 * inter, device="cuda", generator=g) * 3).bfloat16()
+    dh = (torch.randn(m, inter, device="cuda", generator=g) * torch.logspace(-3, 1, inter, device="cuda")).bfloat16()
+    cases = (("forward", (gu, gu), inter, 1, swiglu(gu), swiglu_quant_dual(gu)),
+             ("backward", (dh, gu), 2 * inter, 2, swiglu_backward(dh, gu), swiglu_backward_quant_dual(dh, gu)))
+    for name, args, k, mode, ref, op_out in cases:
+        for cfg in [(2, 4), (1, 8), (4, 4)]:
+            tile = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+            got = _launch(*args, k, mode=mode, config=cfg, x_out=tile)
+            d = (tile.float() - ref.float()).abs()
+            exact = (d == 0).float().mean().item()
+            print(f"\n{name} {cfg}: tile == torch reference for {exact:.5f} of elements, max diff {(d / bf16_ulp(ref)).max():.1f} ulp")
+            assert (d <= bf16_ulp(ref)).all() and exact > 0.99, name
+            want = quant_dual(tile)
+            assert all(same_bytes(a, b) if a.dtype != torch.float32 else torch.equal(a, b) for a, b in zip(got, want))
+            if cfg == (2, 4):  # the default launch: what the ops run
+                assert all(same_bytes(a, b) if a.dtype != torch.float32 else torch.equal(a, b)
+                           for a, b in zip(op_out, got)), name
+    q, s = swiglu_quant_lhs(gu)
+    assert same_bytes(q, cases[0][5][0]) and torch.equal(s, cases[0][5][1])
+    with pytest.raises(ValueError, match="gu"):
+        swiglu_quant_dual(gu[:, :384].contiguous())  # I = 192: not a multiple of 128
+    with pytest.raises(ValueError, match="grad_h"):
+        swiglu_backward_quant_dual(dh[:, :128].contiguous(), gu)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_fused_swiglu_mlp_torchao(cache):
+    """fp8.fuse_swiglu with torchao's GEMMs: the fused MLP == HF's MLP of FP8 linears up to h's rounding
+    (once vs silu rounded first: moves some FP8 roundings), and a torch.compile'd one == eager, bit for
+    bit (output and every gradient), 400 tokens (padded to 512)."""
+    outs = {}
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 200, 1024, device="cuda", generator=g).bfloat16()
+    gy = torch.randn(2, 200, 1024, device="cuda", generator=g).bfloat16()
+    for fuse in (False, True):
+        model = small_llama()
+        convert_to_fp8_training(model, FP8Config(fuse_swiglu=fuse, cache_weights=cache))
+        mlp = model.model.layers[0].mlp
+        assert ("forward" in vars(mlp)) == fuse
+        for compiled in (False, True) if fuse else (False,):
+            torch._dynamo.reset()
+            fn = torch.compile(mlp, fullgraph=True) if compiled else mlp
+            xi = x.clone().requires_grad_(True)
+            mlp.zero_grad(set_to_none=True)
+            y = fn(xi)
+            y.backward(gy)
+            outs[fuse, compiled] = [y.detach(), xi.grad] + [mlp.get_submodule(n).weight.grad.clone()
+                                                            for n in ("gate_proj", "up_proj", "down_proj")]
+    torch._dynamo.reset()
+    names = ("out", "grad_x", "grad_gate", "grad_up", "grad_down")
+    same = {n: torch.equal(a, b) for n, a, b in zip(names, outs[True, False], outs[True, True])}
+    err = {n: round(rel(a, b), 5) for n, a, b in zip(names, outs[False, False], outs[True, False])}
+    print(f"\nfused SwiGLU MLP (cache={cache}): compiled vs eager bitwise {same}; vs HF MLP rel {err}")
+    assert all(same.values()), same
+    assert max(err.values()) < 2e-2, err  # a wrong slice, order or silu': ~1
 
 
 @pytest.mark.parametrize("cache", [False, True])
