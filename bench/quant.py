@@ -67,15 +67,49 @@ def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
     return rows, ",".join(map(str, min(total, key=total.get)))
 
 
+def sweep_swiglu(tokens=(16384,), inter=14336, configs=CONFIGS) -> tuple[list[dict], str]:
+    """fp8.fuse_swiglu's kernels (h = silu(gate) * up quantized, forward; the gradient of [gate | up]
+    quantized, backward) per config at a Llama-3.1-8B MLP, against what they replace: inductor's
+    silu*mul (backward) kernel writing BF16, then quant_dual reading it. Best: least fwd + bwd time."""
+    from fp8.kernels import CONFIG, _launch, quant_dual_with
+    from fp8.linear import swiglu, swiglu_backward
+
+    fwd_ref, bwd_ref = torch.compile(swiglu), torch.compile(swiglu_backward)
+    rows, total = [], dict.fromkeys(configs, 0.0)
+    for m in tokens:
+        gu = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
+        dh = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16)
+        timed = {"unfused (inductor + quant_dual)": (lambda: quant_dual_with(fwd_ref(gu), CONFIG),
+                                                      lambda: quant_dual_with(bwd_ref(dh, gu), CONFIG))}
+        timed |= {",".join(map(str, c)): (lambda c=c: _launch(gu, gu, inter, mode=1, config=c),
+                                         lambda c=c: _launch(dh, gu, 2 * inter, mode=2, config=c)) for c in configs}
+        for name, (fwd, bwd) in timed.items():
+            fwd(), bwd()
+            ms = [cuda_time_ms(fn, warmup=3, iters=20) for fn in (fwd, bwd)]
+            if name in (cfgs := {",".join(map(str, c)): c for c in configs}):
+                total[cfgs[name]] += sum(ms)
+            rows.append({"config": name, "tokens": m, "fwd_ms": ms[0], "bwd_ms": ms[1], "ms": sum(ms)})
+            print(f"{m} tok  swiglu {name}: fwd {ms[0]:.3f} ms, bwd {ms[1]:.3f} ms", file=sys.stderr, flush=True)
+    return rows, ",".join(map(str, min(total, key=total.get)))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results)")
+    p.add_argument("--swiglu", action="store_true", help="sweep fp8.fuse_swiglu's kernels instead")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench/quant.py needs a Hopper (SM90) GPU")
-    from fp8.kernels import DEFAULT_CONFIG
+    from fp8.kernels import DEFAULT_CONFIG, DEFAULT_SWIGLU_CONFIG
 
+    if args.swiglu:
+        rows, best = sweep_swiglu()
+        path = write_results("quant_swiglu", rows, Path(args.out), best=best,
+                             default=",".join(map(str, DEFAULT_SWIGLU_CONFIG)))
+        print(markdown_table(rows, ["config", "tokens", "fwd_ms", "bwd_ms", "ms"]))
+        print(f"best: {best} (default {DEFAULT_SWIGLU_CONFIG}); wrote {path}")
+        return
     rows, best = sweep()
     path = write_results("quant", rows, Path(args.out), best=best, default=",".join(map(str, DEFAULT_CONFIG)))
     print(markdown_table(rows, ["config", "tokens", "ms", "gb_s", "vs_floor"]))

@@ -38,19 +38,26 @@ BLOCK = 128  # fp8.linear.BLOCK (linear imports this module)
 DEFAULT_CONFIG = (2, 4)
 
 
-def _config_from_env(text: str | None) -> tuple[int, int]:
+# The SwiGLU modes hold two or three input tiles per slice: their own default (bench/quant.py --swiglu).
+DEFAULT_SWIGLU_CONFIG = (4, 8)
+
+
+def _config_from_env(text: str | None, var: str = "FP8_GRPO_QUANT_DUAL",
+                     default: tuple[int, int] = DEFAULT_CONFIG) -> tuple[int, int]:
     if not text:
-        return DEFAULT_CONFIG
+        return default
     try:
         split, warps = (int(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"FP8_GRPO_QUANT_DUAL={text!r}: expected 'split,num_warps', e.g. '2,8'") from None
+        raise ValueError(f"{var}={text!r}: expected 'split,num_warps', e.g. '2,8'") from None
     if split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"FP8_GRPO_QUANT_DUAL={text!r}: split must be 1, 2, 4 or 8, num_warps a power of 2 up to 32")
+        raise ValueError(f"{var}={text!r}: split must be 1, 2, 4 or 8, num_warps a power of 2 up to 32")
     return split, warps
 
 
 CONFIG = _config_from_env(os.environ.get("FP8_GRPO_QUANT_DUAL"))
+SWIGLU_CONFIG = _config_from_env(os.environ.get("FP8_GRPO_SWIGLU_QUANT"), "FP8_GRPO_SWIGLU_QUANT",
+                                 DEFAULT_SWIGLU_CONFIG)
 
 
 @triton.jit
@@ -147,14 +154,14 @@ def quant_dual_with(x: Tensor, config: tuple[int, int]) -> tuple[Tensor, Tensor,
 def swiglu_quant_dual(gu: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """gu = [gate | up] [M, 2I] BF16 -> h = silu(gate) * up [M, I] quantized as quant_dual(h)."""
     _check(gu, "gu", 2 * BLOCK, bf16=True)
-    return _launch(gu, gu, gu.shape[1] // 2, mode=1)
+    return _launch(gu, gu, gu.shape[1] // 2, mode=1, config=SWIGLU_CONFIG)
 
 
 @triton_op("fp8_grpo::swiglu_quant_lhs", mutates_args={})
 def swiglu_quant_lhs(gu: Tensor) -> tuple[Tensor, Tensor]:
     """swiglu_quant_dual's 1x128 groups only (q, s): the forward GEMM's operand, no weight gradient."""
     _check(gu, "gu", 2 * BLOCK, bf16=True)
-    return _launch(gu, gu, gu.shape[1] // 2, mode=1, cols=False)
+    return _launch(gu, gu, gu.shape[1] // 2, mode=1, cols=False, config=SWIGLU_CONFIG)
 
 
 @triton_op("fp8_grpo::swiglu_backward_quant_dual", mutates_args={})
@@ -163,7 +170,7 @@ def swiglu_backward_quant_dual(grad_h: Tensor, gu: Tensor) -> tuple[Tensor, Tens
     quantized as quant_dual(grad_gu)."""
     _check(gu, "gu", 2 * BLOCK, bf16=True)
     _check(grad_h, "grad_h", shape=(gu.shape[0], gu.shape[1] // 2), bf16=True)
-    return _launch(grad_h, gu, gu.shape[1], mode=2)
+    return _launch(grad_h, gu, gu.shape[1], mode=2, config=SWIGLU_CONFIG)
 
 
 def _check(x: Tensor, name: str, multiple: int = BLOCK, shape: tuple[int, int] | None = None,

@@ -14,7 +14,8 @@
 #                                      --modes bf16) -> $OUT/step.json, trainer logs $OUT/step_<mode>.log
 #   bash scripts/gpu_check.sh pass [ARGS]  bench/trainer_pass.py: the trainer's logprobs / train pass per
 #                                      micro-batch at the step's shape -> $OUT/trainer_pass.json
-#   bash scripts/gpu_check.sh quant    bench/quant.py: quant_dual launch configurations -> $OUT/quant.json
+#   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
+#                                      configurations -> $OUT/quant.json (quant_swiglu.json)
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
 # 8B step shapes, H100: ~190 s of a first FP8 step) and leaves all autotuning results in
 # $OUT/triton_autotune.tgz (refresh the shipped file from it when shapes or the bundle change).
@@ -53,6 +54,6 @@ case "$1" in
   step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
   pass)     $PY bench/trainer_pass.py --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' \
               | tee "$OUT/trainer_pass.log" ;;
-  quant)    $PY bench/quant.py --out "$OUT" 2>&1 | tee "$OUT/quant.log" ;;
+  quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|rollout|capacity|stack|step|pass|quant" >&2; exit 2 ;;
 esac
