@@ -95,13 +95,27 @@ def _tile(x_ptr, gu_ptr, m, pid_k, K, MODE: tl.constexpr, BLOCK: tl.constexpr):
 def _quant_dual_kernel(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K,
                        BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, COLS: tl.constexpr,
                        STORE_X: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
-    # One program: the 128x128 tile at rows pid_m * 128, columns pid_k * 128 (of the tensor _tile
-    # makes). SPLIT = 1: the tile is made once and quantized both ways. SPLIT > 1: it is visited in
-    # SPLIT row slices, each made twice (once for its rows' 1x128 groups and the columns' running
-    # amax, once more for the 128x1 groups: the second read hits the cache), so fewer values are live
-    # per thread. COLS = False: the 1x128 groups only. STORE_X: also write the BF16 tile (tests).
+    # One program: the 128x128 tile at rows pid_m * 128, columns pid_k * 128. MODE 2: the tiles at
+    # columns pid_k * 128 of both halves, gate's then up's (both read the same grad_h and gate tiles:
+    # the second reads hit the cache).
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
+    _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, pid_m, pid_k,
+                BLOCK, SPLIT, MODE, COLS, STORE_X, EPS, FP8_MAX)
+    if MODE == 2:
+        _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, pid_m,
+                    pid_k + K // (2 * BLOCK), BLOCK, SPLIT, MODE, COLS, STORE_X, EPS, FP8_MAX)
+
+
+@triton.jit
+def _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, pid_m, pid_k,
+                BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, COLS: tl.constexpr,
+                STORE_X: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    # The tile at rows pid_m * 128, columns pid_k * 128 (of the tensor _tile makes). SPLIT = 1: made
+    # once and quantized both ways. SPLIT > 1: visited in SPLIT row slices, each made twice (once for
+    # its rows' 1x128 groups and the columns' running amax, once more for the 128x1 groups: the second
+    # read hits the cache), so fewer values are live per thread. COLS = False: the 1x128 groups only.
+    # STORE_X: also write the BF16 tile (tests).
     SUB: tl.constexpr = BLOCK // SPLIT
     k = pid_k * BLOCK + tl.arange(0, BLOCK)
     col_amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -195,7 +209,7 @@ def _launch(x: Tensor, gu: Tensor, k: int, mode: int, cols: bool = True, config:
     s = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()
     qt = torch.empty(k, m, dtype=E4M3, device=x.device) if cols else q
     st = torch.empty(m // BLOCK, k, dtype=torch.float32, device=x.device) if cols else s
-    wrap_triton(_quant_dual_kernel)[(m // BLOCK, k // BLOCK)](
+    wrap_triton(_quant_dual_kernel)[(m // BLOCK, k // BLOCK // (2 if mode == 2 else 1))](
         x, gu, x if x_out is None else x_out, q, s, qt, st, m, k, BLOCK=BLOCK, SPLIT=split, MODE=mode, COLS=cols,
         STORE_X=x_out is not None, EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=warps)
     return (q, s, qt, st) if cols else (q, s)
