@@ -61,11 +61,12 @@ SWIGLU_CONFIG = _config_from_env(os.environ.get("FP8_GRPO_SWIGLU_QUANT"), "FP8_G
 
 
 @triton.jit
-def _tile(x_ptr, gu_ptr, m, pid_k, K, MODE: tl.constexpr, BLOCK: tl.constexpr):
+def _tile(x_ptr, gu_ptr, m, pid_k, K, MODE: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
     # The BF16 tile [len(m), 128] at columns pid_k * 128 of the [M, K] tensor being quantized. MODE 0: x
     # itself. MODE 1: h = silu(gate) * up of gu = [gate | up] [M, 2K] (the MLP's down_proj input).
-    # MODE 2: the gradient of gu [M, K = 2I] from x = the gradient of h [M, I]. In float32, rounded
-    # once to BF16, as inductor's fused SiLU*mul (forward and backward) kernels do.
+    # MODE 2: the gradient of gu [M, K = 2I] (HALF 0: gate's columns, 1: up's) from x = the gradient
+    # of h [M, I]. In float32, rounded once to BF16, as inductor's fused SiLU*mul (forward and
+    # backward) kernels do.
     c = pid_k * BLOCK + tl.arange(0, BLOCK)
     if MODE == 0:
         t = tl.load(x_ptr + m[:, None] * K + c[None, :])
@@ -76,18 +77,15 @@ def _tile(x_ptr, gu_ptr, m, pid_k, K, MODE: tl.constexpr, BLOCK: tl.constexpr):
         t = (g * tl.sigmoid(g) * u).to(tl.bfloat16)
     else:
         inter = K // 2
-        row = gu_ptr + m[:, None] * K
-        if pid_k * BLOCK < inter:  # d/dgate = dh * up * silu'(gate)
-            dh = tl.load(x_ptr + m[:, None] * inter + c[None, :]).to(tl.float32)
-            g = tl.load(row + c[None, :]).to(tl.float32)
-            u = tl.load(row + inter + c[None, :]).to(tl.float32)
-            s = tl.sigmoid(g)
+        c = c - HALF * inter
+        dh = tl.load(x_ptr + m[:, None] * inter + c[None, :]).to(tl.float32)
+        g = tl.load(gu_ptr + m[:, None] * K + c[None, :]).to(tl.float32)
+        s = tl.sigmoid(g)
+        if HALF == 0:  # d/dgate = dh * up * silu'(gate)
+            u = tl.load(gu_ptr + m[:, None] * K + inter + c[None, :]).to(tl.float32)
             t = (dh * u * (s * (1.0 + g * (1.0 - s)))).to(tl.bfloat16)
         else:  # d/dup = dh * silu(gate)
-            c = c - inter
-            dh = tl.load(x_ptr + m[:, None] * inter + c[None, :]).to(tl.float32)
-            g = tl.load(row + c[None, :]).to(tl.float32)
-            t = (dh * (g * tl.sigmoid(g))).to(tl.bfloat16)
+            t = (dh * (g * s)).to(tl.bfloat16)
     return t
 
 
@@ -101,15 +99,15 @@ def _quant_dual_kernel(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, pid_m, pid_k,
-                BLOCK, SPLIT, MODE, COLS, STORE_X, EPS, FP8_MAX)
+                BLOCK, SPLIT, MODE, 0, COLS, STORE_X, EPS, FP8_MAX)
     if MODE == 2:
         _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, pid_m,
-                    pid_k + K // (2 * BLOCK), BLOCK, SPLIT, MODE, COLS, STORE_X, EPS, FP8_MAX)
+                    pid_k + K // (2 * BLOCK), BLOCK, SPLIT, MODE, 1, COLS, STORE_X, EPS, FP8_MAX)
 
 
 @triton.jit
 def _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, pid_m, pid_k,
-                BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, COLS: tl.constexpr,
+                BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr, COLS: tl.constexpr,
                 STORE_X: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
     # The tile at rows pid_m * 128, columns pid_k * 128 (of the tensor _tile makes). SPLIT = 1: made
     # once and quantized both ways. SPLIT > 1: visited in SPLIT row slices, each made twice (once for
@@ -121,7 +119,7 @@ def _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col
     col_amax = tl.zeros([BLOCK], dtype=tl.float32)
     for i in tl.static_range(SPLIT):
         m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
-        x = _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, BLOCK)  # M, K multiples of 128: no masks
+        x = _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK)  # M, K multiples of 128: no masks
         if STORE_X:
             tl.store(x_out_ptr + m[:, None] * K + k[None, :], x)
         ax = tl.abs(x)
@@ -139,7 +137,7 @@ def _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col
         scale = (FP8_MAX / amax).to(tl.float32)[None, :]
         for i in tl.static_range(SPLIT):
             m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
-            x = x if SPLIT == 1 else _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, BLOCK)
+            x = x if SPLIT == 1 else _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK)
             y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_col_ptr.dtype.element_ty)
             tl.store(q_col_ptr + k[None, :] * M + m[:, None], y)
         tl.store(s_col_ptr + pid_m * K + k[None, :], tl.div_rn(1.0, scale))  # [M/128, K] row-major
