@@ -39,7 +39,7 @@ DEFAULT_CONFIG = (2, 4)
 
 
 # The SwiGLU modes hold two or three input tiles per slice: their own default (bench/quant.py --swiglu).
-DEFAULT_SWIGLU_CONFIG = (4, 8)
+DEFAULT_SWIGLU_CONFIG = (1, 8)
 
 
 def _config_from_env(text: str | None, var: str = "FP8_GRPO_QUANT_DUAL",
