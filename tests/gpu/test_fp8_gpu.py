@@ -166,7 +166,8 @@ def test_swiglu_quant_kernels_quantize_swiglu_like_quant_dual():
     """fp8/kernels.py's SwiGLU modes: the BF16 tile they quantize is fp8.linear's swiglu(gu) /
     swiglu_backward(grad_h, gu) within one bf16 ulp (float32 sigmoid implementations differ), and the
     bytes and scales they write are quant_dual's of that tile, bit for bit, for each launch config."""
-    from fp8.kernels import _launch, quant_dual, swiglu_backward_quant_dual, swiglu_quant_dual, swiglu_quant_lhs
+    from fp8.kernels import (SWIGLU_CONFIG, _launch, quant_dual, swiglu_backward_quant_dual, swiglu_quant_dual,
+                             swiglu_quant_lhs)
     from fp8.linear import swiglu, swiglu_backward
 
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -176,7 +177,7 @@ def test_swiglu_quant_kernels_quantize_swiglu_like_quant_dual():
     cases = (("forward", (gu, gu), inter, 1, swiglu(gu), swiglu_quant_dual(gu)),
              ("backward", (dh, gu), 2 * inter, 2, swiglu_backward(dh, gu), swiglu_backward_quant_dual(dh, gu)))
     for name, args, k, mode, ref, op_out in cases:
-        for cfg in [(2, 4), (1, 8), (4, 4)]:
+        for cfg in [(2, 4), (1, 8), (4, 4), SWIGLU_CONFIG]:
             tile = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
             got = _launch(*args, k, mode=mode, config=cfg, x_out=tile)
             d = (tile.float() - ref.float()).abs()
@@ -185,7 +186,7 @@ def test_swiglu_quant_kernels_quantize_swiglu_like_quant_dual():
             assert (d <= bf16_ulp(ref)).all() and exact > 0.99, name
             want = quant_dual(tile)
             assert all(same_bytes(a, b) if a.dtype != torch.float32 else torch.equal(a, b) for a, b in zip(got, want))
-            if cfg == (2, 4):  # the default launch: what the ops run
+            if cfg == SWIGLU_CONFIG:  # the default launch: what the ops run
                 assert all(same_bytes(a, b) if a.dtype != torch.float32 else torch.equal(a, b)
                            for a, b in zip(op_out, got)), name
     q, s = swiglu_quant_lhs(gu)
