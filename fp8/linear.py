@@ -39,6 +39,9 @@ multiply dequantized float32 operands in one fp32 GEMM (measured on an H100, tes
 emulation vs torchao 6.6e-4 relative for output, dgrad and wgrad, elementwise <= 2 bf16 ulps
 + 5e-3 rms; the emulation is the exact product rounded once, torchao adds ~1e-4);
 (2) torchao always returns BF16, we return the input dtype (an fp32 CPU model stays fp32).
+Speed-only structure on top, same quantization: fuse_projections (q/k/v and gate/up as one GEMM
+each), fuse_swiglu (a SwiGLU MLP as one autograd node whose silu(gate) * up is made inside the
+quantization kernel), cache_weights (FP8 weights kept between optimizer steps).
 `convert_to_fp8_rollout` builds the CPU stand-in for vLLM's W8A8 linear: activations use
 vLLM's 1x128 recipe (divide by amax/448) and weights can be pinned to the exact exported FP8
 bytes (load_fp8_weight), so the CPU engine computes what vLLM would up to accumulation order.
