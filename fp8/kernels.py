@@ -110,61 +110,37 @@ def _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col
                 BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, HALF: tl.constexpr, COLS: tl.constexpr,
                 STORE_X: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
     # The tile at rows pid_m * 128, columns pid_k * 128 (of the tensor _tile makes). SPLIT = 1: made
-    # once and quantized both ways. SPLIT > 1: visited in SPLIT row slices by a loop that is not
-    # unrolled, each slice made twice (once for its rows' 1x128 groups and the columns' running amax,
-    # once more for the 128x1 groups: the second read hits the cache), so fewer values are live per
-    # thread. COLS = False: the 1x128 groups only. STORE_X: also write the BF16 tile (tests).
+    # once and quantized both ways. SPLIT > 1: visited in SPLIT row slices, each made twice (once for
+    # its rows' 1x128 groups and the columns' running amax, once more for the 128x1 groups: the second
+    # read hits the cache), so fewer values are live per thread. COLS = False: the 1x128 groups only.
+    # STORE_X: also write the BF16 tile (tests).
     SUB: tl.constexpr = BLOCK // SPLIT
     k = pid_k * BLOCK + tl.arange(0, BLOCK)
-    if SPLIT == 1:
-        m = pid_m * BLOCK + tl.arange(0, BLOCK)
+    col_amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in tl.static_range(SPLIT):
+        m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
         x = _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK)  # M, K multiples of 128: no masks
-        col_amax = _quant_rows(x, x_out_ptr, q_row_ptr, s_row_ptr, m, k, pid_k, M, K, STORE_X, EPS, FP8_MAX)
+        if STORE_X:
+            tl.store(x_out_ptr + m[:, None] * K + k[None, :], x)
+        ax = tl.abs(x)
+        # 1x128 groups (one per row of the tile), as torchao's act_quant_lhs
+        amax = tl.clamp(tl.max(ax, axis=1), min=EPS, max=float("inf")).to(tl.float64)
+        scale = (FP8_MAX / amax).to(tl.float32)[:, None]
+        y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_row_ptr.dtype.element_ty)
+        tl.store(q_row_ptr + m[:, None] * K + k[None, :], y)
+        tl.store(s_row_ptr + pid_k * M + m[:, None], tl.div_rn(1.0, scale))  # [M, K/128] column-major
         if COLS:
-            _quant_cols(x, _col_scale(col_amax, s_col_ptr, pid_m, k, K, EPS, FP8_MAX), q_col_ptr, m, k, M, FP8_MAX)
-    else:
-        col_amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in tl.range(0, SPLIT):
+            col_amax = tl.maximum(col_amax, tl.max(ax, axis=0).to(tl.float32))
+    if COLS:
+        # 128x1 groups (one per column), as act_quant_rhs / act_quant_transposed_lhs; stored as [K, M]
+        amax = tl.clamp(col_amax, min=EPS, max=float("inf")).to(tl.float64)
+        scale = (FP8_MAX / amax).to(tl.float32)[None, :]
+        for i in tl.static_range(SPLIT):
             m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
-            x = _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK)
-            col_amax = tl.maximum(col_amax, _quant_rows(x, x_out_ptr, q_row_ptr, s_row_ptr, m, k, pid_k, M, K,
-                                                        STORE_X, EPS, FP8_MAX))
-        if COLS:
-            scale = _col_scale(col_amax, s_col_ptr, pid_m, k, K, EPS, FP8_MAX)
-            for i in tl.range(0, SPLIT):
-                m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
-                _quant_cols(_tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK), scale, q_col_ptr, m, k, M, FP8_MAX)
-
-
-@triton.jit
-def _quant_rows(x, x_out_ptr, q_row_ptr, s_row_ptr, m, k, pid_k, M, K, STORE_X: tl.constexpr, EPS: tl.constexpr,
-                FP8_MAX: tl.constexpr):
-    # 1x128 groups (one per row of the tile), as torchao's act_quant_lhs; returns the columns' amax
-    if STORE_X:
-        tl.store(x_out_ptr + m[:, None] * K + k[None, :], x)
-    ax = tl.abs(x)
-    amax = tl.clamp(tl.max(ax, axis=1), min=EPS, max=float("inf")).to(tl.float64)
-    scale = (FP8_MAX / amax).to(tl.float32)[:, None]
-    y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_row_ptr.dtype.element_ty)
-    tl.store(q_row_ptr + m[:, None] * K + k[None, :], y)
-    tl.store(s_row_ptr + pid_k * M + m[:, None], tl.div_rn(1.0, scale))  # [M, K/128] column-major
-    return tl.max(ax, axis=0).to(tl.float32)
-
-
-@triton.jit
-def _col_scale(col_amax, s_col_ptr, pid_m, k, K, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
-    # 128x1 groups (one per column), as act_quant_rhs / act_quant_transposed_lhs: the multipliers;
-    # stores their inverses [M/128, K] row-major
-    amax = tl.clamp(col_amax, min=EPS, max=float("inf")).to(tl.float64)
-    scale = (FP8_MAX / amax).to(tl.float32)[None, :]
-    tl.store(s_col_ptr + pid_m * K + k[None, :], tl.div_rn(1.0, scale))
-    return scale
-
-
-@triton.jit
-def _quant_cols(x, scale, q_col_ptr, m, k, M, FP8_MAX: tl.constexpr):
-    y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_col_ptr.dtype.element_ty)
-    tl.store(q_col_ptr + k[None, :] * M + m[:, None], y)  # stored transposed: [K, M]
+            x = x if SPLIT == 1 else _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK)
+            y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_col_ptr.dtype.element_ty)
+            tl.store(q_col_ptr + k[None, :] * M + m[:, None], y)
+        tl.store(s_col_ptr + pid_m * K + k[None, :], tl.div_rn(1.0, scale))  # [M/128, K] row-major
 
 
 @triton_op("fp8_grpo::quant_dual", mutates_args={})
