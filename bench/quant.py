@@ -75,19 +75,20 @@ def sweep_swiglu(tokens=(16384,), inter=14336, configs=CONFIGS) -> tuple[list[di
     from fp8.linear import swiglu, swiglu_backward
 
     fwd_ref, bwd_ref = torch.compile(swiglu), torch.compile(swiglu_backward)
+    named = {",".join(map(str, c)): c for c in configs}
     rows, total = [], dict.fromkeys(configs, 0.0)
     for m in tokens:
         gu = torch.randn(m, 2 * inter, device="cuda", dtype=torch.bfloat16)
         dh = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16)
         timed = {"unfused (inductor + quant_dual)": (lambda: quant_dual_with(fwd_ref(gu), CONFIG),
                                                       lambda: quant_dual_with(bwd_ref(dh, gu), CONFIG))}
-        timed |= {",".join(map(str, c)): (lambda c=c: _launch(gu, gu, inter, mode=1, config=c),
-                                         lambda c=c: _launch(dh, gu, 2 * inter, mode=2, config=c)) for c in configs}
+        timed |= {name: (lambda c=c: _launch(gu, gu, inter, mode=1, config=c),
+                         lambda c=c: _launch(dh, gu, 2 * inter, mode=2, config=c)) for name, c in named.items()}
         for name, (fwd, bwd) in timed.items():
             fwd(), bwd()
             ms = [cuda_time_ms(fn, warmup=3, iters=20) for fn in (fwd, bwd)]
-            if name in (cfgs := {",".join(map(str, c)): c for c in configs}):
-                total[cfgs[name]] += sum(ms)
+            if name in named:
+                total[named[name]] += sum(ms)
             rows.append({"config": name, "tokens": m, "fwd_ms": ms[0], "bwd_ms": ms[1], "ms": sum(ms)})
             print(f"{m} tok  swiglu {name}: fwd {ms[0]:.3f} ms, bwd {ms[1]:.3f} ms", file=sys.stderr, flush=True)
     return rows, ",".join(map(str, min(total, key=total.get)))

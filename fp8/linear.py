@@ -544,16 +544,21 @@ def _swiglu_forward(x: Tensor, kernels, w_gu: tuple[Tensor, Tensor], w_down: Ten
     return y, saved_x, gu, saved_h
 
 
+def _rows_padded(x: Tensor) -> tuple[Tensor, int]:
+    """x [..., K] as [M', K] with M' = M tokens rounded up to a multiple of 128, and M: torchao's wgrad
+    kernels need M % 128 == 0; zero rows are exact (they change no amax and add nothing)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    return (F.pad(x2, (0, 0, 0, BLOCK - m % BLOCK)) if m % BLOCK else x2), m
+
+
 def _swiglu_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
     """forward of a SwiGLU MLP linked by fuse_swiglu: down_proj(act_fn(gate_proj(x)) * up_proj(x)) as one
     _BlockFP8SwiGLU (the class's own forward inside bf16_reference)."""
     gate, up, down = self.gate_proj, self.up_proj, self.down_proj
     if not (gate.fp8_enabled and up.fp8_enabled and down.fp8_enabled):
         return type(self).forward(self, x)
-    x2 = x.reshape(-1, x.shape[-1])
-    m = x2.shape[0]
-    if m % BLOCK:  # torchao's wgrad kernels need M % 128 == 0; zero rows are exact
-        x2 = F.pad(x2, (0, 0, 0, BLOCK - m % BLOCK))
+    x2, m = _rows_padded(x)
     cached_gu, cached_down = (c.get() if c is not None else None for c in (gate._wcache, down._wcache))
     weights = (gate.weight, up.weight, down.weight)
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
@@ -687,10 +692,7 @@ def torchao_linear_cls() -> type:
             return self._fused(self, x) if self._fused is not None else self._mm(x, self.weight)
 
         def _mm(self, x: Tensor, *weights: Tensor) -> Tensor:
-            x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-            m = x2.shape[0]
-            if m % BLOCK:  # torchao's wgrad kernels need M % 128 == 0; zero rows are exact
-                x2 = F.pad(x2, (0, 0, 0, BLOCK - m % BLOCK))
+            x2, m = _rows_padded(x)
             y = block_fp8_mm(x2, self._kernels, *weights, cache=self._wcache)
             return y[:m].reshape(*x.shape[:-1], y.shape[-1])
 

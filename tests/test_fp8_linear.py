@@ -484,6 +484,8 @@ def cpu_torchao_kernels():
     k = _TorchaoKernels()
     k.mm, k.lhs, k.dual, k.weight_rhs, k.weight_transposed_rhs = (
         reference_blockwise_mm, lhs, dual, weight_rhs, weight_transposed_rhs)
+    k.swiglu_dual, k.swiglu_lhs = (lambda gu: dual(swiglu(gu))), (lambda gu: lhs(swiglu(gu)))
+    k.swiglu_bwd_dual = lambda grad_h, gu: dual(swiglu_backward(grad_h, gu))
     return k
 
 
@@ -514,6 +516,15 @@ def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need):
     y_c, saved_c = ao.fwd(x, None, need_w, cached)
     assert torch.equal(y_c, y_emu)
     for a, b in zip(ao.bwd(go, None, saved_c, need_x, need_w, cached), want):
+        assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
+    # fuse_swiglu's entry points: x taken as gu = [gate | up], the GEMM's input is swiglu(gu) and its
+    # input gradient the gradient of gu (the quantization kernels' SwiGLU modes: tests/gpu)
+    gu, wd = x[:, :256].contiguous(), w[:, :128].contiguous()
+    (y, saved), (y_emu, saved_emu) = ao.fwd_swiglu(gu, wd, need_w), emu.fwd_swiglu(gu, wd, need_w)
+    assert torch.equal(y, y_emu)
+    got = ao.bwd_swiglu(go[:, :128].contiguous(), gu, w[:256, :128].contiguous(), saved, need_x, need_w)
+    want = emu.bwd_swiglu(go[:, :128].contiguous(), gu, w[:256, :128].contiguous(), saved_emu, need_x, need_w)
+    for a, b in zip(got, want):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
 
 
