@@ -217,10 +217,19 @@ class _BlockFP8MM(torch.autograd.Function):
         grad_x, grad_w = ctx.kernels.bwd(g2, w, saved, ctx.needs_input_grad[0], need_w, cached)
         if grad_x is not None:
             grad_x = grad_x.to(ctx.x_dtype).reshape(ctx.x_shape)
-        grad_ws = [None] * len(weights)
-        if grad_w is not None:  # [N, K]
-            grad_ws = [g.to(w.dtype) for g, w in zip(grad_w.split([w.shape[0] for w in weights]), weights)]
-        return grad_x, None, None, *grad_ws
+        return grad_x, None, None, *_member_grads(grad_w, weights)
+
+
+def _member_grads(grad_w: Tensor | None, weights) -> list[Tensor | None]:
+    """The GEMM's weight gradient [sum N_i, K] split into its members' (None each without one)."""
+    if grad_w is None:
+        return [None] * len(weights)
+    return [g.to(w.dtype) for g, w in zip(grad_w.split([w.shape[0] for w in weights]), weights)]
+
+
+def _needs_grad(x: Tensor, weights) -> bool:
+    """An autograd Function is needed: grad mode on and x or a weight requires a gradient."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights))
 
 
 def _weight(weights: tuple[Tensor, ...], cached) -> Tensor | None:
@@ -238,7 +247,7 @@ def block_fp8_mm(x: Tensor, kernels, *weights: Tensor, cache: WeightCache | None
     torch.compile (torch 2.11) mis-binds an autograd.Function with *args traced under no_grad
     (the old_logp forward of a train.compile'd trainer)."""
     cached = cache.get() if cache is not None else None
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+    if _needs_grad(x, weights):
         return _BlockFP8MM.apply(x, kernels, cached, *weights)
     return _block_fp8_forward(x, kernels, weights, cached)[0]
 
@@ -393,7 +402,7 @@ class EmulatedFP8Linear(nn.Linear):
         if not self.fp8_enabled:
             return F.linear(x, self.weight, self.bias)
         w = self._pinned_weight() if self._fp8_weight is not None else None
-        if w is not None and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
+        if w is not None and not _needs_grad(x, (self.weight,)):
             x2 = x.reshape(-1, x.shape[-1])
             y = (fake_quant_act_1x128(x2, self.act_recipe) @ w.t()).to(x.dtype)
             y = y.reshape(*x.shape[:-1], w.shape[0])
@@ -530,11 +539,9 @@ class _BlockFP8SwiGLU(torch.autograd.Function):
                                             True, need[6], cached_down)
         grad_x, grad_gu = ctx.kernels.bwd_swiglu(grad_h, gu, _weight((w_gate, w_up), cached_gu), tuple(saved_x),
                                                  need[0], need[4] or need[5], cached_gu)
-        grad_gate = grad_up = None
-        if grad_gu is not None:
-            grad_gate, grad_up = (g.to(w.dtype) for g, w in zip(grad_gu.split(w_gate.shape[0]), (w_gate, w_up)))
         grad_x = grad_x.to(ctx.x_dtype) if grad_x is not None else None
-        return grad_x, None, None, None, grad_gate, grad_up, grad_down.to(w_down.dtype) if grad_down is not None else None
+        return (grad_x, None, None, None, *_member_grads(grad_gu, (w_gate, w_up)),
+                *_member_grads(grad_down, (w_down,)))
 
 
 def _swiglu_forward(x: Tensor, kernels, w_gu: tuple[Tensor, Tensor], w_down: Tensor, cached_gu, cached_down,
@@ -561,7 +568,7 @@ def _swiglu_mlp_forward(self: nn.Module, x: Tensor) -> Tensor:
     x2, m = _rows_padded(x)
     cached_gu, cached_down = (c.get() if c is not None else None for c in (gate._wcache, down._wcache))
     weights = (gate.weight, up.weight, down.weight)
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+    if _needs_grad(x, weights):
         y = _BlockFP8SwiGLU.apply(x2, gate._kernels, cached_gu, cached_down, *weights)
     else:  # as block_fp8_mm: nothing saved, and no autograd.Function traced under no_grad
         y = _swiglu_forward(x2, gate._kernels, weights[:2], weights[2], cached_gu, cached_down, False)[0]
