@@ -1,12 +1,13 @@
 """fp8/kernels.py quant_dual: launch configurations vs bandwidth at the trainer's shapes (Hopper).
 
-    python bench/quant.py            # sweep -> OUT/quant.json (its "best": 'split,warps'), a table
+    python bench/quant.py            # sweep -> OUT/quant.json (its "best": 'split,warps[,stages,per_sm]'), a table
     export FP8_GRPO_QUANT_DUAL=$(python -c "import json; print(json.load(open('bench/results/quant.json'))['best'])")
 
 One Llama-3.1-8B decoder layer quantizes 8 activations per training micro-batch of M tokens with
 quant_dual: forward the inputs of qkv, o_proj, gate/up (K = 4096) and down_proj (14336); backward
 the output gradients of qkv (6144), o_proj (4096), gate/up (28672) and down_proj (4096). Each
 configuration (row splits of the 128x128 tile, num_warps; the bytes written do not depend on it)
+(one program per tile, or a persistent grid: stages, programs per SM)
 is timed on those 8 shapes at M = 8192 and 16384 tokens (one CUDA graph of the 8 calls, median of
 20 replays); reported per layer: ms, GB/s (quant_dual reads 2 bytes and writes 2 bytes per
 element, plus scales) and the ratio to a BF16 clone of the same tensors (the same bytes moved by
@@ -25,7 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
 
 LAYER_K = [4096, 4096, 4096, 14336, 6144, 4096, 28672, 4096]  # x: qkv, o, gate/up, down; grads: qkv, o, gate/up, down
-CONFIGS = list(itertools.product((1, 2, 4, 8), (4, 8, 16)))  # (row splits, num_warps)
+# (row splits, num_warps): one program per tile; + (stages, programs per SM): a persistent, pipelined grid
+CONFIGS = [(1, 8), (2, 4), (2, 8), (4, 4)] + list(itertools.product((1, 2), (4, 8, 16), (2, 3), (1, 2)))
+SWIGLU_CONFIGS = [(1, 8), (1, 16), (2, 16)] + list(itertools.product((1,), (8, 16), (2, 3), (1, 2))) + [
+    (2, 8, 2, 1), (2, 16, 2, 1)]
 
 
 def layer_ms(fn, tokens: int, tensors: dict) -> float:
@@ -47,7 +51,7 @@ def layer_ms(fn, tokens: int, tensors: dict) -> float:
 
 
 def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
-    """Rows per (config, tokens) and the best config as 'split,warps' (least summed time over `tokens`)."""
+    """Rows per (config, tokens) and the best config as 'split,warps[,stages,per_sm]' (least summed time over `tokens`)."""
     from fp8.kernels import quant_dual_with
 
     tensors = {(m, k): torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in tokens for k in set(LAYER_K)}
@@ -58,8 +62,11 @@ def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
         gbs = lambda ms: 4 * elements / ms / 1e6  # noqa: E731  2 bytes read + 2 written per element
         rows.append({"config": "bf16 clone (memory floor)", "tokens": m, "ms": floor, "gb_s": gbs(floor)})
         for cfg in configs:
-            ms = layer_ms(lambda x, c=cfg: quant_dual_with(x, c), m, tensors)
-            total[cfg] += ms
+            ms = launchable(lambda: layer_ms(lambda x, c=cfg: quant_dual_with(x, c), m, tensors), cfg)
+            total[cfg] += ms or float("inf")
+            if ms is None:
+                rows.append({"config": ",".join(map(str, cfg)), "tokens": m, "error": "does not fit"})
+                continue
             rows.append({"config": ",".join(map(str, cfg)), "tokens": m, "ms": ms, "gb_s": gbs(ms),
                          "vs_floor": ms / floor})
             print(f"{m} tok  quant_dual {rows[-1]['config']}: {ms:.3f} ms/layer, {rows[-1]['gb_s']:.0f} GB/s "
@@ -67,7 +74,18 @@ def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
     return rows, ",".join(map(str, min(total, key=total.get)))
 
 
-def sweep_swiglu(tokens=(16384,), inter=14336, configs=CONFIGS) -> tuple[list[dict], str]:
+def launchable(timed, cfg) -> float:
+    """timed(), or None where cfg's kernel does not fit the GPU (shared memory of deep pipelines)."""
+    try:
+        return timed()
+    except Exception as e:  # triton.runtime.errors.OutOfResources, through torch.library
+        if "out of resource" not in str(e).lower():
+            raise
+        print(f"config {cfg}: does not fit ({str(e).splitlines()[0][:120]})", file=sys.stderr, flush=True)
+        return None
+
+
+def sweep_swiglu(tokens=(16384,), inter=14336, configs=SWIGLU_CONFIGS) -> tuple[list[dict], str]:
     """fp8.fuse_swiglu's kernels (h = silu(gate) * up quantized, forward; the gradient of [gate | up]
     quantized, backward) per config at a Llama-3.1-8B MLP, against what they replace: inductor's
     silu*mul (backward) kernel writing BF16, then quant_dual reading it. Best: least fwd + bwd time."""
@@ -85,8 +103,11 @@ def sweep_swiglu(tokens=(16384,), inter=14336, configs=CONFIGS) -> tuple[list[di
         timed |= {name: (lambda c=c: _launch(gu, gu, inter, mode=1, config=c),
                          lambda c=c: _launch(dh, gu, 2 * inter, mode=2, config=c)) for name, c in named.items()}
         for name, (fwd, bwd) in timed.items():
-            fwd(), bwd()
-            ms = [cuda_time_ms(fn, warmup=3, iters=20) for fn in (fwd, bwd)]
+            ms = [launchable(lambda: cuda_time_ms(fn, warmup=3, iters=20), name) for fn in (fwd, bwd)]
+            if None in ms:
+                total[named[name]] = float("inf")
+                rows.append({"config": name, "tokens": m, "error": "does not fit"})
+                continue
             if name in named:
                 total[named[name]] += sum(ms)
             rows.append({"config": name, "tokens": m, "fwd_ms": ms[0], "bwd_ms": ms[1], "ms": sum(ms)})

@@ -17,6 +17,7 @@ down_proj's input h = silu(gate) * up from gate_up's output, and in backward the
 Imported lazily by fp8/linear.py (Triton, CUDA).
 """
 
+import functools
 import os
 
 import torch
@@ -30,11 +31,13 @@ from fp8.quant import E4M3, FP8_MAX, TORCHAO_EPS
 BLOCK = 128  # fp8.linear.BLOCK (linear imports this module)
 
 
-# (row splits, num_warps): the launch configuration. The bytes written do not depend on it (each
-# group's amax is an exact max); only the speed does. FP8_GRPO_QUANT_DUAL="split,warps" overrides it
-# (bench/quant.py times the choices on the GPU it runs on). H100, one layer's 8 calls at 16k tokens:
-# (1, 8) 2.87 ms = 1.88x the copy floor (ncu: 252 registers per thread, one program per SM);
-# (2, 4) 2.46 ms = 1.62x (bench/results/quant_h100.json).
+# (row splits, num_warps[, stages, programs per SM]): the launch configuration. The bytes written do
+# not depend on it (each group's amax is an exact max); only the speed does. Two numbers: one program
+# per 128x128 tile. Four: a persistent grid of programs per SM, each looping over tiles with the
+# loads of the next `stages - 1` tiles in flight (Triton's software pipelining). FP8_GRPO_QUANT_DUAL
+# ="split,warps[,stages,per_sm]" overrides it (bench/quant.py times the choices on the GPU it runs on).
+# H100, one layer's 8 calls at 16k tokens: (1, 8) 2.87 ms = 1.88x the copy floor (ncu: 252 registers
+# per thread, one program per SM); (2, 4) 2.46 ms = 1.62x (bench/results/quant_h100.json).
 DEFAULT_CONFIG = (2, 4)
 
 
@@ -43,16 +46,21 @@ DEFAULT_SWIGLU_CONFIG = (1, 8)
 
 
 def _config_from_env(text: str | None, var: str = "FP8_GRPO_QUANT_DUAL",
-                     default: tuple[int, int] = DEFAULT_CONFIG) -> tuple[int, int]:
+                     default: tuple[int, ...] = DEFAULT_CONFIG) -> tuple[int, ...]:
     if not text:
         return default
     try:
-        split, warps = (int(v) for v in text.split(","))
+        config = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise ValueError(f"{var}={text!r}: expected 'split,num_warps', e.g. '2,8'") from None
-    if split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"{var}={text!r}: split must be 1, 2, 4 or 8, num_warps a power of 2 up to 32")
-    return split, warps
+        config = ()
+    if len(config) not in (2, 4):
+        raise ValueError(f"{var}={text!r}: expected 'split,num_warps' or 'split,num_warps,stages,per_sm', "
+                         "e.g. '2,8' or '1,8,2,1'")
+    split, warps, stages, per_sm = (*config, 1, 1)[:4]
+    if split not in (1, 2, 4, 8, 16) or warps not in (1, 2, 4, 8, 16, 32) or not 1 <= stages <= 4 or not 1 <= per_sm <= 16:
+        raise ValueError(f"{var}={text!r}: split must be 1, 2, 4 or 8, num_warps a power of 2 up to 32, "
+                         "stages 1-4, per_sm 1-16")
+    return config
 
 
 CONFIG = _config_from_env(os.environ.get("FP8_GRPO_QUANT_DUAL"))
@@ -92,17 +100,36 @@ def _tile(x_ptr, gu_ptr, m, pid_k, K, MODE: tl.constexpr, HALF: tl.constexpr, BL
 @triton.jit
 def _quant_dual_kernel(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K,
                        BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, COLS: tl.constexpr,
-                       STORE_X: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
-    # One program: the 128x128 tile at rows pid_m * 128, columns pid_k * 128. MODE 2: the tiles at
-    # columns pid_k * 128 of both halves, gate's then up's (both read the same grad_h and gate tiles:
-    # the second reads hit the cache).
-    pid_m = tl.program_id(0)
-    pid_k = tl.program_id(1)
+                       STORE_X: tl.constexpr, STAGES: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    # The 128x128 tiles in row-major order, program p taking tiles p, p + P, ... of the P launched:
+    # one per tile, or a few per SM whose loop Triton software-pipelines (STAGES > 1: the next tiles'
+    # loads in flight while this one is quantized). MODE 2: each tile index covers the tiles at
+    # columns pid_k * 128 of both halves, gate's then up's (both read the same grad_h and gate
+    # tiles: the second reads hit the cache).
+    if MODE == 2:
+        nk = K // (2 * BLOCK)
+    else:
+        nk = K // BLOCK
+    if STAGES == 0:  # one program per tile
+        _quant_tiles(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, tl.program_id(0), nk,
+                     BLOCK, SPLIT, MODE, COLS, STORE_X, EPS, FP8_MAX)
+    else:
+        for t in tl.range(tl.program_id(0), (M // BLOCK) * nk, tl.num_programs(0), num_stages=STAGES):
+            _quant_tiles(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, t, nk,
+                         BLOCK, SPLIT, MODE, COLS, STORE_X, EPS, FP8_MAX)
+
+
+@triton.jit
+def _quant_tiles(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, t, nk,
+                 BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, COLS: tl.constexpr,
+                 STORE_X: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    pid_m = t // nk
+    pid_k = t % nk
     _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, pid_m, pid_k,
                 BLOCK, SPLIT, MODE, 0, COLS, STORE_X, EPS, FP8_MAX)
     if MODE == 2:
         _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, pid_m,
-                    pid_k + K // (2 * BLOCK), BLOCK, SPLIT, MODE, 1, COLS, STORE_X, EPS, FP8_MAX)
+                    pid_k + nk, BLOCK, SPLIT, MODE, 1, COLS, STORE_X, EPS, FP8_MAX)
 
 
 @triton.jit
@@ -124,17 +151,17 @@ def _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col
             tl.store(x_out_ptr + m[:, None] * K + k[None, :], x)
         ax = tl.abs(x)
         # 1x128 groups (one per row of the tile), as torchao's act_quant_lhs
-        amax = tl.clamp(tl.max(ax, axis=1), min=EPS, max=float("inf")).to(tl.float64)
-        scale = (FP8_MAX / amax).to(tl.float32)[:, None]
+        amax = tl.clamp(tl.max(ax, axis=1), min=EPS, max=float("inf"))
+        scale = tl.div_rn(FP8_MAX, amax)[:, None]
         y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_row_ptr.dtype.element_ty)
         tl.store(q_row_ptr + m[:, None] * K + k[None, :], y)
         tl.store(s_row_ptr + pid_k * M + m[:, None], tl.div_rn(1.0, scale))  # [M, K/128] column-major
         if COLS:
-            col_amax = tl.maximum(col_amax, tl.max(ax, axis=0).to(tl.float32))
+            col_amax = tl.maximum(col_amax, tl.max(ax, axis=0))
     if COLS:
         # 128x1 groups (one per column), as act_quant_rhs / act_quant_transposed_lhs; stored as [K, M]
-        amax = tl.clamp(col_amax, min=EPS, max=float("inf")).to(tl.float64)
-        scale = (FP8_MAX / amax).to(tl.float32)[None, :]
+        amax = tl.clamp(col_amax, min=EPS, max=float("inf"))
+        scale = tl.div_rn(FP8_MAX, amax)[None, :]
         for i in tl.static_range(SPLIT):
             m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
             x = x if SPLIT == 1 else _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK)
@@ -198,16 +225,23 @@ def _check(x: Tensor, name: str, multiple: int = BLOCK, shape: tuple[int, int] |
                          "(train.micro_batch_size)")
 
 
-def _launch(x: Tensor, gu: Tensor, k: int, mode: int, cols: bool = True, config: tuple[int, int] | None = None,
+def _launch(x: Tensor, gu: Tensor, k: int, mode: int, cols: bool = True, config: tuple[int, ...] | None = None,
             x_out: Tensor | None = None) -> tuple[Tensor, ...]:
     """Run _quant_dual_kernel over an [M, k] output: (q, s, qt, st), or (q, s) without cols."""
     m = x.shape[0]
-    split, warps = config or CONFIG
+    split, warps, stages, per_sm = (*(config or CONFIG), 0, 0)[:4]
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     s = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()
     qt = torch.empty(k, m, dtype=E4M3, device=x.device) if cols else q
     st = torch.empty(m // BLOCK, k, dtype=torch.float32, device=x.device) if cols else s
-    wrap_triton(_quant_dual_kernel)[(m // BLOCK, k // BLOCK // (2 if mode == 2 else 1))](
+    tiles = m // BLOCK * k // BLOCK // (2 if mode == 2 else 1)
+    programs = min(tiles, per_sm * _sm_count(x.device.index)) if stages else tiles
+    wrap_triton(_quant_dual_kernel)[(programs,)](
         x, gu, x if x_out is None else x_out, q, s, qt, st, m, k, BLOCK=BLOCK, SPLIT=split, MODE=mode, COLS=cols,
-        STORE_X=x_out is not None, EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=warps)
+        STORE_X=x_out is not None, STAGES=stages, EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=warps)
     return (q, s, qt, st) if cols else (q, s)
+
+
+@functools.cache
+def _sm_count(device: int | None) -> int:
+    return torch.cuda.get_device_properties(device or 0).multi_processor_count

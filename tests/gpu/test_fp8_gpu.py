@@ -147,17 +147,19 @@ def test_quant_dual_equals_torchao_triton(ao, shape):
 
 
 def test_quant_dual_launch_configs_write_the_same_bytes():
-    """bench/quant.py's sweep may pick any (row splits, num_warps): each writes the same bytes;
-    FP8_GRPO_QUANT_DUAL is checked."""
+    """bench/quant.py's sweep may pick any (row splits, num_warps[, stages, programs per SM]): each
+    writes the same bytes, the persistent grids too (fewer programs than tiles); FP8_GRPO_QUANT_DUAL
+    is checked."""
     from fp8.kernels import _config_from_env, quant_dual, quant_dual_with
 
     x = (torch.randn(384, 14336, device="cuda") * torch.logspace(-3, 2, 14336, device="cuda")).bfloat16()
     want = quant_dual(x)
-    for cfg in [(1, 4), (1, 8), (2, 8), (4, 8), (8, 16)]:
+    for cfg in [(1, 4), (1, 8), (2, 8), (4, 8), (8, 16), (1, 8, 2, 1), (2, 4, 3, 2), (1, 16, 1, 1)]:
         got = quant_dual_with(x, cfg)
         assert all(same_bytes(a, b) if a.dtype != torch.float32 else torch.equal(a, b) for a, b in zip(got, want)), cfg
     assert _config_from_env("2,8") == (2, 8) and _config_from_env("") == _config_from_env(None)
-    for bad in ("2", "3,8", "2,6", "2,8,1", "a,b"):
+    assert _config_from_env("1,8,2,1") == (1, 8, 2, 1)
+    for bad in ("2", "3,8", "2,6", "2,8,1", "a,b", "1,8,0,1", "1,8,2,0"):
         with pytest.raises(ValueError, match="FP8_GRPO_QUANT_DUAL"):
             _config_from_env(bad)
 
@@ -177,7 +179,7 @@ def test_swiglu_quant_kernels_quantize_swiglu_like_quant_dual():
     cases = (("forward", (gu, gu), inter, 1, swiglu(gu), swiglu_quant_dual(gu)),
              ("backward", (dh, gu), 2 * inter, 2, swiglu_backward(dh, gu), swiglu_backward_quant_dual(dh, gu)))
     for name, args, k, mode, ref, op_out in cases:
-        for cfg in [(2, 4), (1, 8), (4, 4), SWIGLU_CONFIG]:
+        for cfg in [(2, 4), (1, 8), (4, 4), (1, 8, 2, 1), (1, 16, 2, 1), SWIGLU_CONFIG]:
             tile = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
             got = _launch(*args, k, mode=mode, config=cfg, x_out=tile)
             d = (tile.float() - ref.float()).abs()
