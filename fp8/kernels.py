@@ -42,7 +42,7 @@ DEFAULT_CONFIG = (2, 4)
 
 
 # The SwiGLU modes hold two or three input tiles per slice: their own default (bench/quant.py --swiglu).
-DEFAULT_SWIGLU_CONFIG = (1, 8)
+DEFAULT_SWIGLU_CONFIG = (1, 8, 2, 2)
 
 
 def _config_from_env(text: str | None, var: str = "FP8_GRPO_QUANT_DUAL",
