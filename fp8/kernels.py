@@ -7,8 +7,12 @@ act_quant_lhs, act_quant_rhs and act_quant_transposed_lhs kernels). `quant_dual`
 128x128 tile from memory once and writes both: the row-wise tile (torchao's lhs layout) and the
 column-wise tile stored transposed (the rhs / transposed_lhs layout; the two are the same bytes);
 by default in two 64-row slices whose second read hits the cache (fewer registers per thread). The
-arithmetic is torchao's line for line, so the FP8 bytes and scales are the same (tests/gpu). With
-it the linear saves the FP8 128x1 copy of x for backward instead of x in BF16: half the bytes.
+FP8 bytes and scales are torchao's for every finite input (tests/gpu), with less arithmetic: the
+scales in float32 (torchao divides in float64 and rounds: the same float32, as double rounding of a
+quotient is innocuous with 53 >= 2 x 24 + 2 bits), no clamp before the conversion (sm_90's
+cvt.rn.satfinite saturates at 448 as the clamp did; a NaN stays NaN, where torchao's clamp makes it
+-448), the tile widened to float32 once. With it the linear saves the FP8 128x1 copy of x for
+backward instead of x in BF16: half the bytes.
 
 The same kernel also makes its tile before quantizing it: for a SwiGLU MLP (fp8.fuse_swiglu),
 down_proj's input h = silu(gate) * up from gate_up's output, and in backward the gradient of
@@ -149,11 +153,12 @@ def _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col
         x = _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK)  # M, K multiples of 128: no masks
         if STORE_X:
             tl.store(x_out_ptr + m[:, None] * K + k[None, :], x)
+        x = x.to(tl.float32)
         ax = tl.abs(x)
         # 1x128 groups (one per row of the tile), as torchao's act_quant_lhs
         amax = tl.clamp(tl.max(ax, axis=1), min=EPS, max=float("inf"))
         scale = tl.div_rn(FP8_MAX, amax)[:, None]
-        y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_row_ptr.dtype.element_ty)
+        y = (x * scale).to(q_row_ptr.dtype.element_ty)
         tl.store(q_row_ptr + m[:, None] * K + k[None, :], y)
         tl.store(s_row_ptr + pid_k * M + m[:, None], tl.div_rn(1.0, scale))  # [M, K/128] column-major
         if COLS:
@@ -164,8 +169,8 @@ def _quant_tile(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col
         scale = tl.div_rn(FP8_MAX, amax)[None, :]
         for i in tl.static_range(SPLIT):
             m = pid_m * BLOCK + i * SUB + tl.arange(0, SUB)
-            x = x if SPLIT == 1 else _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK)
-            y = tl.clamp(x * scale, min=-FP8_MAX, max=FP8_MAX).to(q_col_ptr.dtype.element_ty)
+            x = x if SPLIT == 1 else _tile(x_ptr, gu_ptr, m, pid_k, K, MODE, HALF, BLOCK).to(tl.float32)
+            y = (x * scale).to(q_col_ptr.dtype.element_ty)
             tl.store(q_col_ptr + k[None, :] * M + m[:, None], y)
         tl.store(s_col_ptr + pid_m * K + k[None, :], tl.div_rn(1.0, scale))  # [M/128, K] row-major
 
