@@ -10,8 +10,8 @@ by default in two 64-row slices whose second read hits the cache (fewer register
 FP8 bytes and scales are torchao's for every finite input (tests/gpu), with less arithmetic: the
 scales in float32 (torchao divides in float64 and rounds: the same float32, as double rounding of a
 quotient is innocuous with 53 >= 2 x 24 + 2 bits), no clamp before the conversion (sm_90's
-cvt.rn.satfinite saturates at 448 as the clamp did; a NaN stays NaN, where torchao's clamp makes it
--448), the tile widened to float32 once. With it the linear saves the FP8 128x1 copy of x for
+cvt.rn.satfinite saturates at 448 as the clamp did; a NaN stays NaN, which torchao's clamp does not
+keep), the tile widened to float32 once. With it the linear saves the FP8 128x1 copy of x for
 backward instead of x in BF16: half the bytes.
 
 The same kernel also makes its tile before quantizing it: for a SwiGLU MLP (fp8.fuse_swiglu),
