@@ -40,13 +40,15 @@ BLOCK = 128  # fp8.linear.BLOCK (linear imports this module)
 # per 128x128 tile. Four: a persistent grid of programs per SM, each looping over tiles with the
 # loads of the next `stages - 1` tiles in flight (Triton's software pipelining). FP8_GRPO_QUANT_DUAL
 # ="split,warps[,stages,per_sm]" overrides it (bench/quant.py times the choices on the GPU it runs on).
-# H100, one layer's 8 calls at 16k tokens: (1, 8) 2.87 ms = 1.88x the copy floor (ncu: 252 registers
-# per thread, one program per SM); (2, 4) 2.46 ms = 1.62x (bench/results/quant_h100.json).
-DEFAULT_CONFIG = (2, 4)
+# H100, one layer's 8 calls at 16k tokens (bench/results/quant_h100.json, twelfth session): (1, 8)
+# 1.85 ms = 1.22x the copy floor (ncu: 117 registers per thread, two programs per SM, DRAM 60% of
+# peak); (2, 4) 1.90 ms = 1.25x; the persistent grids 1.8-6x (quant_h100_persistent.json).
+DEFAULT_CONFIG = (1, 8)
 
 
-# The SwiGLU modes hold two or three input tiles per slice: their own default (bench/quant.py --swiglu).
-DEFAULT_SWIGLU_CONFIG = (1, 8, 2, 2)
+# The SwiGLU modes hold two or three input tiles per slice: their own default (bench/quant.py --swiglu;
+# H100, 16k tokens, I = 14336: forward 0.88 ms, backward 2.17 ms, 179 registers, one program per SM).
+DEFAULT_SWIGLU_CONFIG = (1, 8)
 
 
 def _config_from_env(text: str | None, var: str = "FP8_GRPO_QUANT_DUAL",
