@@ -51,7 +51,8 @@ def layer_ms(fn, tokens: int, tensors: dict) -> float:
 
 
 def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
-    """Rows per (config, tokens) and the best config as 'split,warps[,stages,per_sm]' (least summed time over `tokens`)."""
+    """Rows per (config, tokens) and the best config as 'split,warps[,stages,per_sm]' (least summed time
+    over `tokens`)."""
     from fp8.kernels import quant_dual_with
 
     tensors = {(m, k): torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in tokens for k in set(LAYER_K)}

@@ -5,8 +5,8 @@ Every FP8 linear needs each activation twice: x as 1x128 groups for the forward 
 and as 128x1 groups for wgrad. torchao 0.18 reads the BF16 tensor once per layout (its
 act_quant_lhs, act_quant_rhs and act_quant_transposed_lhs kernels). `quant_dual` reads each
 128x128 tile from memory once and writes both: the row-wise tile (torchao's lhs layout) and the
-column-wise tile stored transposed (the rhs / transposed_lhs layout; the two are the same bytes);
-by default in two 64-row slices whose second read hits the cache (fewer registers per thread). The
+column-wise tile stored transposed (the rhs / transposed_lhs layout; the two are the same bytes),
+either at once or in row slices whose second read hits the cache (the launch's `split`). The
 FP8 bytes and scales are torchao's for every finite input (tests/gpu), with less arithmetic: the
 scales in float32 (torchao divides in float64 and rounds: the same float32, as double rounding of a
 quotient is innocuous with 53 >= 2 x 24 + 2 bits), no clamp before the conversion (sm_90's
@@ -63,7 +63,8 @@ def _config_from_env(text: str | None, var: str = "FP8_GRPO_QUANT_DUAL",
         raise ValueError(f"{var}={text!r}: expected 'split,num_warps' or 'split,num_warps,stages,per_sm', "
                          "e.g. '2,8' or '1,8,2,1'")
     split, warps, stages, per_sm = (*config, 1, 1)[:4]
-    if split not in (1, 2, 4, 8, 16) or warps not in (1, 2, 4, 8, 16, 32) or not 1 <= stages <= 4 or not 1 <= per_sm <= 16:
+    if (split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16, 32) or not 1 <= stages <= 4
+            or not 1 <= per_sm <= 16):
         raise ValueError(f"{var}={text!r}: split must be 1, 2, 4 or 8, num_warps a power of 2 up to 32, "
                          "stages 1-4, per_sm 1-16")
     return config

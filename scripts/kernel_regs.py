@@ -52,8 +52,9 @@ def resources(split: int, warps: int, mode: int, stages: int = 0) -> dict:
 
 
 def main(argv: list[str]) -> None:
+    swiglu = kernels.DEFAULT_SWIGLU_CONFIG[:2]
     launches = [tuple(int(v) for v in a.split(",")) for a in argv] or [
-        (*kernels.DEFAULT_CONFIG[:2], 0), (*kernels.DEFAULT_SWIGLU_CONFIG[:2], 1), (*kernels.DEFAULT_SWIGLU_CONFIG[:2], 2)]
+        (*kernels.DEFAULT_CONFIG[:2], 0), (*swiglu, 1), (*swiglu, 2)]
     for launch in launches:
         if len(launch) not in (3, 4):
             sys.exit(f"{launch}: expected split,warps,mode[,stages], e.g. 1,8,2")
