@@ -62,12 +62,17 @@ def _config_from_env(text: str | None, var: str = "FP8_GRPO_QUANT_DUAL",
     if len(config) not in (2, 4):
         raise ValueError(f"{var}={text!r}: expected 'split,num_warps' or 'split,num_warps,stages,per_sm', "
                          "e.g. '2,8' or '1,8,2,1'")
-    split, warps, stages, per_sm = (*config, 1, 1)[:4]
-    if (split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16, 32) or not 1 <= stages <= 4
-            or not 1 <= per_sm <= 16):
+    split, warps, stages, per_sm = _launch_params(config)
+    if (split not in (1, 2, 4, 8) or warps not in (1, 2, 4, 8, 16, 32)
+            or len(config) == 4 and not (1 <= stages <= 4 and 1 <= per_sm <= 16)):
         raise ValueError(f"{var}={text!r}: split must be 1, 2, 4 or 8, num_warps a power of 2 up to 32, "
                          "stages 1-4, per_sm 1-16")
     return config
+
+
+def _launch_params(config: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """(split, warps, stages, per_sm) of a two- or four-number launch; stages 0: one program per tile."""
+    return (*config, 0, 0)[:4]
 
 
 CONFIG = _config_from_env(os.environ.get("FP8_GRPO_QUANT_DUAL"))
@@ -237,7 +242,7 @@ def _launch(x: Tensor, gu: Tensor, k: int, mode: int, cols: bool = True, config:
             x_out: Tensor | None = None) -> tuple[Tensor, ...]:
     """Run _quant_dual_kernel over an [M, k] output: (q, s, qt, st), or (q, s) without cols."""
     m = x.shape[0]
-    split, warps, stages, per_sm = (*(config or CONFIG), 0, 0)[:4]
+    split, warps, stages, per_sm = _launch_params(config or CONFIG)
     q = torch.empty(m, k, dtype=E4M3, device=x.device)
     s = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()
     qt = torch.empty(k, m, dtype=E4M3, device=x.device) if cols else q

@@ -26,16 +26,16 @@ from triton.compiler import ASTSource  # noqa: E402
 from fp8 import kernels  # noqa: E402
 from fp8.quant import FP8_MAX, TORCHAO_EPS  # noqa: E402
 
-POINTERS = {"x_ptr": "*bf16", "gu_ptr": "*bf16", "x_out_ptr": "*bf16", "q_row_ptr": "*fp8e4nv", "s_row_ptr": "*fp32",
-            "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", "M": "i32", "K": "i32"}
+ARGS = {"x_ptr": "*bf16", "gu_ptr": "*bf16", "x_out_ptr": "*bf16", "q_row_ptr": "*fp8e4nv", "s_row_ptr": "*fp32",
+        "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", "M": "i32", "K": "i32"}  # all 16-aligned / divisible
 CONSTEXPRS = ["BLOCK", "SPLIT", "MODE", "COLS", "STORE_X", "STAGES", "EPS", "FP8_MAX"]
 
 
 def resources(split: int, warps: int, mode: int, stages: int = 0) -> dict:
     consts = {"BLOCK": 128, "SPLIT": split, "MODE": mode, "COLS": True, "STORE_X": False, "STAGES": stages,
               "EPS": TORCHAO_EPS, "FP8_MAX": FP8_MAX}
-    src = ASTSource(fn=kernels._quant_dual_kernel, signature=POINTERS | dict.fromkeys(CONSTEXPRS, "constexpr"),
-                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(len(POINTERS))})
+    src = ASTSource(fn=kernels._quant_dual_kernel, signature=ARGS | dict.fromkeys(CONSTEXPRS, "constexpr"),
+                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(len(ARGS))})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     tools = Path(triton.__file__).parent / "backends/nvidia/bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
