@@ -173,8 +173,9 @@ class FP8Config:
     emulate: bool = False
     """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
     the emulation (same numerics, slower than BF16), with a warning unless this is set."""
-    linear_backend: Literal["auto", "cutlass", "deep_gemm"] = "cutlass"
-    """vLLM block-FP8 GEMM backend; cutlass starts in ~1 min, deep_gemm JITs for minutes."""
+    linear_backend: Literal["auto", "cutlass", "deep_gemm", "triton"] = "cutlass"
+    """vLLM block-FP8 GEMM backend; cutlass starts in ~1 min, deep_gemm JITs for minutes, triton is
+    vLLM's Triton block-FP8 GEMM (tuned configs for some shapes)."""
     calib_percentile: float = 99.9
     """Percentile over micro-batches of the per-layer amax of q/k/v."""
     calib_margin: float = 1.05

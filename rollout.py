@@ -172,7 +172,7 @@ def vllm_env(cfg: Config) -> dict[str, str]:
         # multicast: on a host without it the first TP forward dies with an illegal address (H200 x2, 2026-11-22)
         env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = os.environ.get("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     backend = cfg.fp8.linear_backend
-    if backend == "cutlass":  # no DeepGEMM anywhere: no JIT, no deep_gemm warmup
+    if backend in ("cutlass", "triton"):  # no DeepGEMM anywhere: no JIT, no deep_gemm warmup
         env["VLLM_USE_DEEP_GEMM"] = "0"
     elif backend == "deep_gemm":
         env["VLLM_USE_DEEP_GEMM"] = "1"

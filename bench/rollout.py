@@ -72,6 +72,10 @@ MODES = {  # bench mode -> config overrides (fp8.rollout, fp8.kv_cache)
     "bf16": ["fp8.rollout=false", "fp8.kv_cache=false"],
     "fp8": ["fp8.rollout=true", "fp8.kv_cache=false"],
     "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
+    # vLLM's Triton block-FP8 GEMM instead of cutlass (the decode-step question: which one reads the
+    # FP8 weights at bandwidth for a few hundred tokens)
+    "fp8_triton": ["fp8.rollout=true", "fp8.kv_cache=false", "fp8.linear_backend=triton"],
+    "fp8kv_triton": ["fp8.rollout=true", "fp8.kv_cache=true", "fp8.linear_backend=triton"],
 }
 DEFAULT_MODES = ["bf16", "fp8kv", "fp8"]
 # HF config fields of the real checkpoints (meta-llama/Llama-3.1-8B, Qwen/Qwen3-8B); weights are random.
@@ -364,6 +368,10 @@ def run_worker(args) -> int:
                         top_p=1.0, max_new_tokens=warm.gen_len, seed=args.seed)
         _say(f"warm-up {warm.name}: {time.perf_counter() - t0:.1f} s")
 
+        if args.decode_steps:
+            for k, w in enumerate(workloads):
+                _emit(args.result_file, decode_row(engine, w, args, base, model_name, hf_cfg.vocab_size, k))
+            return 0
         for k, w in enumerate(workloads):
             row = {"kind": "run", "workload": f"{model_name} {w.name}", "prompts": w.prompts,
                    "prompt_len": w.prompt_len, "gen_len": w.gen_len, **base,
@@ -395,6 +403,68 @@ def run_worker(args) -> int:
                                  "error": f"{type(e).__name__}: {str(e)[:2000]}",
                                  "traceback": traceback.format_exc()[-4000:]})
         return 1
+
+
+KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match wins)
+    ("attention", re.compile(r"flash|fmha|attn|paged", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|_mm_|scaled_mm|w8a8", re.I)),
+    ("act_quant", re.compile(r"quant|fp8", re.I)),
+    ("norm/rope", re.compile(r"norm|rotary|rope", re.I)),
+    ("sampling", re.compile(r"sampl|softmax|topk|top_k|argmax|gumbel|exponential", re.I)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pat in KERNEL_KINDS if pat.search(name)), "other")
+
+
+def kernel_table(prof, steps: int, top: int = 30) -> tuple[dict, str]:
+    """({kind: ms per decode step}, text): device time of a profiled decode run by kernel kind, then
+    the top kernels, each per decode step."""
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    kinds: dict[str, float] = {}
+    for e in kernels:
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e3 / steps
+    total = sum(kinds.values()) or 1.0  # (no kernel seen: an empty table)
+    lines = [f"{'kind':<12} {'ms/step':>9} {'share':>7}"]
+    lines += [f"{k:<12} {v:9.3f} {v / total:7.1%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
+    lines += ["", f"{'ms/step':>9} {'calls/step':>10} {'kind':<10} kernel"]
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        lines.append(f"{e.self_device_time_total / 1e3 / steps:9.3f} {e.count / steps:10.1f} "
+                     f"{kernel_kind(e.key):<10} {e.key[:150]}")
+    return {k: round(v, 3) for k, v in kinds.items()}, "\n".join(lines) + "\n"
+
+
+def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: int, k: int) -> dict:
+    """Decode step time at batch w.prompts and context ~w.prompt_len: the prompts go through once with
+    one new token (their KV stays in vLLM's prefix cache), then args.decode_steps new tokens are timed
+    (each sequence's last prompt block is recomputed: a small prefill), then the same is run under
+    torch.profiler; the kernel table goes to OUT/logs/decode_<model>_<mode>_<workload>.txt."""
+    import torch
+
+    prompts, n = random_prompts(w, vocab, args.seed + k), args.decode_steps
+    gen = dict(n=1, temperature=1.0, top_p=1.0, seed=args.seed + 1000 * (k + 1))
+    t0 = time.perf_counter()
+    engine.generate(prompts, max_new_tokens=1, **gen)
+    prefill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    samples = engine.generate(prompts, max_new_tokens=n, **gen)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(s.token_ids) for s in samples)
+    row = {"kind": "run", "workload": f"{model_name} {w.name} decode", "prompts": w.prompts,
+           "prompt_len": w.prompt_len, "gen_len": n, **base, "seqs_fit": base["kv_capacity_tokens"] // w.seq_len,
+           "prefill_s": round(prefill_s, 3), "gen_s": round(dt, 3), "gen_tokens": tokens,
+           "out_tok_s": round(tokens / dt, 1), "decode_step_ms": round(1e3 * dt / n, 3)}
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, max_new_tokens=n, **gen)
+    row["kernel_ms_per_step"], text = kernel_table(prof, n)
+    path = Path(args.result_file).parent / f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}.txt"
+    path.write_text(f"{model_name} {base['mode']} {w.name}: {n} decode steps at batch {w.prompts}, "
+                    f"{row['decode_step_ms']:.2f} ms per step unprofiled\n\n{text}")
+    _say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
+         f"({row['out_tok_s']:,.0f} tok/s); kernels per step {row['kernel_ms_per_step']}")
+    return row
 
 
 class _DryEngine:
@@ -549,6 +619,8 @@ def worker_argv(args, model: str, mode: str, result_file: Path, deadline: float 
             "--gpu-mem", str(args.gpu_mem), "--seed", str(args.seed), "--result-file", str(result_file)]
     if args.capacity_only:
         argv.append("--capacity-only")
+    if args.decode_steps:
+        argv += ["--decode-steps", str(args.decode_steps)]
     if deadline:
         argv += ["--deadline", f"{deadline:.1f}"]
     if args.dry_run:
@@ -745,6 +817,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-only", action="store_true",
                    help="engine start (enforce_eager) and KV capacity only; writes rollout_capacity.json")
     p.add_argument("--gpu-mem", type=parse_gpu_mem, default="auto", help="gpu_memory_utilization, or 'auto'")
+    p.add_argument("--decode-steps", type=int, default=0,
+                   help="instead of whole generations: N decode steps per workload PxL->G (batch P, context ~L, "
+                        "G unused) timed and profiled by kernel kind (OUT/logs/decode_*.txt)")
     p.add_argument("--refits", type=int, default=3, help="update_weights calls timed (median reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results); logs in OUT/logs")

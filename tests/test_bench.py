@@ -70,7 +70,27 @@ def test_worker_argv_round_trips():
     w = br.build_parser().parse_args(argv[2:])
     assert w.worker and w.models == ["qwen3-8b"] and w.modes == ["fp8kv"] and w.capacity_only
     assert w.workloads == args.workloads and w.refits == 2 and w.gpu_mem == "0.6" and w.seed == 7
-    assert w.result_file == "/tmp/r.jsonl" and w.deadline == 123.0 and not w.dry_run
+    assert w.result_file == "/tmp/r.jsonl" and w.deadline == 123.0 and not w.dry_run and w.decode_steps == 0
+    args = br.build_parser().parse_args(["--decode-steps", "64"])
+    assert br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[2:]).decode_steps == 64
+
+
+def test_decode_profile_kernel_kinds():
+    """Kernel names as vLLM 0.26's decode step launches them on an H100/H200 land in the right kind."""
+    names = {
+        "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>(...)": "attention",
+        "void flash::FlashAttnFwdCombine<...>": "attention",
+        "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>(...)": "gemm",
+        "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "gemm",
+        "_w8a8_triton_block_scaled_mm": "gemm",
+        "void vllm::per_token_group_quant_8bit_kernel<c10::BFloat16, c10::Float8_e4m3fn>(...)": "act_quant",
+        "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "other",
+        "void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>(...)": "norm/rope",
+        "void vllm::rotary_embedding_kernel<...>": "norm/rope",
+        "_topk_log_softmax_kernel": "sampling",
+        "void at::native::elementwise_kernel<128, 2, ...>": "other",
+    }
+    assert {n: br.kernel_kind(n) for n in names} == names
 
 
 # ----------------------------------------------------------------------------------- models and configs
@@ -137,6 +157,8 @@ def test_bench_config_per_mode():
         assert r.max_model_len == 1024 + 8192 and r.max_new_tokens == 8192 and r.gpu_memory_utilization == 0.8
         assert cfg.fp8.linear_backend == "cutlass" and r.temperature == 1.0 and r.top_p == 1.0
     assert br.bench_config("bf16", ws, 0.5, capacity_only=True).rollout.enforce_eager
+    cfg = br.bench_config("fp8kv_triton", ws, 0.8)  # the mode's backend wins over the bench's cutlass
+    assert cfg.fp8.linear_backend == "triton" and cfg.fp8.kv_cache and cfg.fp8.rollout
 
 
 def test_auto_gpu_memory_utilization():

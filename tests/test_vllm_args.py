@@ -55,7 +55,7 @@ def tiny(tmp_path_factory):
 # ---------------------------------------------------------------- pure (no vLLM needed)
 
 def test_env_pins_scales_inprocess_and_backend():
-    for backend, deep_gemm in [("cutlass", "0"), ("deep_gemm", "1"), ("auto", None)]:
+    for backend, deep_gemm in [("cutlass", "0"), ("triton", "0"), ("deep_gemm", "1"), ("auto", None)]:
         env = vllm_env(cfg_for("fp8", f"fp8.linear_backend={backend}"))
         assert env["VLLM_USE_DEEP_GEMM_E8M0"] == "0"  # else vLLM re-rounds block scales to 2^k
         assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the model must live in this process
