@@ -129,6 +129,8 @@ class RolloutConfig:
     enforce_eager: bool = False
     max_model_len: int = 0
     """0 = max prompt tokens + max_new_tokens."""
+    block_size: int = 0
+    """vLLM's KV-cache page in tokens, a multiple of 16; 0 = vLLM's default (16)."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism over consecutive torchrun ranks (a group of this many ranks holds one
     engine, sharded; for a model whose weights + KV do not fit one GPU's share). The group generates
@@ -393,6 +395,8 @@ def validate(cfg: Config) -> None:
     if samples % mb or mb % min(t.micro_batch_size, mb):
         raise ConfigError(f"train.mini_batch_size ({mb}) must divide rollout.n * rollout.prompts_per_step "
                           f"({samples}) and be a multiple of train.micro_batch_size ({t.micro_batch_size})")
+    if r.block_size < 0 or r.block_size % 16:
+        raise ConfigError(f"rollout.block_size must be 0 (vLLM's default) or a multiple of 16, got {r.block_size}")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
     if cfg.data.source != "synthetic" and not cfg.data.path:

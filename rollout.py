@@ -197,6 +197,8 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
         enforce_eager=r.enforce_eager, max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
         logprobs_mode="processed_logprobs",  # log_softmax(logits / T): the repo's convention
     )
+    if r.block_size:
+        kw["block_size"] = r.block_size
     if f.rollout:
         kw["quantization"] = "fp8"
         if quant_config is None:

@@ -195,9 +195,10 @@ def write_model_dir(model, path, tokenizer=None) -> Path:
     return save_config_dir(model, tokenizer or build_char_tokenizer(CHAR_VOCAB), path)
 
 
-def bench_config(mode: str, workloads: list[Workload], gpu_mem: float, capacity_only: bool = False):
+def bench_config(mode: str, workloads: list[Workload], gpu_mem: float, capacity_only: bool = False,
+                 overrides: tuple[str, ...] = ()):
     """The run config the engine is built from: mode's fp8 switches, fixed-length sampling, no sleep
-    mode, max_model_len = the longest workload, CUDA graphs unless capacity_only."""
+    mode, max_model_len = the longest workload, CUDA graphs unless capacity_only; then overrides (--set)."""
     from config import load_config
 
     return load_config(None, [
@@ -207,7 +208,7 @@ def bench_config(mode: str, workloads: list[Workload], gpu_mem: float, capacity_
         f"rollout.max_new_tokens={max(w.gen_len for w in workloads)}",
         f"data.max_prompt_tokens={max(w.prompt_len for w in workloads)}",
         "rollout.ignore_eos=true", "rollout.temperature=1.0", "rollout.top_p=1.0", "fp8.linear_backend=cutlass",
-        *MODES[mode]])
+        *MODES[mode], *overrides])
 
 
 def auto_gpu_memory_utilization(total_bytes: int, trainer_bytes: int, reserve_gib: float = 10.0,
@@ -314,7 +315,7 @@ def run_worker(args) -> int:
             device_name, total = torch.cuda.get_device_name(), torch.cuda.mem_get_info()[1]
         gpu_mem = (auto_gpu_memory_utilization(total, trainer_bytes) if args.gpu_mem == "auto"
                    else float(args.gpu_mem))
-        cfg = bench_config(mode, workloads, gpu_mem, args.capacity_only)
+        cfg = bench_config(mode, workloads, gpu_mem, args.capacity_only, tuple(args.set))
         base.update(device=device_name, gpu_memory_utilization=gpu_mem, enforce_eager=cfg.rollout.enforce_eager,
                     gpu_total_gib=round(total / GiB, 1), trainer_gib=round(param_bytes(model) / GiB, 2),
                     kv_bytes_per_token=kv_bytes_per_token(hf_cfg, cfg.fp8.kv_cache))
@@ -373,7 +374,7 @@ def run_worker(args) -> int:
                 _emit(args.result_file, decode_row(engine, w, args, base, model_name, hf_cfg.vocab_size, k))
             return 0
         for k, w in enumerate(workloads):
-            row = {"kind": "run", "workload": f"{model_name} {w.name}", "prompts": w.prompts,
+            row = {"kind": "run", "workload": " ".join([model_name, w.name, *args.set]), "prompts": w.prompts,
                    "prompt_len": w.prompt_len, "gen_len": w.gen_len, **base,
                    "seqs_fit": base["kv_capacity_tokens"] // w.seq_len}
             if args.deadline and time.time() > args.deadline - 20:
@@ -451,7 +452,7 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     samples = engine.generate(prompts, max_new_tokens=n, **gen)
     dt = time.perf_counter() - t0
     tokens = sum(len(s.token_ids) for s in samples)
-    row = {"kind": "run", "workload": f"{model_name} {w.name} decode", "prompts": w.prompts,
+    row = {"kind": "run", "workload": " ".join([model_name, w.name, "decode", *args.set]), "prompts": w.prompts,
            "prompt_len": w.prompt_len, "gen_len": n, **base, "seqs_fit": base["kv_capacity_tokens"] // w.seq_len,
            "prefill_s": round(prefill_s, 3), "gen_s": round(dt, 3), "gen_tokens": tokens,
            "out_tok_s": round(tokens / dt, 1), "decode_step_ms": round(1e3 * dt / n, 3)}
@@ -459,7 +460,8 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)
     row["kernel_ms_per_step"], text = kernel_table(prof, n)
-    path = Path(args.result_file).parent / f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}.txt"
+    tag = "_".join([model_name, base["mode"], w.name.replace("->", "_"), *(re.sub(r"\W", "", o) for o in args.set)])
+    path = Path(args.result_file).parent / f"decode_{tag}.txt"
     path.write_text(f"{model_name} {base['mode']} {w.name}: {n} decode steps at batch {w.prompts}, "
                     f"{row['decode_step_ms']:.2f} ms per step unprofiled\n\n{text}")
     _say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
@@ -621,6 +623,8 @@ def worker_argv(args, model: str, mode: str, result_file: Path, deadline: float 
         argv.append("--capacity-only")
     if args.decode_steps:
         argv += ["--decode-steps", str(args.decode_steps)]
+    for o in args.set:
+        argv += ["--set", o]
     if deadline:
         argv += ["--deadline", f"{deadline:.1f}"]
     if args.dry_run:
@@ -696,7 +700,7 @@ def run_parent(args) -> int:
     name = "rollout_capacity" if args.capacity_only else "rollout"
     models = args.models or (["qwen3-8b"] if args.capacity_only else ["llama3.1-8b"])
     modes = args.modes or DEFAULT_MODES
-    suffix = "_capacity" if args.capacity_only else ""
+    suffix = "_capacity" if args.capacity_only else "".join("_" + re.sub(r"\W", "", o) for o in args.set)
     pending = []
     for model in models:
         for mode in modes:
@@ -820,6 +824,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=0,
                    help="instead of whole generations: N decode steps per workload PxL->G (batch P, context ~L, "
                         "G unused) timed and profiled by kernel kind (OUT/logs/decode_*.txt)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override for every mode (e.g. rollout.block_size=128); part of the workload label")
     p.add_argument("--refits", type=int, default=3, help="update_weights calls timed (median reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results); logs in OUT/logs")

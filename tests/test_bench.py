@@ -73,6 +73,11 @@ def test_worker_argv_round_trips():
     assert w.result_file == "/tmp/r.jsonl" and w.deadline == 123.0 and not w.dry_run and w.decode_steps == 0
     args = br.build_parser().parse_args(["--decode-steps", "64"])
     assert br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[2:]).decode_steps == 64
+    args = br.build_parser().parse_args(["--set", "rollout.block_size=64", "--set", "rollout.seed=3"])
+    w = br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[2:])
+    assert w.set == ["rollout.block_size=64", "rollout.seed=3"]
+    cfg = br.bench_config("fp8kv", args.workloads, 0.8, overrides=tuple(w.set))
+    assert cfg.rollout.block_size == 64 and cfg.rollout.seed == 3 and cfg.fp8.kv_cache
 
 
 def test_decode_profile_kernel_kinds():

@@ -51,6 +51,7 @@ def test_int_and_exponent_strings_accepted_for_float():
     (["rollout.n=1"], r"rollout.n must be >= 2"),
     (["train.mini_batch_size=100"], r"train.mini_batch_size \(100\) must divide"),
     (["data.source=jsonl"], r"data.path is required"),
+    (["rollout.block_size=24"], r"rollout.block_size must be 0 \(vLLM's default\) or a multiple of 16, got 24"),
     (["noequals"], r"must look like section.key=value"),
 ])
 def test_errors_name_the_key(override, message):
