@@ -147,6 +147,10 @@ class FP8Config:
     """Engine linears in block-wise W8A8 FP8, weights quantized by fp8/quant.py."""
     kv_cache: bool = False
     """FP8 KV cache + FP8 attention in the engine (needs q/k/v scales: see recalibrate)."""
+    kv_attention: Literal["fa3", "triton"] = "fa3"
+    """Engine attention over the FP8 KV cache. fa3: FlashAttention 3 in FP8 (q and P quantized too).
+    triton: vLLM's Triton attention, K/V dequantized in the kernel, BF16/FP32 math (q/k/v scales
+    still read from device tensors, so per-step recalibration reaches it inside CUDA graphs)."""
     recalibrate: bool = True
     """Recompute q/k/v scales from the trainer's attention inputs after every step."""
     calib_pass: Literal["separate", "logprobs"] = "separate"

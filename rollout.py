@@ -211,7 +211,8 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
         kw["calculate_kv_scales"] = False  # scales come from set_kv_scales, never from a batch
         # FA3 reads q/k/v descales from device tensors at launch, so set_kv_scales' in-place
         # updates reach it (also inside CUDA graphs); FlashInfer would bake host floats.
-        kw["attention_config"] = {"backend": "FLASH_ATTN", "flash_attn_version": 3}
+        kw["attention_config"] = ({"backend": "FLASH_ATTN", "flash_attn_version": 3} if f.kv_attention == "fa3"
+                                  else {"backend": "TRITON_ATTN"})
     if world_size > 1:  # torchrun: vLLM lays ranks out as external DP x TP (parallel_state.py); each group
         # of tensor_parallel_size consecutive ranks is one engine, the groups generate independently
         kw["distributed_executor_backend"] = "external_launcher"

@@ -23,6 +23,7 @@ MODES = {  # name -> config overrides (the three rollout recipes of configs/)
     "bf16": [],
     "fp8": ["fp8.rollout=true"],
     "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
+    "fp8kv_triton": ["fp8.rollout=true", "fp8.kv_cache=true", "fp8.kv_attention=triton", "rollout.block_size=32"],
 }
 TINY = ["rollout.engine=vllm", "data.max_prompt_tokens=64", "rollout.max_new_tokens=64", "model.dtype=bfloat16",
         "model.tiny.hidden_size=256", "model.tiny.intermediate_size=512", "model.tiny.num_layers=3",
@@ -71,8 +72,8 @@ def kwargs(mode, *overrides, **kw):
 
 
 def test_kwargs_shape_per_mode():
-    bf16, fp8, fp8kv = (kwargs(m) for m in MODES)
-    for kw in (bf16, fp8, fp8kv):
+    bf16, fp8, fp8kv, fp8kv_triton = (kwargs(m) for m in MODES)
+    for kw in (bf16, fp8, fp8kv, fp8kv_triton):
         assert kw["dtype"] == "bfloat16" and kw["load_format"] == "dummy" and kw["tensor_parallel_size"] == 1
         assert kw["logprobs_mode"] == "processed_logprobs"
         assert kw["max_model_len"] == 64 + 64  # 0 -> data.max_prompt_tokens + rollout.max_new_tokens
@@ -83,6 +84,8 @@ def test_kwargs_shape_per_mode():
     assert fp8["quantization"] == "fp8" and fp8["linear_backend"] == "cutlass" and "kv_cache_dtype" not in fp8
     assert fp8kv["kv_cache_dtype"] == "fp8" and fp8kv["calculate_kv_scales"] is False
     assert fp8kv["attention_config"] == {"backend": "FLASH_ATTN", "flash_attn_version": 3}
+    assert fp8kv_triton["attention_config"] == {"backend": "TRITON_ATTN"} and fp8kv_triton["block_size"] == 32
+    assert "block_size" not in fp8kv  # 0: vLLM's default
     assert kwargs("bf16", "rollout.max_model_len=100")["max_model_len"] == 100
     assert "linear_backend" not in kwargs("fp8", "fp8.linear_backend=auto")
     with pytest.raises(ValueError, match="needs quant_config"):
@@ -132,9 +135,12 @@ def test_engine_args_parse(mode, world_size, tiny, monkeypatch):
     assert mc.dtype == torch.bfloat16 and mc.logprobs_mode == "processed_logprobs"
     assert mc.max_model_len == cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens
     KernelConfig(linear_backend=ea.linear_backend)  # pydantic: rejects unknown backends
-    CacheConfig(cache_dtype=ea.kv_cache_dtype, calculate_kv_scales=ea.calculate_kv_scales)
-    if cfg.fp8.kv_cache:
+    CacheConfig(cache_dtype=ea.kv_cache_dtype, calculate_kv_scales=ea.calculate_kv_scales, block_size=ea.block_size)
+    assert ea.block_size == (cfg.rollout.block_size or None)
+    if cfg.fp8.kv_cache and cfg.fp8.kv_attention == "fa3":
         assert ea.attention_config.backend.name == "FLASH_ATTN" and ea.attention_config.flash_attn_version == 3
+    elif cfg.fp8.kv_cache:
+        assert ea.attention_config.backend.name == "TRITON_ATTN"
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # ParallelConfig flips it for external_launcher
     pc = ParallelConfig(distributed_executor_backend=ea.distributed_executor_backend,
                         tensor_parallel_size=ea.tensor_parallel_size)
