@@ -407,7 +407,7 @@ def run_worker(args) -> int:
 
 
 KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match wins)
-    ("attention", re.compile(r"flash|fmha|attn|paged", re.I)),
+    ("attention", re.compile(r"flash|fmha|attn|attention|paged", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|_mm_|scaled_mm|w8a8", re.I)),
     ("act_quant", re.compile(r"quant|fp8", re.I)),
     ("norm/rope", re.compile(r"norm|rotary|rope", re.I)),
@@ -462,7 +462,7 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     row["kernel_ms_per_step"], text = kernel_table(prof, n)
     tag = "_".join([model_name, base["mode"], w.name.replace("->", "_"), *(re.sub(r"\W", "", o) for o in args.set)])
     path = Path(args.result_file).parent / f"decode_{tag}.txt"
-    path.write_text(f"{model_name} {base['mode']} {w.name}: {n} decode steps at batch {w.prompts}, "
+    path.write_text(f"{row['workload']} {base['mode']}: {n} decode steps at batch {w.prompts}, "
                     f"{row['decode_step_ms']:.2f} ms per step unprofiled\n\n{text}")
     _say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
          f"({row['out_tok_s']:,.0f} tok/s); kernels per step {row['kernel_ms_per_step']}")

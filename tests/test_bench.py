@@ -85,6 +85,7 @@ def test_decode_profile_kernel_kinds():
     names = {
         "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>(...)": "attention",
         "void flash::FlashAttnFwdCombine<...>": "attention",
+        "kernel_unified_attention": "attention",  # vLLM's Triton backend (fp8.kv_attention=triton)
         "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>(...)": "gemm",
         "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "gemm",
         "_w8a8_triton_block_scaled_mm": "gemm",
