@@ -20,6 +20,7 @@ the top-p mask, so with top_p < 1 the engine's logprobs are renormalised over th
 
 import contextlib
 import copy
+import logging
 import os
 import random
 import re
@@ -160,6 +161,17 @@ def make_engine(cfg: Config, model, tokenizer, device, model_dir=None) -> Engine
 # Internals used below are those of vLLM 0.26.0 (requirements.txt pins it); each such use says so.
 
 _KV_SCALE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\..*?\b(q|k|v|kv)_scale$")
+
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.26's layerwise reload
+
+
+def quiet_rotary_reload(record: logging.LogRecord) -> bool:
+    """Logging filter: drops vLLM 0.26's "RotaryEmbedding: Failed to load weights", logged at every
+    refit. A rotary embedding has no tensor in the HF state dict, and vLLM puts the layer's own
+    cos/sin cache back; tests/gpu/test_vllm_engine.py checks the refit engine's logprobs against
+    the trainer. Every other record passes."""
+    return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
 
 
 def vllm_env(cfg: Config) -> dict[str, str]:
@@ -317,6 +329,7 @@ class VLLMEngine:
                             "host with `pip install vllm==0.26.0` (requirements.txt), or set "
                             "rollout.engine=hf") from None
 
+        logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload)
         t0 = time.perf_counter()
         with kept_env("TRITON_CACHE_DIR"):  # the trainer's Triton autotuning stays in its fixed dir
             self.llm = vllm.LLM(**self.engine_kwargs)

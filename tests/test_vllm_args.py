@@ -6,6 +6,7 @@ Llama dir (config.json + char tokenizer). Tests needing vLLM skip when it does n
 """
 
 import importlib
+import logging
 import os
 import subprocess
 import sys
@@ -16,7 +17,8 @@ import torch
 
 from config import load_config
 from fp8.export import vllm_quantization_config
-from rollout import kept_env, kv_scale_entry, vllm_engine_kwargs, vllm_env, vllm_requests
+from rollout import (RELOAD_LOGGER, kept_env, kv_scale_entry, quiet_rotary_reload, vllm_engine_kwargs, vllm_env,
+                     vllm_requests)
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {  # name -> config overrides (the three rollout recipes of configs/)
@@ -246,3 +248,24 @@ def test_kept_env_restores_what_the_body_overwrote(monkeypatch, before):
             os.environ["TRITON_CACHE_DIR"] = "/root/.cache/vllm/torch_compile_cache/x/triton_cache"
             raise RuntimeError("engine start failed")
     assert os.environ.get("TRITON_CACHE_DIR") == before
+
+
+def test_rotary_reload_warning_filtered_and_nothing_else():
+    """The filter sits on the logger vLLM's layerwise reload logs to, drops only its per-refit
+    RotaryEmbedding line, and lets the same warning about any other layer through."""
+    _vllm()
+    layerwise = importlib.import_module("vllm.model_executor.model_loader.reload.layerwise")
+    assert layerwise.logger.name == RELOAD_LOGGER
+    seen = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())
+    log = logging.getLogger(RELOAD_LOGGER)
+    log.addFilter(quiet_rotary_reload)
+    log.addHandler(handler)
+    try:
+        log.warning("%s: Failed to load weights", "RotaryEmbedding")
+        log.warning("%s: Failed to load weights", "QKVParallelLinear")
+    finally:
+        log.removeFilter(quiet_rotary_reload)
+        log.removeHandler(handler)
+    assert seen == ["QKVParallelLinear: Failed to load weights"]
