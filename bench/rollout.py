@@ -4,6 +4,8 @@
     python bench/rollout.py --models qwen3           # Qwen3-8B shape
     python bench/rollout.py --workloads '512x256->1024,64x1024->8192' --modes bf16,fp8kv
     python bench/rollout.py --capacity-only          # Qwen3-8B KV-cache capacity per mode vs NeMo RL's
+    python bench/rollout.py --decode-steps 64 --workloads 128x4096:64   # decode step ms by kernel kind
+    python bench/rollout.py --modes fp8kv --set rollout.block_size=128  # a config override, every mode
     python bench/rollout.py --merge a/rollout.json b/rollout.json --out bench/results   # combine calls
 
 What runs: the engine the trainer uses (rollout.VLLMEngine: in-process vLLM 0.26, dummy load, then
@@ -415,6 +417,11 @@ KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match win
 )
 
 
+def set_tag(overrides: list[str]) -> str:
+    """File-name suffix of --set overrides: "_rolloutblock_size128" for rollout.block_size=128."""
+    return "".join("_" + re.sub(r"\W", "", o) for o in overrides)
+
+
 def kernel_kind(name: str) -> str:
     return next((kind for kind, pat in KERNEL_KINDS if pat.search(name)), "other")
 
@@ -425,7 +432,8 @@ def kernel_table(prof, steps: int, top: int = 30) -> tuple[dict, str]:
     kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
     kinds: dict[str, float] = {}
     for e in kernels:
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + e.self_device_time_total / 1e3 / steps
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3 / steps
     total = sum(kinds.values()) or 1.0  # (no kernel seen: an empty table)
     lines = [f"{'kind':<12} {'ms/step':>9} {'share':>7}"]
     lines += [f"{k:<12} {v:9.3f} {v / total:7.1%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
@@ -460,8 +468,7 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)
     row["kernel_ms_per_step"], text = kernel_table(prof, n)
-    tag = "_".join([model_name, base["mode"], w.name.replace("->", "_"), *(re.sub(r"\W", "", o) for o in args.set)])
-    path = Path(args.result_file).parent / f"decode_{tag}.txt"
+    path = Path(args.result_file).parent / f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(args.set)}.txt"
     path.write_text(f"{row['workload']} {base['mode']}: {n} decode steps at batch {w.prompts}, "
                     f"{row['decode_step_ms']:.2f} ms per step unprofiled\n\n{text}")
     _say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
@@ -700,7 +707,7 @@ def run_parent(args) -> int:
     name = "rollout_capacity" if args.capacity_only else "rollout"
     models = args.models or (["qwen3-8b"] if args.capacity_only else ["llama3.1-8b"])
     modes = args.modes or DEFAULT_MODES
-    suffix = "_capacity" if args.capacity_only else "".join("_" + re.sub(r"\W", "", o) for o in args.set)
+    suffix = "_capacity" if args.capacity_only else set_tag(args.set)
     pending = []
     for model in models:
         for mode in modes:
@@ -856,6 +863,13 @@ def main(argv=None) -> int:
         p.error("--refits must be >= 1")
     if args.merge:
         return run_merge(args)
+    if args.set:  # a typo fails here, once, not in every child
+        from config import ConfigError
+
+        try:
+            bench_config("bf16", args.workloads, 0.8, overrides=tuple(args.set))
+        except ConfigError as e:
+            p.error(f"--set: {e}")
     if args.worker:
         if not args.result_file or not args.models or not args.modes or len(args.models) != 1 or len(args.modes) != 1:
             p.error("--worker needs --result-file and exactly one --models and one --modes")

@@ -54,7 +54,8 @@ def test_workloads_parse():
 
 def test_cli_errors(tmp_path, capsys):
     for argv, msg in [(["--workloads", "512x256"], "PROMPTSxPROMPT_LEN->GEN_LEN"), (["--modes", "fp4"], "choose from"),
-                      (["--refits", "0"], "--refits"), (["--worker", "--models", "llama"], "--worker needs")]:
+                      (["--refits", "0"], "--refits"), (["--worker", "--models", "llama"], "--worker needs"),
+                      (["--set", "rollout.blok_size=64"], "--set: unknown config key 'rollout.blok_size'")]:
         with pytest.raises(SystemExit) as e:
             br.main([*argv, "--out", str(tmp_path)])
         assert e.value.code == 2 and msg in capsys.readouterr().err
@@ -78,6 +79,7 @@ def test_worker_argv_round_trips():
     assert w.set == ["rollout.block_size=64", "rollout.seed=3"]
     cfg = br.bench_config("fp8kv", args.workloads, 0.8, overrides=tuple(w.set))
     assert cfg.rollout.block_size == 64 and cfg.rollout.seed == 3 and cfg.fp8.kv_cache
+    assert br.set_tag(w.set) == "_rolloutblock_size64_rolloutseed3"  # file names: no '=' or '.'
 
 
 def test_decode_profile_kernel_kinds():
