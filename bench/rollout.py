@@ -447,8 +447,9 @@ def kernel_table(prof, steps: int, top: int = 30) -> tuple[dict, str]:
 def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: int, k: int) -> dict:
     """Decode step time at batch w.prompts and context ~w.prompt_len: the prompts go through once with
     one new token (their KV stays in vLLM's prefix cache), then args.decode_steps new tokens are timed
-    (each sequence's last prompt block is recomputed: a small prefill), then the same is run under
-    torch.profiler; the kernel table goes to OUT/logs/decode_<model>_<mode>_<workload>.txt."""
+    (each sequence's last prompt block is recomputed: a small prefill) inside cudaProfilerStart/Stop (ncu
+    --profile-from-start off sees these steps only), then the same is run under torch.profiler; the
+    kernel table goes to OUT/logs/decode_<model>_<mode>_<workload>.txt."""
     import torch
 
     prompts, n = random_prompts(w, vocab, args.seed + k), args.decode_steps
@@ -456,9 +457,11 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     t0 = time.perf_counter()
     engine.generate(prompts, max_new_tokens=1, **gen)
     prefill_s = time.perf_counter() - t0
+    torch.cuda.profiler.start()  # (a no-op unless a profiler waits for it: `ncu --profile-from-start off`)
     t0 = time.perf_counter()
     samples = engine.generate(prompts, max_new_tokens=n, **gen)
     dt = time.perf_counter() - t0
+    torch.cuda.profiler.stop()
     tokens = sum(len(s.token_ids) for s in samples)
     row = {"kind": "run", "workload": " ".join([model_name, w.name, "decode", *args.set]), "prompts": w.prompts,
            "prompt_len": w.prompt_len, "gen_len": n, **base, "seqs_fit": base["kv_capacity_tokens"] // w.seq_len,
