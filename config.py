@@ -150,7 +150,8 @@ class FP8Config:
     kv_attention: Literal["fa3", "triton"] = "fa3"
     """Engine attention over the FP8 KV cache. fa3: FlashAttention 3 in FP8 (q and P quantized too).
     triton: vLLM's Triton attention, K/V dequantized in the kernel, BF16/FP32 math (q/k/v scales
-    still read from device tensors, so per-step recalibration reaches it inside CUDA graphs)."""
+    still read from device tensors, so per-step recalibration reaches it inside CUDA graphs): a
+    numerics ablation, 1.8x slower attention than fa3 at decode (H200, docs/RESULTS.md)."""
     recalibrate: bool = True
     """Recompute q/k/v scales from the trainer's attention inputs after every step."""
     calib_pass: Literal["separate", "logprobs"] = "separate"
@@ -181,7 +182,7 @@ class FP8Config:
     the emulation (same numerics, slower than BF16), with a warning unless this is set."""
     linear_backend: Literal["auto", "cutlass", "deep_gemm", "triton"] = "cutlass"
     """vLLM block-FP8 GEMM backend; cutlass starts in ~1 min, deep_gemm JITs for minutes, triton is
-    vLLM's Triton block-FP8 GEMM (tuned configs for some shapes)."""
+    vLLM's Triton block-FP8 GEMM (2-2.5x slower than cutlass at decode on an H200)."""
     calib_percentile: float = 99.9
     """Percentile over micro-batches of the per-layer amax of q/k/v."""
     calib_margin: float = 1.05
