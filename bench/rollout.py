@@ -376,9 +376,7 @@ def run_worker(args) -> int:
                 _emit(args.result_file, decode_row(engine, w, args, base, model_name, hf_cfg.vocab_size, k))
             return 0
         for k, w in enumerate(workloads):
-            row = {"kind": "run", "workload": " ".join([model_name, w.name, *args.set]), "prompts": w.prompts,
-                   "prompt_len": w.prompt_len, "gen_len": w.gen_len, **base,
-                   "seqs_fit": base["kv_capacity_tokens"] // w.seq_len}
+            row = run_row(model_name, w, args, base)
             if args.deadline and time.time() > args.deadline - 20:
                 _say(f"{w.name}: skipped (time limit)")
                 _emit(args.result_file, {"kind": "error", **base, "workload": row["workload"],
@@ -406,6 +404,13 @@ def run_worker(args) -> int:
                                  "error": f"{type(e).__name__}: {str(e)[:2000]}",
                                  "traceback": traceback.format_exc()[-4000:]})
         return 1
+
+
+def run_row(model_name: str, w: Workload, args, base: dict, *label: str) -> dict:
+    """A result row's common part; its workload label carries `label` ("decode") and the --set overrides."""
+    return {"kind": "run", "workload": " ".join([model_name, w.name, *label, *args.set]), "prompts": w.prompts,
+            "prompt_len": w.prompt_len, "gen_len": w.gen_len, **base,
+            "seqs_fit": base["kv_capacity_tokens"] // w.seq_len}
 
 
 KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match wins)
@@ -463,10 +468,9 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     dt = time.perf_counter() - t0
     torch.cuda.profiler.stop()
     tokens = sum(len(s.token_ids) for s in samples)
-    row = {"kind": "run", "workload": " ".join([model_name, w.name, "decode", *args.set]), "prompts": w.prompts,
-           "prompt_len": w.prompt_len, "gen_len": n, **base, "seqs_fit": base["kv_capacity_tokens"] // w.seq_len,
-           "prefill_s": round(prefill_s, 3), "gen_s": round(dt, 3), "gen_tokens": tokens,
-           "out_tok_s": round(tokens / dt, 1), "decode_step_ms": round(1e3 * dt / n, 3)}
+    row = {**run_row(model_name, w, args, base, "decode"), "gen_len": n, "prefill_s": round(prefill_s, 3),
+           "gen_s": round(dt, 3), "gen_tokens": tokens, "out_tok_s": round(tokens / dt, 1),
+           "decode_step_ms": round(1e3 * dt / n, 3)}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)

@@ -21,7 +21,7 @@ from rollout import (RELOAD_LOGGER, kept_env, kv_scale_entry, quiet_rotary_reloa
                      vllm_requests)
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {  # name -> config overrides (the three rollout recipes of configs/)
+MODES = {  # name -> config overrides (the three rollout recipes of configs/, and the engine options)
     "bf16": [],
     "fp8": ["fp8.rollout=true"],
     "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
