@@ -209,7 +209,8 @@ class _BlockFP8MM(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        saved, rest = ctx.saved_tensors[:ctx.n_saved], ctx.saved_tensors[ctx.n_saved:]
+        t = ctx.saved_tensors  # read once: under activation checkpointing each read unpacks (recomputes)
+        saved, rest = t[:ctx.n_saved], t[ctx.n_saved:]
         cached, weights = rest[:ctx.n_cached] or None, rest[ctx.n_cached:]
         g2 = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()  # [M, N]
         w = _weight(weights, cached)

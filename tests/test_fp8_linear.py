@@ -573,3 +573,48 @@ def test_weight_cache_changes_nothing_but_the_quantization_count(compiled, monke
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     # 2 layers x 4 GEMMs (qkv, o, gate_up, down): at the start and after each of the 2 steps
     assert len(calls) == 8 * 3, len(calls)
+
+
+def _checkpointed_grads(fp8: FP8Config, checkpointing: bool, compile_backend: str | None):
+    """Logprobs and gradients of a 2-layer FP8 Llama over two micro-batches, as the trainer's train pass
+    computes them (token_logprobs, backward per micro-batch), with or without activation checkpointing."""
+    from distributed import compile_layers
+    from fp8.linear import refresh_weight_caches_on_step
+    from train_grpo import token_logprobs
+
+    model = tiny_llama(layers=2)
+    convert_to_fp8_training(model, fp8)
+    if fp8.cache_weights:
+        refresh_weight_caches_on_step(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    if checkpointing:
+        model.gradient_checkpointing_enable()  # HF's (non-reentrant), as modeling.py enables it
+    if compile_backend:
+        torch._dynamo.reset()
+        compile_layers(model, compile_backend)
+    model.train()
+    g = torch.Generator().manual_seed(2)
+    logps = []
+    for ids in [torch.randint(0, 64, (2, 32), generator=g) for _ in range(2)]:
+        logp = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
+        (logp * torch.linspace(-1, 1, 32)).sum().backward()  # advantage-like weights of both signs
+        logps.append(logp.detach())
+    torch._dynamo.reset()
+    return logps, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("fp8,backend", [
+    (FP8Config(fuse_projections=False, fuse_swiglu=False), None),  # one _BlockFP8MM per linear
+    (FP8Config(fuse_swiglu=False), None),                           # fused q/k/v and gate/up
+    (FP8Config(), None),                                            # + fused SwiGLU MLP
+    (FP8Config(cache_weights=True), None),                          # + the weight cache
+    (FP8Config(cache_weights=True), "aot_eager"),                   # + train.compile
+], ids=["linear", "fused_projections", "fused_swiglu", "cache_weights", "compiled"])
+def test_fp8_paths_under_activation_checkpointing(fp8, backend):
+    """model.gradient_checkpointing recomputes each decoder layer in backward; every FP8 path must survive
+    that (an autograd.Function that reads ctx.saved_tensors twice fails: each read unpacks) and give the
+    same logprobs and gradients, bit for bit, as without it (the recompute is the same computation)."""
+    ref_logps, ref_grads = _checkpointed_grads(fp8, False, backend)
+    logps, grads = _checkpointed_grads(fp8, True, backend)
+    assert all(torch.equal(a, b) for a, b in zip(logps, ref_logps))
+    for name, g in ref_grads.items():
+        assert g is not None and torch.equal(grads[name], g), name
