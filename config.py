@@ -55,10 +55,12 @@ class ModelConfig:
     """Hub id (e.g. meta-llama/Llama-3.1-8B-Instruct), a local HF model dir, or 'tiny'
     (built from model.tiny with a char tokenizer the repo writes; downloads nothing)."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float32"] = "float32"
     """Parameter (master weight) dtype of the trainer. float32 on CUDA = fp32 master weights with
-    forward/backward under bf16 autocast (small models: bf16 weights round away Adam updates
-    below ~1/256 of their magnitude); bfloat16 = pure bf16 (8B on one GPU)."""
+    forward/backward under bf16 autocast; bfloat16 = pure bf16. A bf16 weight ignores a round-to-
+    nearest update below half its ulp (~6e-5 at |w| ~ 0.02), which at RL learning rates is nearly
+    every update, at any model size: bfloat16 needs optim.bf16_stochastic_round or an lr >= 1e-4
+    (optimizer.py has the arithmetic)."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """'auto' = flash_attention_2 when flash-attn is installed, else PyTorch SDPA."""
     gradient_checkpointing: bool = False
@@ -193,6 +195,13 @@ class FP8Config:
 
 @dataclass
 class OptimConfig:
+    name: Literal["adamw", "adamw8bit"] = "adamw"
+    """adamw: torch.optim.AdamW (states in the parameter dtype: 8 bytes per fp32 parameter).
+    adamw8bit: torchao.optim.AdamW8bit, states quantized block-wise to 8 bits (2 bytes per
+    parameter): fp32 master weights of an 8B model next to vLLM on one 141 GB GPU."""
+    bf16_stochastic_round: bool = False
+    """With model.dtype=bfloat16 and optim.name=adamw8bit: round each updated weight to bf16
+    stochastically (unbiased), so updates below half a bf16 ulp survive on average (torchao)."""
     lr: float = 1e-6
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
@@ -404,9 +413,28 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rollout.block_size must be 0 (vLLM's default) or a multiple of 16, got {r.block_size}")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
+    _check_updates_survive(cfg)
     if cfg.data.source != "synthetic" and not cfg.data.path:
         raise ConfigError(f"data.path is required for data.source={cfg.data.source}")
 
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+BF16_MIN_LR = 1e-4
+"""The smallest lr whose round-to-nearest Adam steps (~lr per weight) move >= 99% of bf16 weights of
+std 0.02: half a bf16 ulp is 2^-13 ~ 1.2e-4 for 0.031 <= |w| < 0.0625 (|w| < 2.6 sigma: 99%)."""
+
+
+def _check_updates_survive(cfg: Config) -> None:
+    """Refuse settings whose optimizer steps round away (optimizer.py explains the arithmetic)."""
+    o, dtype = cfg.optim, cfg.model.dtype
+    if o.bf16_stochastic_round and (o.name != "adamw8bit" or dtype != "bfloat16"):
+        raise ConfigError("optim.bf16_stochastic_round applies to bf16 weights under torchao's optimizer: set "
+                          "model.dtype=bfloat16 and optim.name=adamw8bit, or optim.bf16_stochastic_round=false")
+    if dtype == "bfloat16" and not o.bf16_stochastic_round and o.lr < BF16_MIN_LR:
+        raise ConfigError(
+            f"model.dtype=bfloat16 with optim.lr={o.lr:g}: bf16 weights round updates below ~{BF16_MIN_LR:g} away (half "
+            "an ulp at |w| ~ 0.03), so they barely move; set model.dtype=float32 (fp32 master weights; "
+            "optim.name=adamw8bit to fit one GPU), or optim.name=adamw8bit optim.bf16_stochastic_round=true")

@@ -42,6 +42,7 @@ from fp8.calibrate import token_mask
 from losses.advantages import group_advantages
 from losses.grpo import grpo_loss
 from losses.mismatch import mismatch_metrics
+from optimizer import build_optimizer
 from profiling import gc_timer, save_profile, start_profile
 
 
@@ -251,8 +252,7 @@ def train(args) -> Path:
     calibrator = QKVCalibrator(model, cfg.fp8.calib_percentile, cfg.fp8.calib_margin) \
         if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas),
-                                  eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+    optimizer = build_optimizer(model.parameters(), cfg.optim)
     warmup = cfg.optim.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     sampler = PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)

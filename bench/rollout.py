@@ -204,7 +204,7 @@ def bench_config(mode: str, workloads: list[Workload], gpu_mem: float, capacity_
     from config import load_config
 
     return load_config(None, [
-        "rollout.engine=vllm", "model.dtype=bfloat16", f"rollout.gpu_memory_utilization={gpu_mem}",
+        "rollout.engine=vllm", f"rollout.gpu_memory_utilization={gpu_mem}",
         "rollout.sleep_mode=false", f"rollout.enforce_eager={'true' if capacity_only else 'false'}",
         f"rollout.max_model_len={max(w.seq_len for w in workloads)}",
         f"rollout.max_new_tokens={max(w.gen_len for w in workloads)}",

@@ -27,7 +27,7 @@ MODES = {  # name -> config overrides (the three rollout recipes of configs/, an
     "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
     "fp8kv_triton": ["fp8.rollout=true", "fp8.kv_cache=true", "fp8.kv_attention=triton", "rollout.block_size=32"],
 }
-TINY = ["rollout.engine=vllm", "data.max_prompt_tokens=64", "rollout.max_new_tokens=64", "model.dtype=bfloat16",
+TINY = ["rollout.engine=vllm", "data.max_prompt_tokens=64", "rollout.max_new_tokens=64", "model.dtype=float32",
         "model.tiny.hidden_size=256", "model.tiny.intermediate_size=512", "model.tiny.num_layers=3",
         "model.tiny.num_heads=2", "model.tiny.num_kv_heads=2", "model.tiny.head_dim=128"]
 

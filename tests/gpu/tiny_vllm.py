@@ -1,8 +1,9 @@
 """The tiny Llama both vLLM GPU tests run (test_vllm_engine.py, test_export_gpu.py): hidden 1024,
 2 layers, 8 heads x 128 (every decoder linear block-FP8 eligible), eager vLLM at 0.3 of the GPU.
-Each test adds its rollout.sleep_mode."""
+Each test adds its rollout.sleep_mode. bf16 weights (the engine's dtype) and no optimizer step: the lr is
+only set to pass config's check that bf16 updates survive."""
 
-TINY = ["rollout.engine=vllm", "model.dtype=bfloat16", "data.max_prompt_tokens=16", "rollout.max_new_tokens=24",
+TINY = ["rollout.engine=vllm", "model.dtype=bfloat16", "optim.lr=1e-4", "data.max_prompt_tokens=16", "rollout.max_new_tokens=24",
         "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true",
         "fp8.linear_backend=cutlass", "model.tiny.hidden_size=1024", "model.tiny.intermediate_size=2816",
         "model.tiny.num_layers=2", "model.tiny.num_heads=8", "model.tiny.num_kv_heads=8", "model.tiny.head_dim=128"]
