@@ -138,17 +138,58 @@ def clip_grad_norm(params, max_norm: float) -> Tensor:
     return norm
 
 
+class DevicePeak:
+    """The device memory in use (total - free, as nvidia-smi counts it) at its peak, sampled every
+    poll_s seconds by a daemon thread (None: only when sample() is called).
+
+    torch's allocator peak is not this figure when vLLM runs in the process: its sleep-mode pool keeps
+    its tensors allocated in torch's books while their physical memory is released, so allocator
+    peaks count the sleeping engine on top of the trainer (147-155 GiB on a 140 GiB H200). The
+    device figure is exact, and polling catches peaks because the caching allocator keeps what it
+    reserved until the engine sleeps or the cache is emptied; a spike shorter than poll_s that is
+    freed and returned at once can be missed."""
+
+    def __init__(self, device: torch.device, poll_s: float | None = 0.02):
+        self.device, self.peak = device, 0
+        if poll_s:
+            import threading
+            import time
+
+            def poll():
+                while True:
+                    self.sample()
+                    time.sleep(poll_s)
+            threading.Thread(target=poll, daemon=True, name="device-peak").start()
+
+    def sample(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        self.peak = max(self.peak, total - free)
+        return total - free
+
+    def take(self) -> int:
+        """The peak since the previous take (bytes); the next interval starts at the current use."""
+        peak = max(self.peak, self.sample())
+        self.peak = 0
+        self.sample()
+        return peak
+
+
+_PEAKS: dict[torch.device, DevicePeak] = {}
+
+
 def memory_metrics(device: torch.device) -> dict[str, float]:
-    """This rank's PyTorch CUDA allocator since the previous call: peak allocated GiB and cudaMalloc
-    retries (each one frees cached blocks and synchronizes: the sign of a step short of memory,
-    e.g. next to a vLLM share sized too large). {} off CUDA."""
+    """Since the previous call: mem/peak_gib, the device memory in use at its peak (DevicePeak), and
+    mem/alloc_retries, the allocator's cudaMalloc retries (each one frees cached blocks and
+    synchronizes: the sign of a step short of memory, e.g. next to a vLLM share sized too large).
+    {} off CUDA."""
     if device.type != "cuda":
         return {}
-    s = torch.cuda.memory_stats(device)
-    torch.cuda.reset_peak_memory_stats(device)
+    if device not in _PEAKS:
+        _PEAKS[device] = DevicePeak(device)
+    peak = _PEAKS[device]
+    retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     torch.cuda.reset_accumulated_memory_stats(device)
-    return {"mem/peak_gib": s.get("allocated_bytes.all.peak", 0) / 2**30,
-            "mem/alloc_retries": float(s.get("num_alloc_retries", 0))}
+    return {"mem/peak_gib": peak.take() / 2**30, "mem/alloc_retries": float(retries)}
 
 
 def all_sum(x: Tensor, d: Dist) -> Tensor:

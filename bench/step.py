@@ -62,7 +62,7 @@ def summarize(metrics: list[dict], mode: str, workload: str) -> dict:
            "token_mult_prob_error": med("mismatch/token_mult_prob_error"), "timed_steps": len(timed)}
     if "time/gc" in timed[0]:  # Python garbage collection pauses inside the step
         row["gc_s"] = med("time/gc")
-    if "mem/peak_gib" in timed[0]:  # CUDA runs: the trainer's allocator peak and cudaMalloc retries
+    if "mem/peak_gib" in timed[0]:  # CUDA runs: device memory in use at its peak, and cudaMalloc retries
         row |= {"mem_peak_gib": med("mem/peak_gib"), "alloc_retries": med("mem/alloc_retries")}
     row["sync_frac"] = (row["recalibrate_s"] + row["refit_s"]) / row["step_s"]
     return row

@@ -193,14 +193,19 @@ def test_prompts_must_split_into_whole_groups(monkeypatch):
 
 
 def test_memory_metrics_are_per_step(monkeypatch):
-    """Peak and cudaMalloc retries since the previous call: both counters are reset after reading."""
+    """mem/peak_gib is the device memory in use at its peak since the previous call (not torch's allocator
+    peak, which counts vLLM's sleeping pool); mem/alloc_retries is reset after reading."""
     import distributed
 
-    state = {"allocated_bytes.all.peak": 3 * 2**30, "num_alloc_retries": 2}
-    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: dict(state))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device: state.update({"allocated_bytes.all.peak": 0}))
-    monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda device: state.update({"num_alloc_retries": 0}))
     cuda = torch.device("cuda", 0)
-    assert distributed.memory_metrics(cuda) == {"mem/peak_gib": 3.0, "mem/alloc_retries": 2.0}
-    assert distributed.memory_metrics(cuda) == {"mem/peak_gib": 0.0, "mem/alloc_retries": 0.0}
+    used = iter([5, 9, 7, 4, 4, 4, 4])  # GiB in use at successive samples
+    state = {"num_alloc_retries": 2}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (140 * 2**30 - next(used) * 2**30, 140 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: dict(state))
+    monkeypatch.setattr(torch.cuda, "reset_accumulated_memory_stats", lambda device: state.update({"num_alloc_retries": 0}))
+    monkeypatch.setattr(distributed, "_PEAKS", {cuda: distributed.DevicePeak(cuda, poll_s=None)})
+    peak = distributed._PEAKS[cuda]
+    peak.sample(), peak.sample()  # the poller's samples: 5, then 9 (a peak since released)
+    assert distributed.memory_metrics(cuda) == {"mem/peak_gib": 9.0, "mem/alloc_retries": 2.0}  # now 7; then 4
+    assert distributed.memory_metrics(cuda) == {"mem/peak_gib": 4.0, "mem/alloc_retries": 0.0}
     assert distributed.memory_metrics(torch.device("cpu")) == {}
