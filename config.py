@@ -224,6 +224,12 @@ class TrainConfig:
     val_every: int = 10
     """Validation (greedy accuracy on the held-out split) every N steps; 0 = off."""
     val_max_prompts: int = 200
+    probe: bool = False
+    """Check the update direction on any model (random weights included): rewards become 1 for samples
+    whose first response token id is even, and no-grad forwards over the step's batch before and after
+    its updates log probe/policy_gain (> 0: the policy moved toward the rewarded samples; probe.py).
+    Both forwards run the master weights without FP8 quantization: at RL learning rates an update
+    moves the FP8 weights by rounding flips whose noise hides its direction."""
     ckpt_every: int = 0
     """Checkpoint every N steps (and at the end); 0 = only at the end."""
     save_final: bool = True

@@ -39,10 +39,12 @@ from checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_check
 from config import Config, UserError, load_config, to_dict
 from data import PromptSampler, format_reward, load_splits, math_reward, reward_stats
 from fp8.calibrate import token_mask
+from fp8.linear import bf16_reference
 from losses.advantages import group_advantages
 from losses.grpo import grpo_loss
 from losses.mismatch import mismatch_metrics
 from optimizer import build_optimizer
+from probe import WeightChange, policy_gain, probe_rewards
 from profiling import gc_timer, save_profile, start_profile
 
 
@@ -215,6 +217,12 @@ def train(args) -> Path:
     def amp():
         return torch.autocast("cuda", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
 
+    def score(net, input_ids, attention_mask):
+        """No-grad token_logprobs [B, L] in micro-batches."""
+        with torch.no_grad(), amp():
+            return torch.cat([token_logprobs(net, input_ids[s], attention_mask[s], cfg.rollout.temperature)
+                              for s in micro_batches(len(input_ids), cfg.train.micro_batch_size)])
+
     from modeling import load_model_and_tokenizer, save_config_dir
     from rollout import Sample, make_engine
     model, tokenizer = load_model_and_tokenizer(cfg.model, device)
@@ -253,6 +261,7 @@ def train(args) -> Path:
         if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
 
     optimizer = build_optimizer(model.parameters(), cfg.optim)
+    weight_change = WeightChange(optimizer)  # optim/changed_frac: did the last optimizer step move the weights?
     warmup = cfg.optim.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     sampler = PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
@@ -345,6 +354,8 @@ def train(args) -> Path:
         answers = [batch[s.prompt_index]["answer"] for s in samples]
         correct = torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])  # [B]
         rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
+        if cfg.train.probe:  # a synthetic reward with variance: the update direction is checkable on any model
+            rewards = probe_rewards(samples)
         advantages = group_advantages(rewards, n)  # [B]
         # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
         B, mb = len(samples), cfg.train.micro_batch_size
@@ -361,17 +372,14 @@ def train(args) -> Path:
             with capture, torch.profiler.record_function("logprobs"):
                 old_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
                                       for s in micro_batches(B, mb)])  # [B, L]
-            ref_logp = None if ref_model is None else torch.cat(
-                [token_logprobs(ref_model, input_ids[s], attention_mask[s], T) for s in micro_batches(B, mb)])
+        ref_logp = None if ref_model is None else score(ref_model, input_ids, attention_mask)
         metrics["time/logprobs"] = time.perf_counter() - t0
         metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
             *(distributed.gather_rows(x, d) for x in (old_logp, rollout_logp, mask))).items()})
         if cfg.log.save_batch_every and step % cfg.log.save_batch_every == 0:  # for notebooks/ (analysis.py)
             from analysis import save_rollout_batch
-            from fp8.linear import bf16_reference
-            with torch.no_grad(), amp(), bf16_reference(model):  # same weights, linears not quantized
-                bf16_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
-                                       for s in micro_batches(B, mb)])  # [B, L]
+            with bf16_reference(model):  # same weights, linears not quantized
+                bf16_logp = score(model, input_ids, attention_mask)  # [B, L]
             rows = [distributed.gather_rows(x, d, pad=tokenizer.pad_token_id if x is input_ids else 0)
                     for x in (input_ids, attention_mask, mask, rollout_logp, old_logp, bf16_logp)]
             rows += [distributed.gather_rows(x[:, None].to(device).float(), d)[:, 0].cpu()
@@ -387,6 +395,10 @@ def train(args) -> Path:
             raise UserError(f"step {step}: mismatch/token_mult_prob_error={mult_err:.4f} > train.mismatch_stop="
                             f"{cfg.train.mismatch_stop}: rollout and trainer disagree; check the weight sync and the "
                             "fp8.* settings of both sides, or raise train.mismatch_stop (0 = never stop)")
+
+        if cfg.train.probe:  # the master weights' policy before the update (without FP8 rounding flips)
+            with bf16_reference(model):
+                probe_before = score(model, input_ids, attention_mask)  # [B, L]
 
         # ---- policy update: mini-batches (one optimizer step each) of micro-batches
         t0 = time.perf_counter()
@@ -436,6 +448,11 @@ def train(args) -> Path:
             metrics.update(loss_metrics)
             metrics["optim/skipped_steps"] = skipped
         metrics["time/train"] = time.perf_counter() - t0
+        metrics["optim/changed_frac"] = weight_change.frac
+        if cfg.train.probe:  # did the update raise the positive-advantage samples relative to the negative ones?
+            with bf16_reference(model):
+                metrics["probe/policy_gain"] = policy_gain(score(model, input_ids, attention_mask), probe_before,
+                                                           advantages, mask)
 
         # ---- recalibrate q/k/v scales (on the new weights, or from the old_logp capture), then push
         # weights (+ scales)
@@ -460,7 +477,7 @@ def train(args) -> Path:
             "reward/zero_std_groups": float((rewards.view(-1, n).std(1) == 0).float().mean()),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
             "response/truncated_frac": float(truncated.mean()),
-            "optim/lr": scheduler.get_last_lr()[0], "time/step": time.perf_counter() - t_step,
+            "optim/lr": float(scheduler.get_last_lr()[0]), "time/step": time.perf_counter() - t_step,
             "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
             "time/gc": gc_timer().take(), **reward_stats(), **distributed.memory_metrics(device),
         })
