@@ -371,6 +371,7 @@ def train(args) -> Path:
         # collapse signals over round 0 (the step's fresh draw, what dynamic_sampling=none trains on)
         signals = {"reward/zero_std_groups": (~collapse.has_variance(rounds[0].rewards, n)).float(),
                    "reward/distinct_answers": collapse.distinct_answers(rounds[0].texts, n),
+                   "reward/unsolved_groups": (rounds[0].correct.view(-1, n).amax(1) == 0).float(),
                    "reward/kept_groups": keep.float()}
         metrics.update({k: float(distributed.gather_rows(v[:, None].to(device), d).mean()) for k, v in signals.items()})
         metrics["rollout/rounds"] = len(rounds)

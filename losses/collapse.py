@@ -3,11 +3,17 @@
 A GRPO group whose n samples all get the same reward has advantage 0 on every sample
 (losses/advantages.py): it carries no gradient. When the policy collapses onto one answer per
 prompt, every group is such a group, the gradient is exactly 0 and the run stops learning for
-good. Three signals, logged every step, show it coming:
+good. The signals, logged every step (over the step's first rollout round), show it coming:
 
     reward/zero_std_groups   share of groups whose rewards are all equal          -> 1
+    reward/unsolved_groups   share of groups without one right answer             -> 1 - accuracy
     reward/distinct_answers  mean number of distinct completion texts per group   -> 1
     policy/entropy           mean over response tokens of H(softmax(logits / T))  -> 0
+
+zero_std_groups also rises in a run that learns (a group whose samples are all right has no
+variance either): the collapse onto a wrong answer is zero_std_groups high with unsolved_groups
+high too. policy/entropy is the trainer's, in the old_logp pass (the exact entropy of each
+position's distribution, not the sampled-token estimate -mean(rollout_logp)).
 
 Dynamic sampling (Yu et al. 2025, "DAPO", arXiv 2503.14476, section 3.2) keeps the gradient
 alive by training only on groups with reward variance (`train.dynamic_sampling`):
