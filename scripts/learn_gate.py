@@ -4,6 +4,8 @@
     bash scripts/gpu_check.sh learn                               # the same, logs and results -> $OUT
     python scripts/learn_gate.py --cpu --seeds 0,1 --steps 2      # the machinery on CPU (tiny_cpu; FAILs)
     python scripts/learn_gate.py --check DIR                      # the verdict on runs already in DIR
+    python scripts/learn_gate.py --seeds 0,1 --sweep lr1e-4:optim.lr=1e-4 --sweep lr1e-4_w20:optim.lr=1e-4,optim.warmup_steps=20
+                                  # a sweep: the FP8 recipe with each variant's overrides; the table, no verdict
 
 Thresholds (fixed; a change to them is a change to the gate, not to a run):
   1. each of >= 4 seeds reaches >= 0.7 greedy validation accuracy (val/accuracy, the end-of-run
@@ -113,27 +115,35 @@ def _fmt(x, spec=".2f"):
     return "-" if x is None else format(x, spec)
 
 
-def table(runs: list[dict], means: dict) -> str:
+def table(runs: list[dict], means: dict, modes=MODES) -> str:
     lines = ["| mode | seed | final val | steps | unsolved groups | zero-std groups | distinct answers | "
              "entropy | first grad_norm 0 | s/step |", "|" + "---|" * 10]
-    for r in sorted(runs, key=lambda r: (list(MODES).index(r["mode"]), r["seed"])):
+    for r in sorted(runs, key=lambda r: (list(modes).index(r["mode"]), r["seed"])):
         lines.append(f"| {r['mode']} | {r['seed']} | {_fmt(r['final_val'])} | {r['steps_logged']} | "
                      f"{_fmt(r['unsolved_groups'])} | {_fmt(r['zero_std_groups'])} | {_fmt(r['distinct_answers'])} | "
                      f"{_fmt(r['entropy'], '.3f')} | {_fmt(r['first_zero_grad_step'], 'd')} | "
                      f"{_fmt(r['time_step_s'], '.2f')} |")
     lines.append("")
-    lines.append(" ".join(f"mean final val {m}: {_fmt(means.get(m), '.3f')};" for m in MODES)
-                 + f" gap fp8 - bf16: {_fmt(means.get('gap'), '+.3f')}")
+    lines.append(" ".join(f"mean final val {m}: {_fmt(means.get(m), '.3f')};" for m in modes)
+                 + (f" gap fp8 - bf16: {_fmt(means.get('gap'), '+.3f')}" if "gap" in means else ""))
     return "\n".join(lines)
 
 
-def check(run_files: dict[tuple[str, int], Path], steps: int) -> tuple[bool, list[str], dict, list[dict]]:
+def check(run_files: dict[tuple[str, int], Path], steps: int, sweep: bool = False
+          ) -> tuple[bool, list[str], dict, list[dict]]:
     """{(mode, seed): metrics.jsonl path} -> (passed, reasons, means, per-run rows). A missing file is
-    a run that logged nothing."""
+    a run that logged nothing. sweep: no verdict, only the means (passed: every run finished)."""
     runs = [{"mode": mode, "seed": seed, **summarize_run(load_rows(p) if p.is_file() else [], steps)}
             for (mode, seed), p in sorted(run_files.items())]
-    passed, reasons, means = verdict(runs)
-    return passed, reasons, means, runs
+    if not sweep:
+        passed, reasons, means = verdict(runs)
+        return passed, reasons, means, runs
+    means = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        done = [r["final_val"] for r in runs if r["mode"] == mode and r["final_val"] is not None]
+        means[mode] = sum(done) / len(done) if done else None
+    unfinished = [f"{r['mode']} seed {r['seed']}: did not finish" for r in runs if r["final_val"] is None]
+    return not unfinished, unfinished, means, runs
 
 
 # ----------------------------------------------------------------------------- launching the runs
@@ -167,7 +177,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
     """Start every (mode, seed) run, staggered and at most --max-concurrent at once; wait for them or the
     deadline. -> {(mode, seed): {"dir", "log", "cmd", "rc"}}."""
-    todo = [(mode, seed) for seed in args.seeds for mode in args.modes]
+    todo = [(mode, seed) for seed in args.seeds for mode in args.modes]  # alternate modes: same contention
     runs, live = {}, []
     deadline = t0 + args.deadline_s
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -181,7 +191,7 @@ def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
         name = f"{mode}_s{seed}"
         cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(args.config), f"train.seed={seed}",
                f"train.out_dir={work}", f"train.run_name={name}", "log.tensorboard=false", "train.save_final=false",
-               *args.run_overrides, *MODES[mode], *args.extra]
+               *args.run_overrides, *args.mode_overrides[mode], *args.extra]
         log = work / f"{name}.log"
         with open(log, "w") as f:
             p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -212,6 +222,14 @@ def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
     return runs
 
 
+def _device() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip() or "cpu"
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+
+
 def write_results(out: Path, payload: dict, md: str, files: list[Path]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "learn_gate.json").write_text(json.dumps(payload, indent=1) + "\n")
@@ -237,6 +255,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run")
     p.add_argument("--cpu", action="store_true", help="tiny_cpu on CPU, HF engine, 2 runs at a time, no stagger")
     p.add_argument("--check", metavar="DIR", help="no runs: the verdict on DIR/<mode>_s<seed>/metrics.jsonl")
+    p.add_argument("--sweep", action="append", metavar="NAME:k=v,k=v", default=[],
+                   help="instead of fp8/bf16: a variant of the FP8 recipe (repeat the option); no verdict")
     p.add_argument("extra", nargs="*", help="train_grpo.py overrides for every run (key.sub=value)")
     args = p.parse_args(argv)
     try:
@@ -245,7 +265,16 @@ def main(argv=None) -> int:
         print(f"error: --seeds {args.seeds!r}: expected integers like 0,1,2,3", file=sys.stderr)
         return 2
     args.modes = [m for m in args.modes.split(",") if m]
-    bad = [m for m in args.modes if m not in MODES]
+    args.mode_overrides = MODES
+    if args.sweep:
+        try:
+            args.mode_overrides = {name: [kv for kv in kvs.split(",") if kv] for name, kvs in
+                                   (v.split(":", 1) for v in args.sweep)}
+        except ValueError:
+            print(f"error: --sweep {args.sweep}: expected NAME:key=value[,key=value...]", file=sys.stderr)
+            return 2
+        args.modes = list(args.mode_overrides)
+    bad = [m for m in args.modes if m not in args.mode_overrides]
     if bad or not args.seeds:
         print(f"error: --modes {','.join(bad)}: expected a subset of {','.join(MODES)} (and --seeds non-empty)",
               file=sys.stderr)
@@ -265,7 +294,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     from config import UserError, load_config
     try:  # a bad override fails here, once, not in 8 runs
-        steps = load_config(args.config, [*args.run_overrides, *args.extra]).train.steps
+        for mode in args.modes:
+            steps = load_config(args.config, [*args.run_overrides, *args.mode_overrides[mode], *args.extra]).train.steps
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -284,8 +314,9 @@ def main(argv=None) -> int:
         launched = launch_all(args, work, t0)
         commands = {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}
     files = {(m, s): work / f"{m}_s{s}" / "metrics.jsonl" for s in args.seeds for m in args.modes}
-    passed, reasons, means, runs = check(files, steps)
-    md = table(runs, means) + "\n\n" + ("PASS" if passed else "FAIL" + "".join(f"\n- {r}" for r in reasons))
+    passed, reasons, means, runs = check(files, steps, sweep=bool(args.sweep))
+    word = ("finished" if passed else "UNFINISHED") if args.sweep else ("PASS" if passed else "FAIL")
+    md = table(runs, means, args.modes) + "\n\n" + word + "".join(f"\n- {r}" for r in reasons)
     print(md, flush=True)
     copies = []
     out.mkdir(parents=True, exist_ok=True)
@@ -295,14 +326,14 @@ def main(argv=None) -> int:
                 dst.write_bytes(src.read_bytes())
             copies.append(dst)
     write_results(out, {
-        "verdict": "PASS" if passed else "FAIL", "reasons": reasons, "means": means, "runs": runs,
+        "verdict": word, "reasons": reasons, "variants": args.mode_overrides, "means": means, "runs": runs,
         "thresholds": {"min_seeds": MIN_SEEDS, "min_val_accuracy": MIN_VAL_ACCURACY, "max_mean_gap": MAX_MEAN_GAP,
                        "max_unsolved_groups": MAX_UNSOLVED_GROUPS, "tail_steps": TAIL_STEPS},
         "config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT) else str(args.config),
         "steps": steps, "overrides": [*args.run_overrides, *args.extra], "commands": commands,
-        "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1),
+        "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1), "device": _device(),
     }, md, copies)
-    _log(f"{'PASS' if passed else 'FAIL'}; results in {out}", t0)
+    _log(f"{word}; results in {out}", t0)
     return 0 if passed else 1
 
 

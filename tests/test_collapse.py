@@ -85,3 +85,21 @@ def test_config_knobs():
         load_config(None, ["train.dynamic_sampling=sometimes"])
     with pytest.raises(ConfigError, match="train.max_rollout_rounds"):
         load_config(None, ["train.max_rollout_rounds=0"])
+
+
+def test_dynamic_sampling_keeps_ranks_in_lockstep(tmp_path):
+    """filter on 2 gloo ranks reproduces the 1-rank run (the loss normalises over the kept tokens of the
+    GLOBAL batch); resample on 2 ranks runs the same rounds on every rank and finishes (no rank waits
+    in a collective the other never enters). lr 0.05 makes groups collapse within the 3 steps."""
+    from test_distributed import by_step, launch
+
+    extra = ["fp8.train=false", "fp8.rollout=false", "optim.lr=0.05", "optim.warmup_steps=0"]
+    one = launch(tmp_path, "filter1", 1, [*extra, "train.dynamic_sampling=filter"])
+    two = launch(tmp_path, "filter2", 2, [*extra, "train.dynamic_sampling=filter"])
+    for key in ("reward/mean", "reward/kept_groups", "reward/zero_std_groups", "reward/distinct_answers"):
+        assert by_step(one, key) == by_step(two, key), key
+    assert min(by_step(one, "reward/kept_groups")) < 1  # some group was left out
+    torch.testing.assert_close(by_step(two, "optim/grad_norm"), by_step(one, "optim/grad_norm"), rtol=1e-5, atol=0)
+    torch.testing.assert_close(by_step(two, "policy/entropy"), by_step(one, "policy/entropy"), rtol=1e-5, atol=0)
+    res = launch(tmp_path, "resample2", 2, [*extra, "train.dynamic_sampling=resample", "train.max_rollout_rounds=2"])
+    assert len(by_step(res, "reward/mean")) == 3 and 2 in by_step(res, "rollout/rounds") <= [2, 2, 2]
