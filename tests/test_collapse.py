@@ -102,4 +102,5 @@ def test_dynamic_sampling_keeps_ranks_in_lockstep(tmp_path):
     torch.testing.assert_close(by_step(two, "optim/grad_norm"), by_step(one, "optim/grad_norm"), rtol=1e-5, atol=0)
     torch.testing.assert_close(by_step(two, "policy/entropy"), by_step(one, "policy/entropy"), rtol=1e-5, atol=0)
     res = launch(tmp_path, "resample2", 2, [*extra, "train.dynamic_sampling=resample", "train.max_rollout_rounds=2"])
-    assert len(by_step(res, "reward/mean")) == 3 and 2 in by_step(res, "rollout/rounds") <= [2, 2, 2]
+    rounds = by_step(res, "rollout/rounds")
+    assert len(by_step(res, "reward/mean")) == 3 and 2 in rounds and set(rounds) <= {1, 2}
