@@ -244,6 +244,16 @@ class TrainConfig:
     """Abort when token_mult_prob_error exceeds this (0 = never)."""
     max_bad_steps: int = 5
     """Abort after this many consecutive steps skipped for non-finite loss/grads."""
+    dynamic_sampling: Literal["none", "filter", "resample"] = "none"
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv 2503.14476): groups whose n rewards are all
+    equal carry no gradient; as the policy collapses they fill the batch and shrink the step to 0.
+    filter: leave them out of the loss (its token mean runs over the other groups' tokens only).
+    resample: as filter, and roll out more prompts (up to max_rollout_rounds rounds per step) until
+    the batch holds rollout.prompts_per_step groups with variance. none: train on every group.
+    losses/collapse.py has the details."""
+    max_rollout_rounds: int = 3
+    """dynamic_sampling=resample: most rollout rounds per step (each a fresh prompts_per_step
+    prompts); if the batch is still short after them, zero-variance groups fill it, masked out."""
     compile: Literal["none", "inductor", "aot_eager"] = "none"
     """torch.compile each decoder layer of the trainer (as torchtitan does; the layers share one
     graph): 'inductor' fuses norms, RoPE, SiLU*mul, residual adds and the glue around the FP8
@@ -415,6 +425,8 @@ def validate(cfg: Config) -> None:
     if samples % mb or mb % min(t.micro_batch_size, mb):
         raise ConfigError(f"train.mini_batch_size ({mb}) must divide rollout.n * rollout.prompts_per_step "
                           f"({samples}) and be a multiple of train.micro_batch_size ({t.micro_batch_size})")
+    if t.max_rollout_rounds < 1:
+        raise ConfigError(f"train.max_rollout_rounds must be >= 1, got {t.max_rollout_rounds}")
     if r.block_size < 0 or r.block_size % 16:
         raise ConfigError(f"rollout.block_size must be 0 (vLLM's default) or a multiple of 16, got {r.block_size}")
     if not 0 < r.top_p <= 1 or r.temperature <= 0:

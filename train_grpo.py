@@ -40,6 +40,7 @@ from config import Config, UserError, load_config, to_dict
 from data import PromptSampler, format_reward, load_splits, math_reward, reward_stats
 from fp8.calibrate import token_mask
 from fp8.linear import bf16_reference
+from losses import collapse
 from losses.advantages import group_advantages
 from losses.grpo import grpo_loss
 from losses.mismatch import mismatch_metrics
@@ -134,8 +135,9 @@ def collate(samples, pad_id: int, multiple: int = 1):
     return input_ids, attention_mask, mask, rollout_logp
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float):
+def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy: bool = False):
     """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]
+    entropy=True: (logp, H) with H [B, L] the entropy (nats) of the distribution token t was drawn from.
 
     attention_mask must be right padding (collate's): under causal attention no real token then sees
     a pad, so the model runs without it (pad positions get finite values, masked out downstream).
@@ -144,11 +146,14 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float):
     # no KV cache: nothing to reuse, and its per-layer state would make compiled layers recompile
     with token_mask(attention_mask):  # still keeps pads out of the q/k/v calibrator's amax
         logits = model(input_ids=input_ids, use_cache=False).logits  # [B, L, V]
-    out = []
+    out, ent = [], []
     for row_logits, row_ids in zip(logits, input_ids):  # one row at a time: fp32 [L, V] stays small
         lp = torch.log_softmax(row_logits[:-1].float() / temperature, dim=-1)  # [L-1, V]
         out.append(lp.gather(-1, row_ids[1:, None]).squeeze(-1))  # [L-1]
-    return torch.nn.functional.pad(torch.stack(out), (1, 0))  # [B, L]
+        if entropy:
+            ent.append(collapse.token_entropy(lp))  # [L-1]
+    logp = torch.nn.functional.pad(torch.stack(out), (1, 0))  # [B, L]
+    return (logp, torch.nn.functional.pad(torch.stack(ent), (1, 0))) if entropy else logp
 
 
 def micro_batches(n: int, size: int):
@@ -320,6 +325,30 @@ def train(args) -> Path:
     from tqdm import tqdm
     n, T = cfg.rollout.n, cfg.rollout.temperature
     gen, own = distributed.rollout_share(d, cfg.rollout.prompts_per_step)  # whole groups; see rollout_share
+
+    def rollout_round(step: int, r: int, metrics: dict) -> collapse.Groups:
+        """Draw prompts, generate n samples each, score them: this rank's groups of round r of the step."""
+        prompts = next(sampler)[gen]  # same draw on every rank
+        # sample j of global prompt i gets seed step_seed + i*n + j: disjoint across steps and ranks (a
+        # resample round r >= 1 adds r * 2**40, past every step's range)
+        step_seed = (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * n + (r << 40)
+        with torch.profiler.record_function("rollout"):  # a named span in the profile's trace
+            samples = engine.generate([ex["prompt_ids"] for ex in prompts], n=n, temperature=T,
+                                      top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
+                                      seed=step_seed + gen.start * n)
+        batch = prompts[own]  # this rank's prompts and their samples (all of them without TP)
+        samples = [dataclasses.replace(s, prompt_index=s.prompt_index - own.start)
+                   for s in samples[own.start * n: own.stop * n]]
+        t0 = time.perf_counter()
+        texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+        answers = [batch[s.prompt_index]["answer"] for s in samples]
+        correct = torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])  # [B]
+        rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
+        if cfg.train.probe:  # a synthetic reward with variance: the update direction is checkable on any model
+            rewards = probe_rewards(samples)
+        metrics["time/reward"] = metrics.get("time/reward", 0.0) + time.perf_counter() - t0
+        return collapse.Groups(batch, samples, texts, rewards, correct)
+
     pbar = tqdm(range(start_step, cfg.train.steps), initial=start_step, total=cfg.train.steps,
                 disable=rank != 0, dynamic_ncols=True)
     distributed.memory_metrics(device)  # each step's mem/* start here
@@ -331,38 +360,39 @@ def train(args) -> Path:
         if cfg.train.val_every and step % cfg.train.val_every == 0:
             metrics["val/accuracy"] = validate_accuracy(engine, val_set, tokenizer, cfg, d)
 
-        # ---- rollout
+        # ---- rollout and reward; dynamic_sampling=resample rolls out more rounds while any rank lacks
+        # groups with reward variance (every rank runs the same rounds: losses/collapse.py)
         t0 = time.perf_counter()
-        prompts = next(sampler)[gen]  # same draw on every rank
-        # sample j of global prompt i gets seed step_seed + i*n + j: disjoint across steps and ranks
-        step_seed = (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * n
         engine.wake()
-        with torch.profiler.record_function("rollout"):  # a named span in the profile's trace
-            samples = engine.generate([ex["prompt_ids"] for ex in prompts], n=n, temperature=T,
-                                      top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-                                      seed=step_seed + gen.start * n)
+        rounds = [rollout_round(step, 0, metrics)]
+        while cfg.train.dynamic_sampling == "resample" and len(rounds) < cfg.train.max_rollout_rounds and \
+                distributed.all_sum(torch.tensor(float(collapse.deficit(rounds, n)), device=device), d) > 0:
+            rounds.append(rollout_round(step, len(rounds), metrics))
         engine.sleep()
-        batch = prompts[own]  # this rank's prompts and their samples (all of them without TP)
-        samples = [dataclasses.replace(s, prompt_index=s.prompt_index - own.start)
-                   for s in samples[own.start * n: own.stop * n]]
-        metrics["time/rollout"] = time.perf_counter() - t0
+        metrics["time/rollout"] = time.perf_counter() - t0 - metrics["time/reward"]
         if profiling and prof is None:  # log.profile_rollout=false: the trainer's phases only
             prof = start_profile(device)
 
-        # ---- reward and advantages
-        texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+        # ---- advantages; groups left out by dynamic sampling get loss mask 0 (the batch keeps its shape)
+        groups, keep = collapse.assemble(rounds, n, cfg.train.dynamic_sampling)  # keep: bool [B / n]
+        batch, samples, texts, rewards, correct = groups.prompts, groups.samples, groups.texts, groups.rewards, \
+            groups.correct
         answers = [batch[s.prompt_index]["answer"] for s in samples]
-        correct = torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])  # [B]
-        rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
-        if cfg.train.probe:  # a synthetic reward with variance: the update direction is checkable on any model
-            rewards = probe_rewards(samples)
         advantages = group_advantages(rewards, n)  # [B]
+        # collapse signals over round 0 (the step's fresh draw, what dynamic_sampling=none trains on)
+        signals = {"reward/zero_std_groups": (~collapse.has_variance(rounds[0].rewards, n)).float(),
+                   "reward/distinct_answers": collapse.distinct_answers(rounds[0].texts, n),
+                   "reward/unsolved_groups": (rounds[0].correct.view(-1, n).amax(1) == 0).float(),
+                   "reward/kept_groups": keep.float()}
+        metrics.update({k: float(distributed.gather_rows(v[:, None].to(device), d).mean()) for k, v in signals.items()})
+        metrics["rollout/rounds"] = len(rounds)
         # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
         B, mb = len(samples), cfg.train.micro_batch_size
         input_ids, attention_mask, mask, rollout_logp = collate(samples, tokenizer.pad_token_id,
                                                                 length_multiple(min(mb, B), fp8_tokens))
         input_ids, attention_mask, mask, rollout_logp, advantages = (
             x.to(device) for x in (input_ids, attention_mask, mask, rollout_logp, advantages))
+        loss_mask = mask * keep.repeat_interleave(n).to(device)[:, None]  # [B, L] the tokens the loss averages
 
         # ---- trainer logprobs of the behaviour weights, and the engine/trainer mismatch
         t0 = time.perf_counter()
@@ -370,10 +400,12 @@ def train(args) -> Path:
             else contextlib.nullcontext()  # q/k/v amax of this forward -> the next rollout's scales
         with torch.no_grad(), amp():
             with capture, torch.profiler.record_function("logprobs"):
-                old_logp = torch.cat([token_logprobs(model, input_ids[s], attention_mask[s], T)
-                                      for s in micro_batches(B, mb)])  # [B, L]
+                old_logp, entropy = (torch.cat(x) for x in zip(*[token_logprobs(
+                    model, input_ids[s], attention_mask[s], T, entropy=True) for s in micro_batches(B, mb)]))  # [B, L]
         ref_logp = None if ref_model is None else score(ref_model, input_ids, attention_mask)
         metrics["time/logprobs"] = time.perf_counter() - t0
+        metrics["policy/entropy"] = float(distributed.all_sum((entropy * mask).sum(), d)
+                                          / distributed.all_sum(mask.sum(), d).clamp(min=1))
         metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
             *(distributed.gather_rows(x, d) for x in (old_logp, rollout_logp, mask))).items()})
         if cfg.log.save_batch_every and step % cfg.log.save_batch_every == 0:  # for notebooks/ (analysis.py)
@@ -411,18 +443,19 @@ def train(args) -> Path:
             skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
             for mini_slice in micro_batches(B, mini):
                 idx = order[mini_slice]
-                mini_tokens = distributed.all_sum(mask[idx].sum(), d).clamp(min=1)
-                mini_rows = len(idx) * d.world
+                mini_tokens = distributed.all_sum(loss_mask[idx].sum(), d).clamp(min=1)
+                mini_rows = float(distributed.all_sum(loss_mask[idx].amax(1).sum(), d))  # rows that count
                 optimizer.zero_grad(set_to_none=True)
                 nonfinite_loss = torch.zeros((), device=device)
                 for micro in micro_batches(len(idx), mb):
                     j = idx[micro]
                     with amp():
                         logp = token_logprobs(model, input_ids[j], attention_mask[j], T)
-                    loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], mask[j], cfg.loss,
+                    loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], loss_mask[j], cfg.loss,
                                         ref_logp=None if ref_logp is None else ref_logp[j])
                     # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
-                    weight = mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else len(j) / mini_rows
+                    weight = loss_mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else \
+                        float(loss_mask[j].amax(1).sum()) / max(mini_rows, 1.0)
                     (loss * weight * distributed.grad_scale(d)).backward()
                     nonfinite_loss += (~torch.isfinite(loss.detach())).float()
                     for k, v in m.items():
@@ -474,7 +507,6 @@ def train(args) -> Path:
         metrics.update({
             "reward/mean": float(rewards.mean()), "reward/accuracy": float(correct.mean()),
             "reward/solved_groups": float((correct.view(-1, n).max(1).values > 0).float().mean()),
-            "reward/zero_std_groups": float((rewards.view(-1, n).std(1) == 0).float().mean()),
             "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
             "response/truncated_frac": float(truncated.mean()),
             "optim/lr": float(scheduler.get_last_lr()[0]), "time/step": time.perf_counter() - t_step,

@@ -4,6 +4,9 @@
 #   bash scripts/gpu_check.sh vllm     tests/gpu/test_vllm_engine.py
 #   bash scripts/gpu_check.sh align    bench/alignment.py
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
+#   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, tiny_gpu x 4 seeds x {FP8
+#                                      recipe, BF16}, concurrent on the one GPU, < 10 min; PASS/FAIL (exit code),
+#                                      $OUT/learn_gate.{json,md}, per-run metrics + logs (and all in learn_runs.tgz)
 #   bash scripts/gpu_check.sh rollout  [ARGS]  bench/rollout.py: 8B-shape VLLMEngine throughput -> $OUT/rollout.json
 #                                      (default Llama-3.1-8B, bf16/fp8kv/fp8; e.g. --models qwen3; stops at 540 s)
 #   bash scripts/gpu_check.sh capacity [ARGS]  bench/rollout.py --capacity-only: Qwen3-8B KV capacity per mode
@@ -47,6 +50,8 @@ case "$1" in
          $PY train_grpo.py --config configs/tiny_gpu.yaml train.out_dir=/tmp/runs train.run_name=tiny_gpu \
            "${@:2}" 2>&1 | tee "$OUT/tiny_gpu.log"
          cp /tmp/runs/tiny_gpu/metrics.jsonl "$OUT/tiny_gpu_metrics.jsonl" ;;
+  learn) $PY scripts/learn_gate.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
+         exit "${PIPESTATUS[0]}" ;;
   rollout)  $PY bench/rollout.py --out "$OUT" --time-limit 540 "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
   capacity) $PY bench/rollout.py --capacity-only --out "$OUT" --time-limit 540 "${@:2}" 2>&1 \
               | tee "$OUT/bench_capacity.log" ;;
@@ -55,5 +60,5 @@ case "$1" in
   pass)     $PY bench/trainer_pass.py --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' \
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|rollout|capacity|stack|step|pass|quant" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|learn|rollout|capacity|stack|step|pass|quant" >&2; exit 2 ;;
 esac

@@ -1,0 +1,341 @@
+"""The learning gate: the quickstart (configs/tiny_gpu.yaml) over seeds, FP8 recipe vs BF16, PASS or FAIL.
+
+    python scripts/learn_gate.py --out /tmp/gate                  # one H100: 4 seeds x {fp8, bf16}, < 10 min
+    bash scripts/gpu_check.sh learn                               # the same, logs and results -> $OUT
+    python scripts/learn_gate.py --cpu --seeds 0,1 --steps 2      # the machinery on CPU (tiny_cpu; FAILs)
+    python scripts/learn_gate.py --check DIR                      # the verdict on runs already in DIR
+    python scripts/learn_gate.py --seeds 0,1 --sweep lr1e-4:optim.lr=1e-4 --sweep lr1e-4_w20:optim.lr=1e-4,optim.warmup_steps=20
+                                  # a sweep: the FP8 recipe with each variant's overrides; the table, no verdict
+
+Thresholds (fixed; a change to them is a change to the gate, not to a run):
+  1. each of >= 4 seeds reaches >= 0.7 greedy validation accuracy (val/accuracy, the end-of-run
+     validation logged at step train.steps) by the quickstart's last step, in both the FP8 recipe
+     (the config as shipped: FP8 trainer, FP8 rollout, FP8 KV cache) and BF16 (fp8.train=false
+     fp8.rollout=false fp8.kv_cache=false); a run that did not finish counts as a failure;
+  2. the FP8 runs' mean final accuracy is within 0.05 of the BF16 runs' mean (|difference| <= 0.05);
+  3. no run ends with more than half of its groups collapsed: reward/unsolved_groups (groups whose
+     n samples are all wrong, so all at zero reward variance), averaged over the run's last 5
+     steps, <= 0.5. The raw share of zero-variance groups (reward/zero_std_groups) is reported but
+     not gated: a group whose samples are all right has zero variance too, so a run that learns
+     ends with most groups there (tiny_cpu: 0.75-1.0 at 0.8-0.9 accuracy).
+
+How it runs on one GPU: the 8 runs are concurrent processes, each with a small vLLM share
+(--gpu-share, rollout.sleep_mode=false so no engine frees memory mid-run), started strictly one
+after another: the next starts once the previous one's vLLM engine is up (its log says "init
+engine") or it logged a step, because an engine that starts while a neighbour frees GPU memory
+trips vLLM's start-up memory profiling. FP8 and BF16 runs alternate (fp8 s0, bf16 s0, fp8 s1, ...)
+so both see the same contention. Whatever still runs at --deadline-s is stopped (and fails).
+
+Writes into --out: learn_gate.json (thresholds, per-run rows, means, verdict, reasons, commands),
+learn_gate.md (the per-seed table), <mode>_s<seed>_metrics.jsonl and <mode>_s<seed>.log per run
+(scripts/plot_runs.py draws them), and learn_runs.tgz holding all of those. Exit 0 on PASS, 1 on
+FAIL, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from plot_runs import load_rows  # noqa: E402
+
+MIN_SEEDS = 4
+MIN_VAL_ACCURACY = 0.7
+MAX_MEAN_GAP = 0.05
+MAX_UNSOLVED_GROUPS = 0.5
+TAIL_STEPS = 5  # "ends with": the mean over the run's last TAIL_STEPS training steps
+MODES = {"fp8": [], "bf16": ["fp8.train=false", "fp8.rollout=false", "fp8.kv_cache=false"]}
+
+
+# ----------------------------------------------------------------------------- the verdict (tested on CPU)
+
+def _tail_mean(rows: list[dict], key: str) -> float | None:
+    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))][-TAIL_STEPS:]
+    return sum(vals) / len(vals) if vals else None
+
+
+def summarize_run(rows: list[dict], steps: int) -> dict:
+    """One run's metrics.jsonl rows -> its table row. final_val: the val/accuracy logged at step
+    `steps` (the end-of-run validation), None if the run did not get there."""
+    train = [r for r in rows if "reward/mean" in r]
+    final = [r["val/accuracy"] for r in rows if r.get("step") == steps and "val/accuracy" in r]
+    zero_grad = [r["step"] for r in train if r.get("optim/grad_norm") == 0]
+    return {
+        "final_val": float(final[-1]) if final else None,
+        "steps_logged": len(train),
+        "unsolved_groups": _tail_mean(train, "reward/unsolved_groups"),
+        "zero_std_groups": _tail_mean(train, "reward/zero_std_groups"),
+        "distinct_answers": _tail_mean(train, "reward/distinct_answers"),
+        "entropy": _tail_mean(train, "policy/entropy"),
+        "first_zero_grad_step": zero_grad[0] if zero_grad else None,
+        "time_step_s": _tail_mean(train, "time/step"),
+    }
+
+
+def verdict(runs: list[dict]) -> tuple[bool, list[str], dict]:
+    """runs: rows {mode, seed, final_val, unsolved_groups, ...} -> (passed, reasons it failed, means)."""
+    reasons, means = [], {}
+    for mode in MODES:
+        mine = [r for r in runs if r["mode"] == mode]
+        if len(mine) < MIN_SEEDS:
+            reasons.append(f"{mode}: {len(mine)} seeds, the gate needs >= {MIN_SEEDS}")
+        for r in mine:
+            tag = f"{mode} seed {r['seed']}"
+            if r["final_val"] is None:
+                reasons.append(f"{tag}: did not finish ({r['steps_logged']} steps logged, no final validation)")
+            elif r["final_val"] < MIN_VAL_ACCURACY:
+                reasons.append(f"{tag}: final val/accuracy {r['final_val']:.2f} < {MIN_VAL_ACCURACY}")
+            if r["unsolved_groups"] is not None and r["unsolved_groups"] > MAX_UNSOLVED_GROUPS:
+                reasons.append(f"{tag}: ends with {r['unsolved_groups']:.2f} of its groups all wrong "
+                               f"(zero variance) > {MAX_UNSOLVED_GROUPS}")
+        done = [r["final_val"] for r in mine if r["final_val"] is not None]
+        means[mode] = sum(done) / len(done) if done else None
+    if means["fp8"] is not None and means["bf16"] is not None:
+        gap = means["fp8"] - means["bf16"]
+        means["gap"] = gap
+        if abs(gap) > MAX_MEAN_GAP + 1e-9:  # (accuracies are multiples of 1/val size: no float noise at the edge)
+            reasons.append(f"mean final accuracy fp8 {means['fp8']:.3f} vs bf16 {means['bf16']:.3f}: "
+                           f"|gap| {abs(gap):.3f} > {MAX_MEAN_GAP}")
+    else:
+        reasons.append("no finished run in fp8 or in bf16: no means to compare")
+    return not reasons, reasons, means
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def table(runs: list[dict], means: dict, modes=MODES) -> str:
+    lines = ["| mode | seed | final val | steps | unsolved groups | zero-std groups | distinct answers | "
+             "entropy | first grad_norm 0 | s/step |", "|" + "---|" * 10]
+    for r in sorted(runs, key=lambda r: (list(modes).index(r["mode"]), r["seed"])):
+        lines.append(f"| {r['mode']} | {r['seed']} | {_fmt(r['final_val'])} | {r['steps_logged']} | "
+                     f"{_fmt(r['unsolved_groups'])} | {_fmt(r['zero_std_groups'])} | {_fmt(r['distinct_answers'])} | "
+                     f"{_fmt(r['entropy'], '.3f')} | {_fmt(r['first_zero_grad_step'], 'd')} | "
+                     f"{_fmt(r['time_step_s'], '.2f')} |")
+    lines.append("")
+    lines.append(" ".join(f"mean final val {m}: {_fmt(means.get(m), '.3f')};" for m in modes)
+                 + (f" gap fp8 - bf16: {_fmt(means.get('gap'), '+.3f')}" if "gap" in means else ""))
+    return "\n".join(lines)
+
+
+def check(run_files: dict[tuple[str, int], Path], steps: int, sweep: bool = False
+          ) -> tuple[bool, list[str], dict, list[dict]]:
+    """{(mode, seed): metrics.jsonl path} -> (passed, reasons, means, per-run rows). A missing file is
+    a run that logged nothing. sweep: no verdict, only the means (passed: every run finished)."""
+    runs = [{"mode": mode, "seed": seed, **summarize_run(load_rows(p) if p.is_file() else [], steps)}
+            for (mode, seed), p in sorted(run_files.items())]
+    if not sweep:
+        passed, reasons, means = verdict(runs)
+        return passed, reasons, means, runs
+    means = {}
+    for mode in dict.fromkeys(r["mode"] for r in runs):
+        done = [r["final_val"] for r in runs if r["mode"] == mode and r["final_val"] is not None]
+        means[mode] = sum(done) / len(done) if done else None
+    unfinished = [f"{r['mode']} seed {r['seed']}: did not finish" for r in runs if r["final_val"] is None]
+    return not unfinished, unfinished, means, runs
+
+
+# ----------------------------------------------------------------------------- launching the runs
+
+def _log(msg: str, t0: float) -> None:
+    print(f"[gate +{time.time() - t0:.0f}s] {msg}", flush=True)
+
+
+def _engine_up(log: Path, metrics: Path) -> str | None:
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return "first step logged"
+    if log.is_file() and "init engine" in log.read_text(errors="replace"):
+        return "vLLM engine up"
+    return None
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each run's process group (started with its own session), SIGKILL what is left after 10 s."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        os.killpg(p.pid, signal.SIGTERM)
+    end = time.time() + 10
+    while time.time() < end and any(p.poll() is None for p in live):
+        time.sleep(0.5)
+    for p in live:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+
+
+def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
+    """Start every (mode, seed) run, staggered and at most --max-concurrent at once; wait for them or the
+    deadline. -> {(mode, seed): {"dir", "log", "cmd", "rc"}}."""
+    todo = [(mode, seed) for seed in args.seeds for mode in args.modes]  # alternate modes: same contention
+    runs, live = {}, []
+    deadline = t0 + args.deadline_s
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(args.threads))}
+    for mode, seed in todo:
+        while len([p for p in live if p.poll() is None]) >= args.max_concurrent and time.time() < deadline:
+            time.sleep(1)
+        if time.time() > deadline - 30:
+            _log(f"no time left to start {mode} seed {seed}", t0)
+            continue
+        name = f"{mode}_s{seed}"
+        cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(args.config), f"train.seed={seed}",
+               f"train.out_dir={work}", f"train.run_name={name}", "log.tensorboard=false", "train.save_final=false",
+               *args.run_overrides, *args.mode_overrides[mode], *args.extra]
+        log = work / f"{name}.log"
+        with open(log, "w") as f:
+            p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        live.append(p)
+        runs[(mode, seed)] = {"dir": work / name, "log": log, "cmd": " ".join(cmd[1:]), "proc": p}
+        _log(f"started {name} (pid {p.pid})", t0)
+        if args.stagger:
+            start, why = time.time(), None
+            while why is None:
+                why = _engine_up(log, work / name / "metrics.jsonl")
+                if why is None and p.poll() is not None:
+                    why = f"exited (rc {p.returncode})"
+                elif why is None and time.time() - start > args.stagger_timeout_s:
+                    why = "stagger timeout"
+                elif why is None and time.time() > deadline:
+                    why = "deadline"
+                time.sleep(0.5 if why is None else 0)
+            _log(f"{name}: {why} after {time.time() - start:.0f}s", t0)
+    while any(p.poll() is None for p in live) and time.time() < deadline:
+        time.sleep(1)
+    late = [p for p in live if p.poll() is None]
+    if late:
+        _log(f"deadline: stopping {len(late)} run(s)", t0)
+        _stop(late)
+    for (mode, seed), r in runs.items():
+        r["rc"] = r.pop("proc").returncode
+        _log(f"{mode}_s{seed}: rc {r['rc']}", t0)
+    return runs
+
+
+def _device() -> str:
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip() or "cpu"
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+
+
+def write_results(out: Path, payload: dict, md: str, files: list[Path]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learn_gate.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out / "learn_gate.md").write_text(md + "\n")
+    with tarfile.open(out / "learn_runs.tgz", "w:gz") as tar:  # one file: the device returns few per call
+        for f in [out / "learn_gate.json", out / "learn_gate.md", *files]:
+            if f.is_file():
+                tar.add(f, arcname=f.name)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", help="the quickstart (default configs/tiny_gpu.yaml; --cpu: configs/tiny_cpu.yaml)")
+    p.add_argument("--seeds", default="0,1,2,3", help="train.seed of the runs (default 0,1,2,3)")
+    p.add_argument("--modes", default="fp8,bf16", help="subset of fp8,bf16 (a subset always FAILs: debugging)")
+    p.add_argument("--steps", type=int, default=0, help="train.steps override (0 = the config's; debugging)")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/learn_gate"), help="results dir (default $OUT)")
+    p.add_argument("--work", default="/tmp/learn_gate_runs", help="run dirs (emptied first)")
+    p.add_argument("--deadline-s", type=float, default=570, help="stop runs still going this long after the start")
+    p.add_argument("--max-concurrent", type=int, default=8)
+    p.add_argument("--gpu-share", type=float, default=0.06, help="rollout.gpu_memory_utilization of each run")
+    p.add_argument("--stagger-timeout-s", type=float, default=150, help="longest wait for an engine before the next start")
+    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--cpu", action="store_true", help="tiny_cpu on CPU, HF engine, 2 runs at a time, no stagger")
+    p.add_argument("--check", metavar="DIR", help="no runs: the verdict on DIR/<mode>_s<seed>/metrics.jsonl")
+    p.add_argument("--sweep", action="append", metavar="NAME:k=v,k=v", default=[],
+                   help="instead of fp8/bf16: a variant of the FP8 recipe (repeat the option); no verdict")
+    p.add_argument("extra", nargs="*", help="train_grpo.py overrides for every run (key.sub=value)")
+    args = p.parse_args(argv)
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s != ""]
+    except ValueError:
+        print(f"error: --seeds {args.seeds!r}: expected integers like 0,1,2,3", file=sys.stderr)
+        return 2
+    args.modes = [m for m in args.modes.split(",") if m]
+    args.mode_overrides = MODES
+    if args.sweep:
+        try:
+            args.mode_overrides = {name: [kv for kv in kvs.split(",") if kv] for name, kvs in
+                                   (v.split(":", 1) for v in args.sweep)}
+        except ValueError:
+            print(f"error: --sweep {args.sweep}: expected NAME:key=value[,key=value...]", file=sys.stderr)
+            return 2
+        args.modes = list(args.mode_overrides)
+    bad = [m for m in args.modes if m not in args.mode_overrides]
+    if bad or not args.seeds:
+        print(f"error: --modes {','.join(bad)}: expected a subset of {','.join(MODES)} (and --seeds non-empty)",
+              file=sys.stderr)
+        return 2
+    args.config = Path(args.config or ROOT / "configs" / ("tiny_cpu.yaml" if args.cpu else "tiny_gpu.yaml")).resolve()
+    if not args.config.is_file():
+        print(f"error: --config {args.config}: no such file", file=sys.stderr)
+        return 2
+    if args.cpu:
+        args.run_overrides = ["train.device=cpu", "rollout.engine=hf"]
+        args.max_concurrent, args.stagger, args.threads = min(args.max_concurrent, 2), False, 1
+    else:
+        args.run_overrides = [f"rollout.gpu_memory_utilization={args.gpu_share}", "rollout.sleep_mode=false"]
+        args.stagger = True
+    if args.steps:
+        args.run_overrides.append(f"train.steps={args.steps}")
+    sys.path.insert(0, str(ROOT))
+    from config import UserError, load_config
+    try:  # a bad override fails here, once, not in 8 runs
+        for mode in args.modes:
+            steps = load_config(args.config, [*args.run_overrides, *args.mode_overrides[mode], *args.extra]).train.steps
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    t0, out = time.time(), Path(args.out)
+    if args.check:
+        work, commands = Path(args.check), {}
+    else:
+        work = Path(args.work)
+        if work.exists():
+            import shutil
+            shutil.rmtree(work)
+        work.mkdir(parents=True)
+        _log(f"config {args.config.name}, {steps} steps, seeds {args.seeds}, modes {args.modes}, "
+             f"deadline {args.deadline_s:.0f}s, out {out}", t0)
+        launched = launch_all(args, work, t0)
+        commands = {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}
+    files = {(m, s): work / f"{m}_s{s}" / "metrics.jsonl" for s in args.seeds for m in args.modes}
+    passed, reasons, means, runs = check(files, steps, sweep=bool(args.sweep))
+    word = ("finished" if passed else "UNFINISHED") if args.sweep else ("PASS" if passed else "FAIL")
+    md = table(runs, means, args.modes) + "\n\n" + word + "".join(f"\n- {r}" for r in reasons)
+    print(md, flush=True)
+    copies = []
+    out.mkdir(parents=True, exist_ok=True)
+    for (m, s), f in files.items():
+        for src, dst in ((f, out / f"{m}_s{s}_metrics.jsonl"), (work / f"{m}_s{s}.log", out / f"{m}_s{s}.log")):
+            if src.is_file() and src.resolve() != dst.resolve():
+                dst.write_bytes(src.read_bytes())
+            copies.append(dst)
+    write_results(out, {
+        "verdict": word, "reasons": reasons, "variants": args.mode_overrides, "means": means, "runs": runs,
+        "thresholds": {"min_seeds": MIN_SEEDS, "min_val_accuracy": MIN_VAL_ACCURACY, "max_mean_gap": MAX_MEAN_GAP,
+                       "max_unsolved_groups": MAX_UNSOLVED_GROUPS, "tail_steps": TAIL_STEPS},
+        "config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT) else str(args.config),
+        "steps": steps, "overrides": [*args.run_overrides, *args.extra], "commands": commands,
+        "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1), "device": _device(),
+    }, md, copies)
+    _log(f"{word}; results in {out}", t0)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""scripts/learn_gate.py: the verdict from metrics files, and the whole gate end to end on CPU."""
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import learn_gate  # noqa: E402
+
+STEPS = 20
+
+
+def write_run(path: Path, final_val: float | None, unsolved_end: float = 0.1, steps: int = STEPS):
+    """A run's metrics.jsonl: `steps` training records (unsolved groups falling to unsolved_end over the last
+    5), validation every 10 steps and, if final_val is given, the end-of-run validation at step STEPS."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for s in range(steps):
+        r = {"step": s, "reward/mean": 0.5, "reward/unsolved_groups": 0.9 if s < steps - 5 else unsolved_end,
+             "reward/zero_std_groups": 0.8, "reward/distinct_answers": 2.0, "policy/entropy": 0.3,
+             "optim/grad_norm": 0.0 if s == 7 else 1.0, "time/step": 0.5}
+        if s % 10 == 0:
+            r["val/accuracy"] = 0.1
+        rows.append(r)
+    if final_val is not None:
+        rows.append({"step": STEPS, "val/accuracy": final_val})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')  # torn last line
+
+
+def runs_dir(tmp_path, fp8=(0.84, 0.8, 0.76, 0.92), bf16=(0.88, 0.8, 0.72, 0.92), **special):
+    """DIR/<mode>_s<seed>/metrics.jsonl for each accuracy; special[(mode, seed)] = write_run kwargs."""
+    files = {}
+    for mode, accs in (("fp8", fp8), ("bf16", bf16)):
+        for seed, acc in enumerate(accs):
+            f = tmp_path / f"{mode}_s{seed}" / "metrics.jsonl"
+            write_run(f, **{"final_val": acc, **special.get(f"{mode}{seed}", {})})
+            files[(mode, seed)] = f
+    return files
+
+
+def test_passing_runs_pass(tmp_path):
+    passed, reasons, means, runs = learn_gate.check(runs_dir(tmp_path), STEPS)
+    assert passed and reasons == []
+    assert means["fp8"] == pytest.approx(0.83) and means["bf16"] == pytest.approx(0.83) and means["gap"] == pytest.approx(0)
+    r = next(r for r in runs if r["mode"] == "fp8" and r["seed"] == 0)
+    assert r["final_val"] == 0.84 and r["steps_logged"] == STEPS and r["first_zero_grad_step"] == 7
+    assert r["unsolved_groups"] == pytest.approx(0.1) and r["zero_std_groups"] == pytest.approx(0.8)
+    md = learn_gate.table(runs, means)
+    assert md.count("\n| fp8 |") == 4 and md.count("\n| bf16 |") == 4 and "| 0.84 | 20 | 0.10 | 0.80 |" in md
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    ({"fp8": (0.84, 0.8, 0.68, 0.92)}, "fp8 seed 2: final val/accuracy 0.68 < 0.7"),
+    ({"bf16": (0.88, 0.8, 0.72)}, "bf16: 3 seeds, the gate needs >= 4"),
+    ({"fp8": (0.72, 0.72, 0.72, 0.72), "bf16": (0.96, 0.96, 0.96, 0.96)}, "|gap| 0.240 > 0.05"),
+    ({"bf16": (0.8, 0.8, 0.8, 0.8), "fp8": (0.92, 0.92, 0.88, 0.88)}, "|gap| 0.100 > 0.05"),  # within: both ways
+    ({"fp8": (0.84, 0.8, 0.76, 0.92), "bf161": {"unsolved_end": 0.6}}, "bf16 seed 1: ends with 0.60 of its groups"),
+    ({"fp83": {"final_val": None, "steps": 12}}, "fp8 seed 3: did not finish (12 steps logged"),
+])
+def test_each_threshold_fails_the_gate(tmp_path, kwargs, reason):
+    special = {k: v for k, v in kwargs.items() if k not in ("fp8", "bf16")}
+    passed, reasons, _, _ = learn_gate.check(
+        runs_dir(tmp_path, **{k: v for k, v in kwargs.items() if k in ("fp8", "bf16")}, **special), STEPS)
+    assert not passed and any(reason in r for r in reasons), reasons
+
+
+def test_gap_at_the_threshold_passes(tmp_path):
+    passed, reasons, means, _ = learn_gate.check(runs_dir(tmp_path, fp8=(0.8,) * 4, bf16=(0.76,) * 4), STEPS)
+    assert passed, reasons
+    assert means["gap"] == pytest.approx(0.04)
+
+
+def test_a_missing_run_fails(tmp_path):
+    files = runs_dir(tmp_path)
+    files[("bf16", 0)].unlink()
+    passed, reasons, _, runs = learn_gate.check(files, STEPS)
+    assert not passed and any("bf16 seed 0: did not finish (0 steps logged" in r for r in reasons)
+
+
+def test_check_cli_writes_json_table_and_exit_code(tmp_path):
+    runs_dir(tmp_path / "runs", fp8=(0.84, 0.8, 0.6, 0.92))
+    out = tmp_path / "out"
+    rc = learn_gate.main(["--cpu", "--check", str(tmp_path / "runs"), "--out", str(out), f"train.steps={STEPS}"])
+    assert rc == 1
+    res = json.loads((out / "learn_gate.json").read_text())
+    assert res["verdict"] == "FAIL" and res["reasons"] == ["fp8 seed 2: final val/accuracy 0.60 < 0.7"]
+    assert res["thresholds"] == {"min_seeds": 4, "min_val_accuracy": 0.7, "max_mean_gap": 0.05,
+                                 "max_unsolved_groups": 0.5, "tail_steps": 5}
+    assert (out / "learn_gate.md").read_text().rstrip().endswith("- fp8 seed 2: final val/accuracy 0.60 < 0.7")
+    with tarfile.open(out / "learn_runs.tgz") as tar:
+        assert {"learn_gate.json", "learn_gate.md", "fp8_s2_metrics.jsonl"} <= set(tar.getnames())
+
+
+def test_bad_arguments_exit_2(tmp_path, capsys):
+    assert learn_gate.main(["--cpu", "--modes", "fp16", "--out", str(tmp_path)]) == 2
+    assert "error: --modes fp16" in capsys.readouterr().err
+    assert learn_gate.main(["--cpu", "--out", str(tmp_path), "train.dynamic_sampling=always"]) == 2
+    assert "train.dynamic_sampling" in capsys.readouterr().err
+
+
+def test_gate_end_to_end_on_cpu(tmp_path):
+    """2 seeds x {fp8, bf16} x 2 steps of a small tiny_cpu: every run finishes and validates; the gate
+    FAILs (2 seeds, and 2 steps do not learn) with exit code 1 and writes its results."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/learn_gate.py"), "--cpu", "--seeds", "0,1", "--steps", "2",
+                        "--out", str(out), "--work", str(work), "rollout.prompts_per_step=4",
+                        "train.micro_batch_size=32", "log.dump_episodes_every=0"],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "learn_gate.json").read_text())
+    assert res["verdict"] == "FAIL" and "fp8: 2 seeds, the gate needs >= 4" in res["reasons"]
+    assert [(r["mode"], r["seed"]) for r in res["runs"]] == [("bf16", 0), ("bf16", 1), ("fp8", 0), ("fp8", 1)]
+    for r in res["runs"]:
+        assert r["steps_logged"] == 2 and r["final_val"] is not None and 0 <= r["final_val"] <= 1
+        assert r["entropy"] > 0 and 1 <= r["distinct_answers"] <= 8
+    assert "fp8.train=false" in res["commands"]["bf16_s0"] and "fp8.train=false" not in res["commands"]["fp8_s0"]
+    assert "FAIL" in p.stdout and (out / "fp8_s1_metrics.jsonl").is_file() and (out / "learn_runs.tgz").is_file()
