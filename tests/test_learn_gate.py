@@ -15,14 +15,14 @@ import learn_gate  # noqa: E402
 STEPS = 20
 
 
-def write_run(path: Path, final_val: float | None, unsolved_end: float = 0.1, steps: int = STEPS):
-    """A run's metrics.jsonl: `steps` training records (unsolved groups falling to unsolved_end over the last
-    5), validation every 10 steps and, if final_val is given, the end-of-run validation at step STEPS."""
+def write_run(path: Path, final_val: float | None, zero_std_end: float = 0.3, steps: int = STEPS):
+    """A run's metrics.jsonl: `steps` training records (zero-variance groups falling to zero_std_end over the
+    last 5), validation every 10 steps and, if final_val is given, the end-of-run validation at step STEPS."""
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for s in range(steps):
-        r = {"step": s, "reward/mean": 0.5, "reward/unsolved_groups": 0.9 if s < steps - 5 else unsolved_end,
-             "reward/zero_std_groups": 0.8, "reward/distinct_answers": 2.0, "policy/entropy": 0.3,
+        r = {"step": s, "reward/mean": 0.5, "reward/unsolved_groups": 0.1,
+             "reward/zero_std_groups": 0.9 if s < steps - 5 else zero_std_end, "reward/distinct_answers": 2.0, "policy/entropy": 0.3,
              "optim/grad_norm": 0.0 if s == 7 else 1.0, "time/step": 0.5}
         if s % 10 == 0:
             r["val/accuracy"] = 0.1
@@ -49,7 +49,7 @@ def test_passing_runs_pass(tmp_path):
     assert means["fp8"] == pytest.approx(0.83) and means["bf16"] == pytest.approx(0.83) and means["gap"] == pytest.approx(0)
     r = next(r for r in runs if r["mode"] == "fp8" and r["seed"] == 0)
     assert r["final_val"] == 0.84 and r["steps_logged"] == STEPS and r["first_zero_grad_step"] == 7
-    assert r["unsolved_groups"] == pytest.approx(0.1) and r["zero_std_groups"] == pytest.approx(0.8)
+    assert r["unsolved_groups"] == pytest.approx(0.1) and r["zero_std_groups"] == pytest.approx(0.3)
     md = learn_gate.table(runs, means)
     assert md.count("\n| fp8 |") == 4 and md.count("\n| bf16 |") == 4 and "| 0.84 | 20 | 0.10 | 0.80 |" in md
 
@@ -59,7 +59,7 @@ def test_passing_runs_pass(tmp_path):
     ({"bf16": (0.88, 0.8, 0.72)}, "bf16: 3 seeds, the gate needs >= 4"),
     ({"fp8": (0.72, 0.72, 0.72, 0.72), "bf16": (0.96, 0.96, 0.96, 0.96)}, "|gap| 0.240 > 0.05"),
     ({"bf16": (0.8, 0.8, 0.8, 0.8), "fp8": (0.92, 0.92, 0.88, 0.88)}, "|gap| 0.100 > 0.05"),  # within: both ways
-    ({"fp8": (0.84, 0.8, 0.76, 0.92), "bf161": {"unsolved_end": 0.6}}, "bf16 seed 1: ends with 0.60 of its groups"),
+    ({"fp8": (0.84, 0.8, 0.76, 0.92), "bf161": {"zero_std_end": 0.6}}, "bf16 seed 1: ends with 0.60 of its groups at zero variance"),
     ({"fp83": {"final_val": None, "steps": 12}}, "fp8 seed 3: did not finish (12 steps logged"),
 ])
 def test_each_threshold_fails_the_gate(tmp_path, kwargs, reason):
@@ -90,7 +90,7 @@ def test_check_cli_writes_json_table_and_exit_code(tmp_path):
     res = json.loads((out / "learn_gate.json").read_text())
     assert res["verdict"] == "FAIL" and res["reasons"] == ["fp8 seed 2: final val/accuracy 0.60 < 0.7"]
     assert res["thresholds"] == {"min_seeds": 4, "min_val_accuracy": 0.7, "max_mean_gap": 0.05,
-                                 "max_unsolved_groups": 0.5, "tail_steps": 5}
+                                 "max_zero_std_groups": 0.5, "tail_steps": 5}
     assert (out / "learn_gate.md").read_text().rstrip().endswith("- fp8 seed 2: final val/accuracy 0.60 < 0.7")
     with tarfile.open(out / "learn_runs.tgz") as tar:
         assert {"learn_gate.json", "learn_gate.md", "fp8_s2_metrics.jsonl"} <= set(tar.getnames())
