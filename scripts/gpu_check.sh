@@ -3,6 +3,8 @@
 #   bash scripts/gpu_check.sh fp8      tests/gpu/test_fp8_gpu.py + bench/train.py linear
 #   bash scripts/gpu_check.sh vllm     tests/gpu/test_vllm_engine.py
 #   bash scripts/gpu_check.sh align    bench/alignment.py
+#   bash scripts/gpu_check.sh flagship [ARGS]  scripts/flagship_check.py: the shipped 8B configs at full shape, a few
+#                                      steps each -> $OUT/flagship.{md,json}, logs in $OUT/flagship_runs.tgz
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
 #   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, tiny_gpu x 4 seeds x {FP8
 #                                      recipe, BF16}, concurrent on the one GPU, < 10 min; PASS/FAIL (exit code),
@@ -50,6 +52,9 @@ case "$1" in
          $PY train_grpo.py --config configs/tiny_gpu.yaml train.out_dir=/tmp/runs train.run_name=tiny_gpu \
            "${@:2}" 2>&1 | tee "$OUT/tiny_gpu.log"
          cp /tmp/runs/tiny_gpu/metrics.jsonl "$OUT/tiny_gpu_metrics.jsonl" ;;
+  flagship) $PY scripts/flagship_check.py --out "$OUT/flagship" "${@:2}" 2>&1 | tee "$OUT/flagship.log"
+         rc=${PIPESTATUS[0]}; cp "$OUT"/flagship/flagship.{md,json} "$OUT"/ 2>/dev/null
+         tar -czf "$OUT/flagship_runs.tgz" -C "$OUT" flagship --remove-files; exit $rc ;;
   learn) $PY scripts/learn_gate.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
          exit "${PIPESTATUS[0]}" ;;
   rollout)  $PY bench/rollout.py --out "$OUT" --time-limit 540 "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
@@ -60,5 +65,5 @@ case "$1" in
   pass)     $PY bench/trainer_pass.py --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' \
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|tiny|learn|rollout|capacity|stack|step|pass|quant" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|learn|tiny|learn|rollout|capacity|stack|step|pass|quant" >&2; exit 2 ;;
 esac
