@@ -65,5 +65,5 @@ case "$1" in
   pass)     $PY bench/trainer_pass.py --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' \
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|learn|tiny|learn|rollout|capacity|stack|step|pass|quant" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|learn|tiny|rollout|capacity|stack|step|pass|quant" >&2; exit 2 ;;
 esac
