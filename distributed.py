@@ -152,14 +152,17 @@ class DevicePeak:
     def __init__(self, device: torch.device, poll_s: float | None = 0.02):
         self.device, self.peak = device, 0
         if poll_s:
+            import atexit
             import threading
-            import time
+
+            stop = threading.Event()
 
             def poll():
-                while True:
+                while not stop.wait(poll_s):
                     self.sample()
-                    time.sleep(poll_s)
-            threading.Thread(target=poll, daemon=True, name="device-peak").start()
+            thread = threading.Thread(target=poll, daemon=True, name="device-peak")
+            thread.start()
+            atexit.register(lambda: (stop.set(), thread.join()))  # no CUDA call from it while the process exits
 
     def sample(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)

@@ -1,6 +1,6 @@
 """Checks that an optimizer step does what it should, on any model (random weights included).
 
-* WeightChange: the share of trainable weights an optimizer step changed (optim/changed_frac). bf16
+* WeightChange: the share of trainable weights a training step changed (optim/changed_frac). bf16
   weights under a round-to-nearest optimizer at RL learning rates change well under 1% (optimizer.py);
   fp32 master weights change ~all. Counted on up to `k` fixed entries per tensor, so it costs a few
   small gathers per step at 8B (exact for tensors of at most k entries).
@@ -18,35 +18,49 @@ def _local(p: Tensor) -> Tensor:
 
 
 class WeightChange:
-    """Hooks on `optimizer`: before each step, k fixed entries of every trainable tensor are copied; after
-    it, `frac` is the share of those with a non-zero gradient that the step changed (the last step's,
-    over this rank's shards). Entries without a gradient, e.g. embedding rows of tokens absent from the
-    batch, are not counted: no optimizer should move them on its first step."""
+    """The share of trainable weights one training step (all its optimizer steps) changed.
+
+    start() copies k fixed entries of every trainable tensor (all of a tensor of at most k); a pre-step
+    hook on `optimizer` marks the entries whose gradient exceeded the optimizer's eps in any of the
+    step's optimizer steps; finish() returns the share of those that changed (this rank's shards).
+    Entries with no such gradient are not counted: embedding rows of tokens absent from the batch, or
+    lm_head rows of tokens the policy never gives mass to, which Adam's eps keeps still by design."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, k: int = 65536, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        self.index = [None if _local(p).numel() <= k else
-                      torch.randperm(_local(p).numel(), generator=g)[:k].to(_local(p).device) for p in self.params]
-        self.before, self.frac = None, float("nan")
-        optimizer.register_step_pre_hook(lambda *_: self._snapshot())
-        optimizer.register_step_post_hook(lambda *_: self._compare())
+        self.eps = optimizer.param_groups[0].get("eps", 0.0)
+        self.index = [None if _local(p).numel() <= k else  # with replacement: randperm of 0.5B entries takes minutes
+                      torch.randint(_local(p).numel(), (k,), generator=g).to(_local(p).device) for p in self.params]
+        self.before = self.moved = None
+        optimizer.register_step_pre_hook(lambda *_: self._mark_gradients())
 
     def _sampled(self, t: Tensor, i: Tensor | None) -> Tensor:
         flat = _local(t).detach().reshape(-1)
         return flat if i is None else flat[i]
 
     @torch.no_grad()
-    def _snapshot(self) -> None:
-        self.before = [None if p.grad is None else (self._sampled(p, i).clone(), self._sampled(p.grad, i) != 0)
-                       for p, i in zip(self.params, self.index)]
+    def start(self) -> None:
+        self.before = [self._sampled(p, i).clone() for p, i in zip(self.params, self.index)]
+        self.moved = [torch.zeros_like(b, dtype=torch.bool) for b in self.before]
 
     @torch.no_grad()
-    def _compare(self) -> None:
-        kept = [(self._sampled(p, i), b) for p, i, b in zip(self.params, self.index, self.before) if b is not None]
-        changed = sum(int(((now != old) & has_grad).sum()) for now, (old, has_grad) in kept)
-        self.frac = changed / max(1, sum(int(has_grad.sum()) for _, (_, has_grad) in kept))
-        self.before = None
+    def _mark_gradients(self) -> None:
+        if self.moved is None:
+            return
+        for p, i, m in zip(self.params, self.index, self.moved):
+            if p.grad is not None:
+                m |= self._sampled(p.grad, i).abs() > self.eps
+
+    @torch.no_grad()
+    def finish(self) -> float:
+        changed = counted = 0.0
+        for p, i, b, m in zip(self.params, self.index, self.before, self.moved):
+            scale = _local(p).numel() / b.numel()  # a sampled tensor stands for all its entries
+            changed += scale * int(((self._sampled(p, i) != b) & m).sum())
+            counted += scale * int(m.sum())
+        self.before = self.moved = None
+        return changed / counted if counted else float("nan")
 
 
 def probe_rewards(samples) -> Tensor:

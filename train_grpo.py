@@ -266,7 +266,7 @@ def train(args) -> Path:
         if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
 
     optimizer = build_optimizer(model.parameters(), cfg.optim)
-    weight_change = WeightChange(optimizer)  # optim/changed_frac: did the last optimizer step move the weights?
+    weight_change = WeightChange(optimizer)  # optim/changed_frac: did the step move the weights?
     warmup = cfg.optim.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     sampler = PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
@@ -434,6 +434,7 @@ def train(args) -> Path:
 
         # ---- policy update: mini-batches (one optimizer step each) of micro-batches
         t0 = time.perf_counter()
+        weight_change.start()
         with torch.profiler.record_function("train"):
             model.train()
             order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(device)
@@ -481,7 +482,7 @@ def train(args) -> Path:
             metrics.update(loss_metrics)
             metrics["optim/skipped_steps"] = skipped
         metrics["time/train"] = time.perf_counter() - t0
-        metrics["optim/changed_frac"] = weight_change.frac
+        metrics["optim/changed_frac"] = weight_change.finish()
         if cfg.train.probe:  # did the update raise the positive-advantage samples relative to the negative ones?
             with bf16_reference(model):
                 metrics["probe/policy_gain"] = policy_gain(score(model, input_ids, attention_mask), probe_before,
