@@ -10,7 +10,8 @@ On disk, under <run_dir>/checkpoints/ (one dir per saved step, the last train.ke
         __1_0.distcp     (__{rank}_0.distcp; each tensor shard is one torch.save record)
         meta.pt          torch.save of everything else, written by rank 0: step, world (ranks that
                          wrote it), scheduler, sampler, rng (a list: every rank's), kv_scales,
-                         bad_steps
+                         bad_steps, optimizer_stepped (False: saved before any optimizer step,
+                         whose zero Adam state is not restored)
     .tmp-step_000160/    a save in progress, or one a crash left: never read; the next save removes it
 
 The tensors are {"model": ..., "optimizer": ...} as get_state_dict(model, optimizer) gives them:
@@ -137,16 +138,19 @@ def save_checkpoint(root: str | Path, step: int, meta: dict, model: nn.Module, o
         tmp.mkdir()
     rngs = distributed.all_gather_object(rng_state(), d)
     distributed.barrier(d)  # the temp dir exists before any rank writes into it
+    stepped = bool(optimizer.state)  # else sharded_state initialises it (Adam step 1): undone after the save
     model_sd, optim_sd = distributed.sharded_state(model, optimizer)
     with _quiet():
         dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    if not stepped:  # saving must not change training: the first real step still starts Adam at step 1
+        optimizer.state.clear()
     if d.main:
         if os.environ.get("GRPO_CKPT_FAULT") == str(step):  # test hook: crash mid-save
             torn = tmp / "__0_0.distcp"
             os.truncate(torn, torn.stat().st_size // 2)
             os.kill(os.getpid(), signal.SIGKILL)
         with open(tmp / META, "wb") as f:
-            torch.save({**meta, "rng": rngs, "world": d.world}, f)
+            torch.save({**meta, "rng": rngs, "world": d.world, "optimizer_stepped": stepped}, f)
             f.flush()
             os.fsync(f.fileno())
         _fsync_dir(tmp)
@@ -193,6 +197,8 @@ def _load_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d
         with _quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path))  # errors are raised on every rank
         distributed.load_sharded_state(model, optimizer, state["model"], state["optimizer"])
+        if not meta.get("optimizer_stepped", True):  # saved before any optimizer step: none taken yet
+            optimizer.state.clear()
     rngs = meta["rng"] if isinstance(meta["rng"], list) else [meta["rng"]]  # single-file ones: rank 0's
     meta["rng"] = rngs[d.rank] if len(rngs) == d.world else rngs[0]  # see the module docstring
     meta.setdefault("world", 1)

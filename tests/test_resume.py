@@ -95,6 +95,23 @@ def test_atomic_save_keep_k_and_temp_dirs_ignored(tmp_path):
     assert latest_checkpoint(tmp_path / "missing") is None
 
 
+def test_saving_before_any_optimizer_step_changes_nothing(tmp_path):
+    """get_state_dict initialises an empty optimizer's state (an Adam step at lr 0): a save before the
+    first optimizer step (every step so far skipped as non-finite) leaves it empty, and so does a
+    resume from that checkpoint, so the first real step is Adam's step 1 either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    save_checkpoint(tmp_path, 1, {"step": 1}, model, optimizer)
+    assert not optimizer.state and optimizer.param_groups[0]["lr"] == 1e-2
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_latest(tmp_path, fresh, fresh_opt)
+    assert not fresh_opt.state and all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
 def garble(ckpt, how):
     """Damage a committed checkpoint as a disk or a copy can: cut a shard file short, or overwrite
     DCP's index / meta.pt with junk."""
