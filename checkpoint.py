@@ -127,7 +127,8 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 def save_checkpoint(root: str | Path, step: int, meta: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
                     d: Dist = Dist(), keep: int = 2) -> Path:
     """Write root/step_{step:06d} (the layout above) atomically; then delete all but the newest `keep`
-    (keep <= 0: keep all) and any temp dir a crashed save left. Collective: every rank calls it.
+    (keep <= 0: keep all), those of later steps (stale after a resume) and any temp dir a crashed save
+    left. Collective: every rank calls it.
     meta: the non-tensor state (rank 0's is written), to which this adds "rng" (every rank's) and
     "world". Returns the checkpoint dir."""
     root = Path(root)
@@ -160,7 +161,11 @@ def save_checkpoint(root: str | Path, step: int, meta: dict, model: nn.Module, o
             os.replace(final, old)
         os.replace(tmp, final)
         _fsync_dir(root)
-        for _, old in checkpoints(root)[:-keep] if keep > 0 else []:
+        done = checkpoints(root)
+        # steps after this one are of the run before a resume (e.g. a newest one that did not load):
+        # this run redoes them, as RunLogger.truncate drops their metrics; else keep-K would keep them
+        stale, kept = [p for s, p in done if s > step], [p for s, p in done if s <= step]
+        for old in stale + (kept[:-keep] if keep > 0 else []):
             shutil.rmtree(old, ignore_errors=True)
         for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)

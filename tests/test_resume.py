@@ -112,6 +112,18 @@ def test_saving_before_any_optimizer_step_changes_nothing(tmp_path):
     assert not fresh_opt.state and all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
 
 
+def test_save_after_resume_drops_later_checkpoints(tmp_path):
+    """Resumed from step 2 because step 4 did not load, the run saves step 3: step 4 belongs to the
+    run before the resume and goes (with keep=1 it would otherwise outlive the new step 3)."""
+    model, optimizer = small_model()
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, {"step": step}, model, optimizer, keep=2)
+    garble(tmp_path / "step_000004", "truncated shard")
+    assert load_latest(tmp_path, model, optimizer, log=lambda line: None)[0].name == "step_000002"
+    save_checkpoint(tmp_path, 3, {"step": 3}, model, optimizer, keep=1)
+    assert [s for s, _ in checkpoints(tmp_path)] == [3]
+
+
 def garble(ckpt, how):
     """Damage a committed checkpoint as a disk or a copy can: cut a shard file short, or overwrite
     DCP's index / meta.pt with junk."""
