@@ -75,7 +75,7 @@ def auto_layers(shape: dict, ckpt_dir: Path, device: str, cap: int = 8) -> int:
             and (rest + n * layer) * 16 < gpu]
     if not fits:
         sys.exit(f"error: not even 1 layer's checkpoint fits: {free_disk / 1e9:.0f} GB of disk free under {ckpt_dir} "
-                 f"(80%), {host / 1e9:.0f} GB of host memory (60%); use --dir on a larger disk")
+                 f"(80%), {host / 1e9:.0f} GB of host memory (60%); use --dir on a larger disk, or a larger host")
     return fits[-1]
 
 
@@ -107,6 +107,17 @@ def fingerprint(model, optimizer) -> list[float]:
     local = [getattr(t, "to_local", lambda: t)() for p in model.parameters()
              for t in (p, optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
     return [float(t.double().sum()) for t in local]
+
+
+def fs_type(path: Path) -> str:
+    """The filesystem holding path (/proc/mounts' longest matching mount point): tmpfs would measure RAM."""
+    path, best = str(Path(path).resolve()), ("", "?")
+    with open("/proc/mounts") as f:
+        for line in f:
+            mount, kind = line.split()[1:3]
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best[0]):
+                best = (mount, kind)
+    return best[1]
 
 
 def rss_gib() -> float:
@@ -143,7 +154,7 @@ def worker(op: str, shape: dict, layers: int, ckpt_dir: Path, device: torch.devi
     model, optimizer = build(shape, layers, device)
     d, full_file = Dist(0, 1, device), ckpt_dir / "full" / "state.pt"
     fmt, what = op.split("-")
-    if what == "load":  # the build is seeded: the checkpoint holds these values; zero them so the load must restore them
+    if what == "load":  # the build is seeded, so the checkpoint holds these values: zeroed, the load must restore them
         want = fingerprint(model, optimizer)
         with torch.no_grad():
             for p in model.parameters():
@@ -222,7 +233,7 @@ def main(argv=None):
                 shutil.rmtree(ckpt_dir / "full")
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
-    path = write_results("checkpoint", runs, Path(args.out), device=device, layers=layers,
+    path = write_results("checkpoint", runs, Path(args.out), device=device, layers=layers, fs=fs_type(Path(args.dir)),
                          params=rest + layers * layer, layer_gb=layer * BYTES_PER_PARAM / 1e9,
                          full_32_layer_gb=(rest + 32 * layer) * BYTES_PER_PARAM / 1e9 if not args.tiny else None)
     print(f"wrote {path}")

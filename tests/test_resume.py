@@ -247,7 +247,8 @@ def test_corrupt_newest_checkpoint_resumes_from_the_older_exactly(tiny_run, tmp_
     garble(root / "step_000008", "truncated shard")
     out = resume(run_dir)
     skipped = [line for line in out.splitlines() if line.startswith("skipping checkpoint")]
-    assert len(skipped) == 1 and skipped[0].startswith(f"skipping checkpoint {root}/step_000008: it does not load ("), out
+    assert len(skipped) == 1, out
+    assert skipped[0].startswith(f"skipping checkpoint {root}/step_000008: it does not load (")
     assert f"resumed from {root}/step_000006 at step 6" in out
     assert_same_run(run_dir, tiny_run)
     assert load_checkpoint(root / "step_000008")["step"] == 8
