@@ -43,7 +43,7 @@ import torch
 import yaml
 from torch import Tensor
 
-from checkpoint import latest_checkpoint, load_checkpoint
+from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint
 from config import load_config
 from fp8.calibrate import QKVCalibrator, fp8_attention, scales_from_amax
 from fp8.linear import bf16_reference, clean_name, convert_to_fp8_training, is_fp8_linear
@@ -354,9 +354,9 @@ def load_batch_model(batch: dict, device="cpu", checkpoint=None):
     model, tokenizer = load_model_and_tokenizer(cfg.model, torch.device(device))
     root = Path(batch.get("run_dir") or ".") / "checkpoints"
     exact = root / f"step_{batch['step']:06d}"
-    ckpt = Path(checkpoint) if checkpoint else exact if (exact / "state.pt").is_file() else latest_checkpoint(root)
+    ckpt = Path(checkpoint) if checkpoint else exact if is_checkpoint(exact) else latest_checkpoint(root)
     if ckpt is not None:
-        model.load_state_dict(load_checkpoint(ckpt)["model"])
+        model.load_state_dict(load_checkpoint(ckpt, optimizer=False)["model"])
     model.batch_weights = {"checkpoint": None if ckpt is None else str(ckpt),
                            "exact": ckpt == exact if ckpt is not None else batch["step"] == 0}
     return model.eval().requires_grad_(False), tokenizer, cfg

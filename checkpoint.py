@@ -1,32 +1,83 @@
-"""Atomic checkpoints: write into a temp dir, fsync, rename; keep the last K.
+"""Sharded, atomic checkpoints through torch.distributed.checkpoint (DCP); resume from the newest
+one that loads.
 
-A checkpoint is a directory `step_000123/` holding `state.pt` (model, optimizer, scheduler,
-RNG states, data position, step, fp8 kv scales). It appears under its final name only by an
-atomic rename of a complete, fsynced temp dir, so a crash (even SIGKILL or power loss) mid-save
-leaves at most a `.tmp-*` dir, which `latest_checkpoint` ignores and the next save removes.
+On disk, under <run_dir>/checkpoints/ (one dir per saved step, the last train.keep_ckpts kept):
+
+    step_000120/
+        .metadata        DCP's index: every tensor's global shape and dtype, and which file and
+                         byte range holds each shard of it (pickled)
+        __0_0.distcp     rank 0's shards of the model and optimizer tensors, one file per rank
+        __1_0.distcp     (__{rank}_0.distcp; each tensor shard is one torch.save record)
+        meta.pt          torch.save of everything else, written by rank 0: step, world (ranks that
+                         wrote it), scheduler, sampler, rng (a list: every rank's), kv_scales,
+                         bad_steps, optimizer_stepped (False: saved before any optimizer step,
+                         whose zero Adam state is not restored)
+    .tmp-step_000160/    a save in progress, or one a crash left: never read; the next save removes it
+
+The tensors are {"model": ..., "optimizer": ...} as get_state_dict(model, optimizer) gives them:
+this rank's FSDP2 shards (DTensors), the optimizer state keyed by parameter name (FQN). Each rank
+writes only its own shards, so no process ever holds the full model or optimizer state (the
+single-file format gathered ~96 GB through rank 0's CPU memory at 8B with fp32 master weights and
+AdamW). `.metadata` places each shard in its global tensor, so a checkpoint loads on any number
+of ranks: DCP reads, for each new shard, the byte ranges that overlap it (resharding).
+
+One path for every world size: in one process (no process group) DCP writes a single .distcp of
+plain tensors and reads any checkpoint into plain tensors (dcp's no_dist mode), so there is no
+world-size branch and 1 <-> N-rank resume is the same code as N <-> M.
+
+Atomic commit: rank 0 makes `.tmp-step_N/`; every rank writes its file into it (DCP fsyncs each
+file and `.metadata`); rank 0 writes meta.pt, fsyncs it and the dir, renames the dir to
+`step_N` (atomic in POSIX) and fsyncs the parent. A crash at any moment (SIGKILL, power loss)
+leaves either the complete `step_N/` or none, plus at most a `.tmp-*` dir. Several nodes: the
+checkpoint dir must be on a filesystem every node sees (as DCP's FileSystemWriter assumes).
+
+Resume (load_latest): the newest complete checkpoint that loads; one that does not (a file
+truncated or garbled after its commit, a disk error, tensors of another shape) is skipped with
+one line naming it and why, and the next older one is tried. What is caught: a missing, truncated
+or unreadable file (.metadata, a .distcp, meta.pt), a torn record, a missing key, a shape that
+differs. Not caught: flipped bits inside a tensor's data (DCP keeps no checksums and torch.load
+does not verify them): those load.
+
+RNG: meta.pt keeps every rank's global RNG states (python, numpy, torch CPU, CUDA). Resumed on
+the same number of ranks, each rank gets its own back: exact. On another number there is no
+rank-to-rank correspondence, so every rank gets rank 0's, as in a fresh run where every rank
+seeds train.seed. The loop stays exact across world sizes anyway because the randomness it
+depends on (prompt order, rollout sampling, mini-batch shuffles) comes from explicit seeds of
+(seed, step, sample index), never from these global RNGs; code that draws from them differently
+per rank would resume exactly only on the same world size.
+
+Single-file checkpoints of earlier versions (`state.pt`, full tensors) still load, on any number
+of ranks (distributed.load_full_state).
 
 Fault injection (tests/test_resume.py): with GRPO_CKPT_FAULT=<step> in the environment, the
-save of that step writes half of state.pt into its temp dir and SIGKILLs its own process.
+save of that step truncates rank 0's .distcp file in its temp dir to half and SIGKILLs its own
+process.
 """
 
+import contextlib
 import os
 import random
 import re
 import shutil
 import signal
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
 
+import distributed
+from config import UserError
+from distributed import Dist
+
+META, LEGACY = "meta.pt", "state.pt"
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def rng_state() -> dict:
-    """The global RNGs of this process. Under torchrun only rank 0 saves (its own), and on resume every
-    rank restores that one: like a fresh run, where every rank seeds train.seed. So a checkpoint resumes
-    on any world size; the loop's randomness that matters (prompt order, rollout sampling, mini-batch
-    shuffles) comes from explicit seeds, not from these."""
+    """The global RNGs of this process (saved per rank; see the module docstring)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -52,44 +103,19 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def is_checkpoint(path: str | Path) -> bool:
+    """A committed checkpoint dir: DCP (meta.pt and .metadata) or single-file (state.pt)."""
+    path = Path(path)
+    return ((path / META).is_file() and (path / ".metadata").is_file()) or (path / LEGACY).is_file()
+
+
 def checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     """Complete checkpoints under root as (step, dir), oldest first (numeric order, any width)."""
     root = Path(root)
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
-    return sorted((s, p) for s, p in found if (p / "state.pt").is_file())
-
-
-def save_checkpoint(root: str | Path, step: int, state: dict, keep: int = 2) -> Path:
-    """Write `state` as root/step_{step:06d}/state.pt atomically; delete all but the newest `keep`
-    (keep <= 0: keep all) and any temp dir a crashed save left behind. Returns the checkpoint dir."""
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final, tmp = root / f"step_{step:06d}", root / f".tmp-step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    with open(tmp / "state.pt", "wb") as f:
-        torch.save(state, f)
-        if os.environ.get("GRPO_CKPT_FAULT") == str(step):  # test hook: crash mid-save
-            f.truncate(f.tell() // 2)
-            f.flush()
-            os.fsync(f.fileno())
-            os.kill(os.getpid(), signal.SIGKILL)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving a step (end of a resumed run): swap, so a complete copy always exists
-        old = root / f".tmp-old-step_{step:06d}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(tmp, final)
-    _fsync_dir(root)
-    for _, old in checkpoints(root)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    return final
+    return sorted((s, p) for s, p in found if is_checkpoint(p))
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
@@ -98,5 +124,124 @@ def latest_checkpoint(root: str | Path) -> Path | None:
     return done[-1][1] if done else None
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
+def save_checkpoint(root: str | Path, step: int, meta: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    d: Dist = Dist(), keep: int = 2) -> Path:
+    """Write root/step_{step:06d} (the layout above) atomically; then delete all but the newest `keep`
+    (keep <= 0: keep all), those of later steps (stale after a resume) and any temp dir a crashed save
+    left. Collective: every rank calls it.
+    meta: the non-tensor state (rank 0's is written), to which this adds "rng" (every rank's) and
+    "world". Returns the checkpoint dir."""
+    root = Path(root)
+    final, tmp = root / f"step_{step:06d}", root / f".tmp-step_{step:06d}"
+    if d.main:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    rngs = distributed.all_gather_object(rng_state(), d)
+    distributed.barrier(d)  # the temp dir exists before any rank writes into it
+    stepped = bool(optimizer.state)  # else sharded_state initialises it (Adam step 1): undone after the save
+    model_sd, optim_sd = distributed.sharded_state(model, optimizer)
+    with _quiet():
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+    if not stepped:  # saving must not change training: the first real step still starts Adam at step 1
+        optimizer.state.clear()
+    if d.main:
+        if os.environ.get("GRPO_CKPT_FAULT") == str(step):  # test hook: crash mid-save
+            torn = tmp / "__0_0.distcp"
+            os.truncate(torn, torn.stat().st_size // 2)
+            os.kill(os.getpid(), signal.SIGKILL)
+        with open(tmp / META, "wb") as f:
+            torch.save({**meta, "rng": rngs, "world": d.world, "optimizer_stepped": stepped}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (end of a resumed run): swap, so a complete copy always exists
+            old = root / f".tmp-old-step_{step:06d}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        done = checkpoints(root)
+        # steps after this one are of the run before a resume (e.g. a newest one that did not load):
+        # this run redoes them, as RunLogger.truncate drops their metrics; else keep-K would keep them
+        stale, kept = [p for s, p in done if s > step], [p for s, p in done if s <= step]
+        for old in stale + (kept[:-keep] if keep > 0 else []):
+            shutil.rmtree(old, ignore_errors=True)
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    distributed.barrier(d)  # no rank goes on (and may save again) before the commit
+    return final
+
+
+@contextlib.contextmanager
+def _quiet():
+    """DCP warns at every save and load without a process group: in one process that is the intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        yield
+
+
+def _reason(e: BaseException) -> str:
+    """One line on why a checkpoint did not load: the first rank's error of a DCP CheckpointException."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        e = next(iter(failures.values()))[0]
+    text = (str(e).strip().splitlines() or [""])[0].split(". ")[0]  # torch's corrupt-zip error runs on
+    return f"{type(e).__name__}: {text}"[:300]
+
+
+def _load_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> dict:
+    """Load checkpoint `path` into model and optimizer (collective); its meta with this rank's RNG state."""
+    if (path / LEGACY).is_file():
+        meta = torch.load(path / LEGACY, map_location="cpu", weights_only=False)
+        distributed.load_full_state(model, optimizer, meta.pop("model"), meta.pop("optimizer"), d)
+    else:  # meta first: a bad meta.pt is found before any weight is touched; every rank reads the same file
+        meta = torch.load(path / META, map_location="cpu", weights_only=False)
+        model_sd, optim_sd = distributed.sharded_state(model, optimizer)
+        state = {"model": model_sd, "optimizer": optim_sd}
+        with _quiet():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path))  # errors are raised on every rank
+        distributed.load_sharded_state(model, optimizer, state["model"], state["optimizer"])
+        if not meta.get("optimizer_stepped", True):  # saved before any optimizer step: none taken yet
+            optimizer.state.clear()
+    rngs = meta["rng"] if isinstance(meta["rng"], list) else [meta["rng"]]  # single-file ones: rank 0's
+    meta["rng"] = rngs[d.rank] if len(rngs) == d.world else rngs[0]  # see the module docstring
+    meta.setdefault("world", 1)
+    return meta
+
+
+def load_latest(root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist = Dist(),
+                log=print) -> tuple[Path, dict] | None:
+    """Load the newest checkpoint under root that loads into model and optimizer (collective):
+    (its dir, its meta, with "rng" this rank's RNG state to restore). A checkpoint that fails to load
+    is skipped with one line through `log`; a skipped one may have left some weights half-loaded,
+    which the older checkpoint then overwrites completely. None when root holds no complete
+    checkpoint; UserError when none of them loads."""
+    failed = []
+    for _, path in reversed(checkpoints(root)):
+        try:
+            return path, _load_into(path, model, optimizer, d)
+        except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+            failed.append(f"{path.name}: {_reason(e)}")
+            log(f"skipping checkpoint {path}: it does not load ({_reason(e)})")
+    if failed:
+        raise UserError(f"no checkpoint in {root} loads ({'; '.join(failed)}); restore one, or start a new run "
+                        "without --resume")
+    return None
+
+
+def load_checkpoint(path: str | Path, optimizer: bool = True) -> dict:
+    """A checkpoint as one dict of full CPU tensors, in one process (export, analysis, tests): meta.pt's
+    fields plus "model" (state dict) and "optimizer" (keyed by parameter name; optimizer=False skips
+    it, the bulk of the bytes). Reads DCP and single-file checkpoints alike."""
+    path = Path(path)
+    if (path / LEGACY).is_file():
+        return torch.load(path / LEGACY, map_location="cpu", weights_only=False)
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    meta = torch.load(path / META, map_location="cpu", weights_only=False)
+    with _quiet():
+        # what format_utils.dcp_to_torch_save does: rebuild the state dict from .metadata (torch 2.11)
+        tensors = _load_state_dict_from_keys({"model", "optimizer"} if optimizer else {"model"},
+                                             storage_reader=dcp.FileSystemReader(path))
+    return {**meta, **tensors}

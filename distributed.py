@@ -16,7 +16,8 @@ dtype (fp32 master or bf16), compute runs in bf16 where the run asks for it, and
 reduce-scattered in fp32. FP8 linears (torchao or emulated) are converted before sharding, so
 they see the all-gathered weight exactly like on one GPU. Refit streams the export one parameter
 at a time (`fp8/export.py` gathers each DTensor with `full_tensor()`): no full-model copy on any
-rank.
+rank. Checkpoints are sharded the same way: each rank writes and reads its own shards
+(checkpoint.py, torch.distributed.checkpoint), which DCP reshards for another world size.
 
 Loss scaling: a micro-batch's loss is weighted by its share of the GLOBAL mini-batch (tokens or
 rows), and FSDP2's gradient averaging over ranks is undone by `grad_scale` = world size, so the
@@ -233,11 +234,29 @@ def _by_index(optim_sd: dict) -> bool:
     return any(isinstance(k, int) for g in optim_sd["param_groups"] for k in g["params"])
 
 
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) state dicts as checkpoint.py saves them with DCP: this rank's FSDP2 shards
+    (DTensors; plain tensors in one process) on their device, referencing the live tensors; the
+    optimizer's keyed by parameter name (FQN). An optimizer that has not stepped gets its state
+    initialised first (get_state_dict's step at lr 0: the parameters do not move), so a checkpoint's
+    moments have tensors to load into."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    return get_state_dict(model, optimizer, options=StateDictOptions())
+
+
+def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
+    """Inverse of sharded_state, after dcp.load has filled its tensors."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=StateDictOptions())
+
+
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> tuple[dict, dict]:
-    """(model, optimizer) state dicts with full tensors, in one format for every world size: the model's
-    as model.state_dict() names it, the optimizer's keyed by parameter name (FQN), as
-    torch.distributed.checkpoint's get_state_dict(full_state_dict=True) writes it; so a checkpoint
-    resumes on any number of ranks. Collective when world > 1 (tensors offloaded to CPU)."""
+    """(model, optimizer) state dicts with full tensors (the single-file checkpoint format of earlier
+    versions, and bench/checkpoint.py's baseline): the model's as model.state_dict() names it, the
+    optimizer's keyed by parameter name (FQN), as torch.distributed.checkpoint's
+    get_state_dict(full_state_dict=True) writes it. Collective when world > 1 (tensors offloaded to CPU)."""
     if d.world == 1:  # same keys as get_state_dict, without its zero-lr step on an empty optimizer
         return model.state_dict(), _rekey(optimizer.state_dict(), _param_names(model, optimizer))
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -248,7 +267,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> t
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict,
                     d: Dist) -> None:
     """Inverse of full_state, whatever world size wrote it: every rank reads the same file and keeps
-    its shard. Also loads index-keyed optimizer state (old single-process checkpoints)."""
+    its shard (single-file checkpoints). Also loads index-keyed optimizer state (the oldest ones)."""
     names = _param_names(model, optimizer)
     if d.world == 1:
         model.load_state_dict(model_sd)
@@ -270,6 +289,15 @@ def broadcast_object(obj, d: Dist):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def all_gather_object(obj, d: Dist) -> list:
+    """[rank 0's obj, rank 1's, ...] on every rank (small picklable objects)."""
+    if d.world == 1:
+        return [obj]
+    out = [None] * d.world
+    dist.all_gather_object(out, obj)
+    return out
 
 
 def barrier(d: Dist) -> None:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import latest_checkpoint, load_checkpoint
+from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint
 from config import UserError, load_config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -40,7 +40,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
     """(run dir, checkpoint dir) for a run dir (its latest checkpoint) or a checkpoint dir."""
     path = Path(path)
-    if (path / "state.pt").is_file():
+    if is_checkpoint(path):
         run_dir = path.parent.parent  # <run>/checkpoints/step_N
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"{path}: a checkpoint outside a run dir (no {run_dir / 'config.yaml'}); "
@@ -52,7 +52,7 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
             raise UserError(f"{path}: no complete checkpoint in {path / 'checkpoints'} (set train.ckpt_every, "
                             "or let the run finish: it saves at the end)")
         return path, ckpt
-    raise UserError(f"{path}: neither a run dir (no config.yaml) nor a checkpoint dir (no state.pt)")
+    raise UserError(f"{path}: neither a run dir (no config.yaml) nor a checkpoint dir (no meta.pt + .metadata)")
 
 
 def load_trained(run_dir: Path, ckpt: Path):
@@ -82,7 +82,7 @@ def load_trained(run_dir: Path, ckpt: Path):
             model = AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-    state = load_checkpoint(ckpt)
+    state = load_checkpoint(ckpt, optimizer=False)  # the weights and meta, not the Adam moments
     weights = {clean_name(k): v for k, v in state.pop("model").items()}
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.get_text_config().tie_word_embeddings)]

@@ -35,7 +35,7 @@ import torch
 import yaml
 
 import distributed
-from checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from checkpoint import load_latest, save_checkpoint, set_rng_state
 from config import Config, UserError, load_config, to_dict
 from data import PromptSampler, format_reward, load_splits, math_reward, reward_stats
 from fp8.calibrate import token_mask
@@ -273,14 +273,12 @@ def train(args) -> Path:
     start_step, kv_scales, bad_steps = 0, None, 0
     ckpt_root = run_dir / "checkpoints"
     if resume_dir:
-        ckpt = latest_checkpoint(ckpt_root)
-        if ckpt is None:
+        loaded = load_latest(ckpt_root, model, optimizer, d, log=logger.print)  # newest that loads; collective
+        if loaded is None:
             raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}")
-        state = load_checkpoint(ckpt)
-        written_by = state.get("world", 1)
-        if written_by != d.world:  # full tensors keyed by name: any world size reads them (distributed.full_state)
-            logger.print(f"resuming a {written_by}-rank checkpoint on {d.world} rank{'s' * (d.world > 1)}")
-        distributed.load_full_state(model, optimizer, state["model"], state["optimizer"], d)
+        ckpt, state = loaded
+        if state["world"] != d.world:  # DCP reshards: any world size reads it (checkpoint.py)
+            logger.print(f"resuming a {state['world']}-rank checkpoint on {d.world} rank{'s' * (d.world > 1)}")
         scheduler.load_state_dict(state["scheduler"])
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
@@ -307,15 +305,11 @@ def train(args) -> Path:
                     model(input_ids=input_ids[s], use_cache=False)
         return calibrator.scales()
 
-    def save(step):
-        model_sd, optim_sd = distributed.full_state(model, optimizer, d)  # collective: every rank
-        if d.main:
-            state = {"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                     "sampler": sampler.state_dict(), "rng": rng_state(), "step": step, "kv_scales": kv_scales,
-                     "bad_steps": bad_steps, "world": d.world}
-            path = save_checkpoint(ckpt_root, step, state, keep=cfg.train.keep_ckpts)
-            logger.print(f"checkpoint: {path}")
-        distributed.barrier(d)
+    def save(step):  # collective: each rank writes its own shards (checkpoint.py)
+        meta = {"scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "step": step,
+                "kv_scales": kv_scales, "bad_steps": bad_steps}
+        path = save_checkpoint(ckpt_root, step, meta, model, optimizer, d, keep=cfg.train.keep_ckpts)
+        logger.print(f"checkpoint: {path}")
 
     if calibrator is not None and kv_scales is None:  # the first rollout already gets calibrated scales
         prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in train_set[: cfg.fp8.calib_samples]]

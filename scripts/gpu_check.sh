@@ -21,6 +21,9 @@
 #                                      micro-batch at the step's shape -> $OUT/trainer_pass.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
 #                                      configurations -> $OUT/quant.json (quant_swiglu.json)
+#   bash scripts/gpu_check.sh ckpt [ARGS]  bench/checkpoint.py: save/load time and peak host RSS of the
+#                                      single-file full-gather checkpoint vs sharded DCP at 8B shape
+#                                      (default: up to 8 of 32 layers, fp32 + AdamW) -> $OUT/checkpoint.json
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
 # 8B step shapes, H100: ~190 s of a first FP8 step) and leaves all autotuning results in
 # $OUT/triton_autotune.tgz (refresh the shipped file from it when shapes or the bundle change).
@@ -65,5 +68,6 @@ case "$1" in
   pass)     $PY bench/trainer_pass.py --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' \
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|learn|tiny|rollout|capacity|stack|step|pass|quant" >&2; exit 2 ;;
+  ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac

@@ -9,6 +9,7 @@ results merging, the Triton autotune-cache knob.
 
 import importlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -510,3 +511,19 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
     assert [r["mode"] for r in runs] == ["bf16 unpadded", "bf16 masked", "bf16", "fp8 masked", "fp8"]
     assert runs[0]["tokens"] == 2 * 45 and all(r["tokens"] == 128 for r in runs[1:])
     assert all(r["logprobs_ms"] > 0 and r["train_ms"] > 0 for r in runs)
+
+
+def test_checkpoint_bench_runs_on_cpu(tmp_path):
+    """bench/checkpoint.py at a tiny shape: the four (format, op) rows, each load restores every
+    weight and moment, both formats hold the same bytes to within DCP's index, the dir is cleaned."""
+    r = subprocess.run([sys.executable, str(REPO / "bench/checkpoint.py"), "--tiny", "--layers", "2", "--device", "cpu",
+                        "--out", str(tmp_path / "out"), "--dir", str(tmp_path / "ckpt")],
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads((tmp_path / "out/checkpoint.json").read_text())
+    assert [(row["mode"], row["op"]) for row in doc["runs"]] == [("full", "save"), ("full", "load"),
+                                                                  ("dcp", "save"), ("dcp", "load")]
+    assert [row["restored"] for row in doc["runs"]] == [None, True, None, True]
+    full, sharded = doc["runs"][0]["ckpt_gb"], doc["runs"][2]["ckpt_gb"]
+    assert doc["params"] * 12 / 1e9 <= min(full, sharded) and abs(full - sharded) < 0.2 * full
+    assert doc["layers"] == 2 and not list((tmp_path / "ckpt").iterdir())

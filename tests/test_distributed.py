@@ -1,5 +1,5 @@
 """Multi-process data parallel on CPU (gloo + FSDP2): 2 ranks reproduce the 1-rank run, and a
-checkpoint of either resumes on the other (one checkpoint format for every world size)."""
+sharded (DCP) checkpoint of either resumes on the other: one checkpoint format for every world size."""
 
 import json
 import os
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from checkpoint import load_checkpoint
 from config import UserError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def by_step(metrics, key):
 
 
 def ckpt(run_dir, step):
-    return torch.load(run_dir / f"checkpoints/step_{step:06d}/state.pt", weights_only=False)
+    return load_checkpoint(run_dir / f"checkpoints/step_{step:06d}")
 
 
 RUNS_EXTRA = ["fp8.train=false", "fp8.rollout=false", "train.ckpt_every=2", "log.save_batch_every=2"]
@@ -120,10 +121,56 @@ def test_checkpoint_resumes_on_another_world_size(runs, tmp_path, written, resum
     assert_same_optimizer(a["optimizer"], b["optimizer"], rtol=1e-3, atol=1e-9)
 
 
+RESHARD = """
+import sys
+sys.path.insert(0, {root!r})
+import torch
+import distributed
+from checkpoint import load_latest, save_checkpoint
+from config import load_config
+from modeling import load_model_and_tokenizer
+
+run_dir, out = sys.argv[1:]
+cfg = load_config(run_dir + "/config.yaml")
+d = distributed.init(cfg)
+torch.manual_seed(d.rank + 7)  # other initial weights than the run's: the load must overwrite every one
+model, _ = load_model_and_tokenizer(cfg.model, d.device)
+distributed.shard(model, d, bf16_compute=False)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1.0)  # lr and the rest come from the checkpoint
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)  # as in training: adds initial_lr
+path, meta = load_latest(run_dir + "/checkpoints", model, optimizer, d)
+save_checkpoint(out, meta["step"], {{"step": meta["step"], "from": str(path)}}, model, optimizer, d)
+distributed.close(d)
+"""
+
+
+@pytest.mark.parametrize("written, resumed", [(2, 1), (1, 2)])
+def test_checkpoint_loads_exactly_on_another_world_size(runs, tmp_path, written, resumed):
+    """A `written`-rank checkpoint loaded on `resumed` ranks (DCP reshards the FSDP2 shards) and
+    saved again from there is the same checkpoint bit for bit: weights, Adam moments and step
+    counts, param groups (lr included)."""
+    script = tmp_path / "reshard.py"
+    script.write_text(RESHARD.format(root=str(ROOT)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(resumed),
+           str(script), str(runs[written]), str(tmp_path / "out")]
+    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-4000:]
+    want, got = ckpt(runs[written], 3), load_checkpoint(tmp_path / "out/step_000003")
+    assert got["world"] == resumed and want["world"] == written and len(got["rng"]) == resumed
+    assert got["model"].keys() == want["model"].keys()
+    for k, v in want["model"].items():
+        assert torch.equal(got["model"][k], v), k
+    assert_same_optimizer(got["optimizer"], want["optimizer"], rtol=0, atol=0)
+    for n in want["optimizer"]["state"]:
+        assert torch.equal(got["optimizer"]["state"][n]["step"], want["optimizer"]["state"][n]["step"]), n
+    assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
+
+
 def test_full_state_loads_in_one_process(runs, tmp_path):
-    """distributed.load_full_state on 1 rank: the 2-rank checkpoint's weights and Adam moments exactly,
-    and the same from an old single-process checkpoint (optimizer state keyed by index); export_hf
-    reads a 2-rank checkpoint like a 1-rank one."""
+    """distributed.load_full_state on 1 rank (single-file checkpoints of earlier versions): full
+    tensors of a 2-rank run load exactly, also with optimizer state keyed by index (the oldest
+    format); export_hf reads a 2-rank DCP checkpoint like a 1-rank one."""
     import distributed
     import export_hf
     from modeling import load_model_and_tokenizer

@@ -21,7 +21,8 @@ import time
 import pytest
 import torch
 
-from checkpoint import checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from checkpoint import checkpoints, latest_checkpoint, load_checkpoint, load_latest, save_checkpoint
+from config import UserError
 from conftest import TINY_RUN, TINY_STEPS, read_metrics, train_cmd
 
 VOLATILE = ("time/", "perf/")  # wall-clock figures: the only keys allowed to differ
@@ -53,24 +54,117 @@ def resume(run_dir):
 # ---------------------------------------------------------------------------- checkpoint.py
 
 
+def small_model(seed=0):
+    """A 2-layer MLP and its AdamW, stepped twice (Adam moments exist)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(3, 8)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
 def test_atomic_save_keep_k_and_temp_dirs_ignored(tmp_path):
     root = tmp_path / "checkpoints"
+    model, optimizer = small_model()
     for step in (2, 4, 6):
-        save_checkpoint(root, step, {"step": step}, keep=2)
+        save_checkpoint(root, step, {"step": step}, model, optimizer, keep=2)
     assert [s for s, _ in checkpoints(root)] == [4, 6]  # last K kept
-    # a crashed save of step 8 (temp dir with a torn state.pt) and a dir without state.pt never count
+    assert sorted(p.name for p in (root / "step_000006").iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+    # a crashed save of step 8 (temp dir with a torn shard) and a dir without meta.pt never count
     (root / ".tmp-step_000008").mkdir()
-    (root / ".tmp-step_000008" / "state.pt").write_bytes(b"torn")
+    (root / ".tmp-step_000008" / "__0_0.distcp").write_bytes(b"torn")
     (root / "step_000010").mkdir()
+    (root / "step_000010" / ".metadata").write_bytes(b"")
     assert latest_checkpoint(root) == root / "step_000006"
     # numeric order, not string order, past 6 digits
-    save_checkpoint(root, 1_000_000, {"step": 1_000_000}, keep=0)
+    save_checkpoint(root, 1_000_000, {"step": 1_000_000}, model, optimizer, keep=0)
     assert latest_checkpoint(root).name == "step_1000000"
     assert not list(root.glob(".tmp-*")), "the next save removes a crashed save's temp dir"
     # re-saving a step replaces it with the new state
-    save_checkpoint(root, 6, {"step": 6, "again": True}, keep=0)
-    assert load_checkpoint(root / "step_000006")["again"] is True
+    save_checkpoint(root, 6, {"step": 6, "again": True}, model, optimizer, keep=0)
+    state = load_checkpoint(root / "step_000006")
+    assert state["again"] is True and state["world"] == 1 and len(state["rng"]) == 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(state["model"][k], v), k
+    for n, p in model.named_parameters():
+        assert torch.equal(state["optimizer"]["state"][n]["exp_avg_sq"], optimizer.state[p]["exp_avg_sq"]), n
+    assert "optimizer" not in load_checkpoint(root / "step_000006", optimizer=False)
     assert latest_checkpoint(tmp_path / "missing") is None
+
+
+def test_saving_before_any_optimizer_step_changes_nothing(tmp_path):
+    """get_state_dict initialises an empty optimizer's state (an Adam step at lr 0): a save before the
+    first optimizer step (every step so far skipped as non-finite) leaves it empty, and so does a
+    resume from that checkpoint, so the first real step is Adam's step 1 either way."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    save_checkpoint(tmp_path, 1, {"step": 1}, model, optimizer)
+    assert not optimizer.state and optimizer.param_groups[0]["lr"] == 1e-2
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    fresh = torch.nn.Linear(4, 3)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    load_latest(tmp_path, fresh, fresh_opt)
+    assert not fresh_opt.state and all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
+
+
+def test_save_after_resume_drops_later_checkpoints(tmp_path):
+    """Resumed from step 2 because step 4 did not load, the run saves step 3: step 4 belongs to the
+    run before the resume and goes (with keep=1 it would otherwise outlive the new step 3)."""
+    model, optimizer = small_model()
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, {"step": step}, model, optimizer, keep=2)
+    garble(tmp_path / "step_000004", "truncated shard")
+    assert load_latest(tmp_path, model, optimizer, log=lambda line: None)[0].name == "step_000002"
+    save_checkpoint(tmp_path, 3, {"step": 3}, model, optimizer, keep=1)
+    assert [s for s, _ in checkpoints(tmp_path)] == [3]
+
+
+def garble(ckpt, how):
+    """Damage a committed checkpoint as a disk or a copy can: cut a shard file short, or overwrite
+    DCP's index / meta.pt with junk."""
+    if how == "truncated shard":
+        shard = ckpt / "__0_0.distcp"
+        os.truncate(shard, shard.stat().st_size // 2)
+    else:
+        (ckpt / {"garbled index": ".metadata", "garbled meta": "meta.pt"}[how]).write_bytes(b"\x00junk" * 10)
+
+
+@pytest.mark.parametrize("how", ["truncated shard", "garbled index", "garbled meta"])
+def test_corrupt_newest_checkpoint_falls_back_to_the_older(tmp_path, how):
+    """The newest checkpoint does not load: one line names it and why, and the older one (kept by
+    keep) loads, exactly; none loading is a one-line UserError naming each."""
+    root = tmp_path / "checkpoints"
+    model, optimizer = small_model()
+    save_checkpoint(root, 2, {"step": 2}, model, optimizer)
+    want = load_checkpoint(root / "step_000002")
+    model(torch.randn(3, 8)).sum().backward()
+    optimizer.step()
+    save_checkpoint(root, 3, {"step": 3}, model, optimizer)
+    garble(root / "step_000003", how)
+
+    lines = []
+    fresh, fresh_opt = small_model(seed=1)
+    path, meta = load_latest(root, fresh, fresh_opt, log=lines.append)
+    assert path == root / "step_000002" and meta["step"] == 2
+    assert len(lines) == 1 and lines[0].startswith(f"skipping checkpoint {root / 'step_000003'}: it does not load (")
+    assert "\n" not in lines[0]
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, want["model"][k]), k
+    for n, p in fresh.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(fresh_opt.state[p][k], want["optimizer"]["state"][n][k]), (n, k)
+
+    garble(root / "step_000002", "truncated shard")
+    with pytest.raises(UserError) as e:
+        load_latest(root, *small_model(), log=lines.append)
+    msg = str(e.value)
+    assert msg.startswith(f"no checkpoint in {root} loads (step_000003: ") and "; step_000002: " in msg
+    assert "\n" not in msg and msg.endswith("start a new run without --resume")
 
 
 def test_metrics_truncated_on_resume(tmp_path):
@@ -129,11 +223,9 @@ def test_sigkill_mid_save_never_leaves_a_checkpoint_and_resume_is_exact(tiny_run
                                  f"train.steps={TINY_STEPS}"), cwd=tmp_path, capture_output=True, text=True,
                        timeout=900, env={**os.environ, "GRPO_CKPT_FAULT": "4"})
     assert p.returncode == -signal.SIGKILL, p.stderr[-3000:]
-    partial = root / ".tmp-step_000004" / "state.pt"
-    assert partial.is_file() and not (root / "step_000004").exists()
-    with pytest.raises(Exception):  # really torn: half of the bytes
-        torch.load(partial, weights_only=False)
-    assert latest_checkpoint(root) == root / "step_000002"
+    partial = root / ".tmp-step_000004"
+    assert (partial / "__0_0.distcp").is_file() and not (partial / "meta.pt").exists()
+    assert not (root / "step_000004").exists() and latest_checkpoint(root) == root / "step_000002"
 
     out = resume(run_dir)
     assert f"resumed from {root}/step_000002 at step 2" in out
@@ -142,3 +234,21 @@ def test_sigkill_mid_save_never_leaves_a_checkpoint_and_resume_is_exact(tiny_run
     assert_same_run(run_dir, tiny_run)
     state = load_checkpoint(root / "step_000008")
     assert state["step"] == 8 and state["kv_scales"] and state["sampler"]["position"] == 8 * 4
+
+
+def test_corrupt_newest_checkpoint_resumes_from_the_older_exactly(tiny_run, tmp_path):
+    """The finished run's newest checkpoint (step 8) is cut short on disk: --resume says it skips it,
+    resumes from step 6 (kept by keep_ckpts=2) and redoes steps 6-7 exactly, saving step 8 anew."""
+    import shutil
+
+    run_dir = tmp_path / "corrupt"
+    shutil.copytree(tiny_run, run_dir)
+    root = run_dir / "checkpoints"
+    garble(root / "step_000008", "truncated shard")
+    out = resume(run_dir)
+    skipped = [line for line in out.splitlines() if line.startswith("skipping checkpoint")]
+    assert len(skipped) == 1, out
+    assert skipped[0].startswith(f"skipping checkpoint {root}/step_000008: it does not load (")
+    assert f"resumed from {root}/step_000006 at step 6" in out
+    assert_same_run(run_dir, tiny_run)
+    assert load_checkpoint(root / "step_000008")["step"] == 8

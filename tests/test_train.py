@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from checkpoint import latest_checkpoint
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -37,7 +39,7 @@ def test_tiny_cpu_learns_with_emulated_fp8(tmp_path):
     # different recipes/orders, so a small nonzero mismatch is expected and bounded
     assert 1.0 <= step0["mismatch/token_mult_prob_error"] < 1.05
     assert (run_dir / "config.yaml").is_file() and list((run_dir / "episodes").glob("*.jsonl"))
-    assert (run_dir / "checkpoints" / "step_000080" / "state.pt").is_file()
+    assert latest_checkpoint(run_dir / "checkpoints") == run_dir / "checkpoints" / "step_000080"
 
 
 @pytest.mark.parametrize("args, message", [
