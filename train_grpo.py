@@ -37,7 +37,8 @@ import yaml
 import distributed
 from checkpoint import latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from config import Config, UserError, load_config, to_dict
-from data import PromptSampler, format_reward, load_splits, math_reward, reward_stats
+from data import (PromptSampler, data_warnings, format_reward, load_splits, math_reward, reward_last_number,
+                  reward_stats)
 from fp8.calibrate import token_mask
 from losses.advantages import group_advantages
 from losses.grpo import grpo_loss
@@ -187,8 +188,9 @@ def validate_accuracy(engine, val_set, tokenizer, cfg: Config, d: distributed.Di
                               max_new_tokens=cfg.rollout.max_new_tokens)
     texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     counted = d.rank % d.tp == 0  # the group's first rank scores its engine's answers; the others add 0
-    correct = torch.tensor(float(sum(math_reward(t, ex["answer"]) for t, ex in zip(texts, mine)) if counted else 0),
-                           device=d.device)
+    last_number = reward_last_number(cfg.data)
+    correct = torch.tensor(float(sum(math_reward(t, ex["answer"], finish_reason=s.finish_reason, last_number=last_number)
+                                     for t, ex, s in zip(texts, mine, samples)) if counted else 0), device=d.device)
     return float(distributed.all_sum(correct, d)) / len(val)
 
 
@@ -223,6 +225,8 @@ def train(args) -> Path:
     if cfg.train.val_every and not val_set:
         raise UserError("the validation split is empty; set data.val_size / data.val_split, or train.val_every=0")
     logger.print(f"data: {len(train_set)} train prompts ({dropped} dropped as overlong), {len(val_set)} val")
+    for warning in data_warnings(train_set, dropped, cfg.data):
+        logger.print(f"WARNING data: {warning}")
 
     # The engine gets its own copy of the weights (HF) or its own process memory (vLLM)
     # before the trainer's linears become FP8: it only ever sees weights through export.
@@ -343,7 +347,8 @@ def train(args) -> Path:
         # ---- reward and advantages
         texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
         answers = [batch[s.prompt_index]["answer"] for s in samples]
-        correct = torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])  # [B]
+        correct = torch.tensor([math_reward(t, a, finish_reason=s.finish_reason, last_number=reward_last_number(cfg.data))
+                                for t, a, s in zip(texts, answers, samples)])  # [B]
         rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
         advantages = group_advantages(rewards, n)  # [B]
         # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
