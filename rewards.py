@@ -11,8 +11,8 @@ The answer is taken by the first rule that applies, in this order:
 1. `\\boxed{...}`: the last complete, non-empty one (nested braces handled).
 2. A final-answer statement, the last of: "answer is", "answer:", "final answer is / :",
    "**Final Answer**" + newline, "####" (GSM8K). What follows it is read as ONE expression:
-   a `$...$`, `$$...$$`, `\\(...\\)` or `\\[...\\]` block whole; otherwise plain text up to the end
-   of the expression: the end of the line, a sentence end (". ", ";", "!", "?"), a closing
+   the content of a `$...$`, `$$...$$`, `\\(...\\)` or `\\[...\\]` block, else the plain text, up to
+   the end of the expression: the end of the line, a sentence end (". ", ";", "!", "?"), a closing
    bracket that opens nothing, or the first space-separated English word ("42 since there are
    7 days" -> 42; "5 cm" -> 5; math words sqrt/pi/sin/cos/tan/log/ln/exp/infty continue it).
    An answer that hedges ("5 or 6", "5 and 6") scores 0. A statement with nothing after it
@@ -123,9 +123,9 @@ def _math_block(s: str) -> str | None:
     ('$18 each' is money, not math: no closing '$' on the line)."""
     for op, cl in (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$")):
         if s.startswith(op):
-            end = s.find(cl, len(op))
-            if end > len(op) and (op != "$" or "\n" not in s[1:end]):
-                return s[len(op):end]
+            m = re.compile(r"(?<!\\)" + re.escape(cl)).search(s, len(op))     # not an escaped \$
+            if m and m.start() > len(op) and (op != "$" or "\n" not in s[1:m.start()]):
+                return s[len(op):m.start()]
             return None
     return None
 
@@ -136,8 +136,8 @@ def _statement_answer(rest: str) -> str | None:
     s = rest.lstrip(" \t\n:*")
     s = _LEAD_WORDS.sub("", s)
     block = _math_block(s)
-    if block is not None:
-        return block.strip() or None
+    if block is not None:                              # one math block: scanned too ("$72 clips$")
+        s = block.replace("\n", " ").strip()
     s = re.sub(r"^\\?\$(?=\s*[\d.])", "", s)          # money: "$18" -> "18"
     opened: list[tuple[str, int]] = []                # unclosed brackets: (char, index)
     i, end = 0, len(s)
