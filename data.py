@@ -414,7 +414,7 @@ def looks_like_solution(answer: str) -> bool:
     """Whether a gold answer looks like a worked solution rather than a final answer: it holds a
     GSM8K '####' marker or a \\boxed{}, spans lines, or is long and has two or more sentences."""
     return ("####" in answer or "\\boxed" in answer or "\n" in answer.strip()
-            or (len(answer) > 60 and len(_SENTENCE_END.findall(answer)) >= 2))
+            or (len(answer) > 40 and len(_SENTENCE_END.findall(answer)) >= 2))
 
 
 def data_warnings(examples: list[dict], n_dropped: int, cfg: DataConfig) -> list[str]:
