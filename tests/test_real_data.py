@@ -140,16 +140,26 @@ TINY = ["model.name_or_path=tiny", "model.dtype=float32", "model.gradient_checkp
         "log.tensorboard=false", "log.dump_episodes_every=1", "fp8.cache_weights=false"]
 
 
-@pytest.mark.parametrize("config, rows", [("gsm8k.yaml", GSM8K_ROWS), ("math.yaml", MATH_ROWS)])
-def test_config_runs_a_step_on_cpu(tmp_path, config, rows):
+def _run(tmp_path, config, rows, *extra):
     train_p = _jsonl(tmp_path / "train.jsonl", rows[4:])
     val_p = _jsonl(tmp_path / "test.jsonl", rows[:4])
     p = subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs" / config), *TINY,
                         f"data.path={train_p}", f"data.val_split={val_p}", f"train.out_dir={tmp_path}",
-                        "train.run_name=r"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                        "train.run_name=r", *extra], cwd=tmp_path, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "WARNING data" not in p.stdout
+    return p.stdout
+
+
+def test_run_warns_about_solution_answers(tmp_path):
+    out = _run(tmp_path, "gsm8k.yaml", GSM8K_ROWS, "data.answer_regex=")
+    assert "WARNING data: data.answer_field='answer': 16 of 16 gold answers look like worked solutions" in out
+    assert "set data.answer_regex='#### (.*)'" in out
+
+
+@pytest.mark.parametrize("config, rows", [("gsm8k.yaml", GSM8K_ROWS), ("math.yaml", MATH_ROWS)])
+def test_config_runs_a_step_on_cpu(tmp_path, config, rows):
+    assert "WARNING data" not in _run(tmp_path, config, rows)
     rec = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert rec[0]["step"] == 0 and "reward/mean" in rec[0] and "val/accuracy" in rec[0]
     episodes = [json.loads(line) for line in next((tmp_path / "r" / "episodes").glob("*.jsonl")).read_text().splitlines()]
