@@ -17,8 +17,9 @@ Sources (`data.source`):
              Dataset/DatasetDict.save_to_disk, or a local .json/.jsonl/.parquet/.csv file.
 Field names may be dotted paths into nested records (`reward_model.ground_truth`, `prompt.0.content`);
 a field holding a chat message list ([{"role", "content"}, ...]) yields its last user message.
-Rows with an empty question or answer (or whose answer `answer_regex` does not match) are dropped
-and counted; duplicate questions are dropped (first kept) before the validation hold-out.
+Rows with an empty question or answer (or an answer in which `answer_regex` / `answer_boxed` finds
+nothing) are dropped and counted; duplicate questions are dropped (first kept) before the
+validation hold-out.
 
 Shipped configs for real math data: configs/gsm8k.yaml, configs/math.yaml (README: "Real math data").
 Example `data:` settings (field layouts from the dataset cards, not loaded here: no hub access):
