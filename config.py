@@ -108,7 +108,8 @@ class DataConfig:
     """Score the last number in a completion that states no answer (no \\boxed{}, no "answer is" /
     "Answer:" line, not a bare number). Easy to game (a cut-off "...36, then 36 +" would read 36),
     so off for real data; None = on for source=synthetic only (its worked solutions end in the
-    answer). rewards.py documents every rule."""
+    answer). This lenient mode also scores output cut at rollout.max_new_tokens by its text.
+    rewards.py documents every rule."""
     max_examples: int = 0
     """Read at most this many rows of the train split (0 = all). For a hub id the rows are streamed
     (datasets streaming + take), so a 1M-row dataset is not downloaded whole."""

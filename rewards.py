@@ -5,7 +5,8 @@
 
 The answer is taken by the first rule that applies, in this order:
 
-0. Unfinished output scores 0: `finish_reason == "length"` (cut off at max_new_tokens), an
+0. Unfinished output scores 0: `finish_reason == "length"` (cut off at max_new_tokens; not in
+   rule 4's lenient mode), an
    unclosed `\\boxed{`, or text that ends in an operator or an opening bracket (`36 + `,
    `= `, `\\frac`, `(`) -- the model had not finished writing its answer.
 1. `\\boxed{...}`: the last complete, non-empty one (nested braces handled).
@@ -21,8 +22,11 @@ The answer is taken by the first rule that applies, in this order:
    "2\\sqrt{3}.") -- the synthetic task's answer format. Sums and equations ("3+4") do not count.
 4. Off unless `last_number=True` (data.reward_last_number; on by default for data.source=
    synthetic, whose worked solutions end "...=1850+74=1924"): the last number in the text, or
-   the whole `$...$` it sits in ("$\frac{1}{2}$" is 1/2, not 2). Text that starts with a closing
-   bracket, '=', or an operator other than '-' ("=1", ")1") states nothing.
+   the whole `$...$` it sits in ("$\\frac{1}{2}$" is 1/2, not 2). Text that starts with a closing
+   bracket, '=', or an operator other than '-' ("=1", ")1") states nothing. This lenient mode
+   also scores output cut at max_new_tokens by its text (the text checks of rule 0 still apply):
+   the synthetic configs leave room for the answer and EOS only, so an untrained model's "7 "
+   would otherwise score 0 and its first steps would have no signal.
 
 The extracted answer is parsed as `\\boxed{<answer>}` by math-verify (so `3\\sqrt{13}` stays one
 expression, not "3") and compared with the gold answer, also parsed as `\\boxed{<gold>}`:
@@ -254,10 +258,10 @@ def math_reward(completion: str, answer: str, *, finish_reason: str | None = Non
                 last_number: bool = False) -> float:
     """1.0 if the completion's final answer (module docstring: rules 0-4) equals `answer` per
     math-verify, else 0.0. finish_reason: the engine's ("stop" | "length" | None = unknown);
-    last_number: rule 4 on. Never raises."""
+    last_number: rule 4's lenient mode on (the synthetic task). Never raises."""
     if not isinstance(completion, str) or not isinstance(answer, str) or not answer.strip():
         return 0.0
-    if finish_reason == "length":
+    if finish_reason == "length" and not last_number:
         return 0.0
     extracted = _call(extract_answer, completion, bool(last_number))
     if extracted is None or len(extracted[1]) > _MAX_ANSWER_CHARS:

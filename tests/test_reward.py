@@ -176,6 +176,9 @@ def test_truncation_and_last_number_knob():
     assert math_reward("I think it is 7", "7") == 0.0
     assert math_reward("I think it is 7", "7", last_number=True) == 1.0
     assert math_reward("I think it is 7 +", "7", last_number=True) == 0.0
+    assert math_reward("7 ", "7", finish_reason="length") == 0.0
+    assert math_reward("7 ", "7", finish_reason="length", last_number=True) == 1.0   # synthetic: no room past the answer
+    assert math_reward("7=", "7", finish_reason="length", last_number=True) == 0.0
     assert math_reward("=7", "7", last_number=True) == 0.0
     assert math_reward("so we get $\\frac{1}{2}$", "2", last_number=True) == 0.0
     assert math_reward("so we get $\\frac{1}{2}$", "1/2", last_number=True) == 1.0
