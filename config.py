@@ -93,7 +93,10 @@ class DataConfig:
     prompt_field: str = "problem"
     answer_field: str = "answer"
     answer_regex: str = ""
-    """Optional regex whose first group extracts the answer from answer_field (gsm8k: '#### (.*)')."""
+    """Optional regex whose first group extracts the answer from answer_field (gsm8k: '#### (.*)';
+    on the command line `data.answer_regex='#### (.*)'` is taken as written, '#' included)."""
+    answer_boxed: bool = False
+    """Take the answer from the last \\boxed{...} of answer_field (MATH's `solution` column)."""
     template: Literal["auto", "chat", "plain"] = "auto"
     """'auto' uses the tokenizer's chat template when it has one, else the plain template."""
     system_prompt: str = ""
@@ -103,6 +106,15 @@ class DataConfig:
     """Longer prompts are dropped (and counted)."""
     format_reward: float = 0.0
     """Extra reward for a completion that states its answer in \\boxed{} (0 = off)."""
+    reward_last_number: bool | None = None
+    """Score the last number in a completion that states no answer (no \\boxed{}, no "answer is" /
+    "Answer:" line, not a bare number). Easy to game (a cut-off "...36, then 36 +" would read 36),
+    so off for real data; None = on for source=synthetic only (its worked solutions end in the
+    answer). This lenient mode also scores output cut at rollout.max_new_tokens by its text.
+    rewards.py documents every rule."""
+    max_examples: int = 0
+    """Read at most this many rows of the train split (0 = all). For a hub id the rows are streamed
+    (datasets streaming + take), so a 1M-row dataset is not downloaded whole."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     seed: int = 0
 
@@ -384,15 +396,32 @@ def _build(cls, data: dict, prefix: str = ""):
         raise ConfigError(f"{prefix.rstrip('.')}: {e}") from None
 
 
+def _annotation(keys: list[str]):
+    """The type annotation of Config.<keys...>, or None for a key that does not exist."""
+    tp = Config
+    for k in keys:
+        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
+        if k not in hints:
+            return None
+        tp = hints[k]
+    return tp
+
+
 def parse_override(text: str) -> tuple[list[str], object]:
+    """(key path, value). The value is parsed as YAML, except for str fields, which keep the text
+    as written (YAML would read `#### (.*)` as a comment, i.e. null) unless it is quoted."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, raw = text.split("=", 1)
+    keys = key.strip().split(".")
+    quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
+    if _annotation(keys) is str and not quoted:
+        return keys, raw
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip().split("."), value
+    return keys, value
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:

@@ -5,8 +5,9 @@
     batch = next(sampler)                                    # resumable: sampler.state_dict()
     prompt = render_prompt(batch[0]["question"], tokenizer, cfg.data)
     kept, n_dropped = filter_long_prompts(train, tokenizer, cfg.data)   # adds "prompt"
-    r = math_reward(completion, batch[0]["answer"])          # 1.0 / 0.0, never raises
+    r = math_reward(completion, batch[0]["answer"], finish_reason="stop")   # 1.0 / 0.0, never raises
     log(reward_stats())                                      # errors / timeouts / skipped, reset
+    for w in data_warnings(kept, n_dropped, cfg.data): print("WARNING", w)
 
 Sources (`data.source`):
   synthetic  seeded arithmetic ("3+4=" -> "7") that the char-level tiny tokenizer can spell;
@@ -16,16 +17,21 @@ Sources (`data.source`):
              Dataset/DatasetDict.save_to_disk, or a local .json/.jsonl/.parquet/.csv file.
 Field names may be dotted paths into nested records (`reward_model.ground_truth`, `prompt.0.content`);
 a field holding a chat message list ([{"role", "content"}, ...]) yields its last user message.
-Rows with an empty question or answer (or whose answer `answer_regex` does not match) are dropped
-and counted; duplicate questions are dropped (first kept) before the validation hold-out.
+Rows with an empty question or answer (or an answer in which `answer_regex` / `answer_boxed` finds
+nothing) are dropped and counted; duplicate questions are dropped (first kept) before the
+validation hold-out.
 
+Shipped configs for real math data: configs/gsm8k.yaml, configs/math.yaml (README: "Real math data").
 Example `data:` settings (field layouts from the dataset cards, not loaded here: no hub access):
 
   GSM8K        source: hf, path: openai/gsm8k, hf_config: main, val_split: test,
                prompt_field: question, answer_field: answer, answer_regex: '#### (.*)'
-  MATH-style   source: hf, path: HuggingFaceH4/MATH-500, train_split: test, val_size: 100,
+  MATH         source: hf, path: DigitalLearningGmbH/MATH-lighteval, val_split: test,
+               prompt_field: problem, answer_field: solution, answer_boxed: true
+               (columns problem/level/solution/type; the answer is the solution's last \\boxed{})
+  MATH-500     source: hf, path: HuggingFaceH4/MATH-500, train_split: test, val_size: 100,
                prompt_field: problem, answer_field: answer        (500 problems, one split 'test';
-               columns problem/solution/answer/subject/level/unique_id)
+               columns problem/solution/answer/subject/level/unique_id; an eval set, not for training)
   DAPO-Math    source: hf, path: BytedTsinghua-SIA/DAPO-Math-17k, prompt_field: prompt,
                answer_field: reward_model.ground_truth, template: chat
                (checked against the card's schema: prompt = [{"role": "user", "content": ...}],
@@ -33,30 +39,32 @@ Example `data:` settings (field layouts from the dataset cards, not loaded here:
                ~17.4k problems repeated, hence the dedupe. The prompt text already asks for a last
                line "Answer: ...", which math_reward reads, so leave `instruction` empty.)
   OpenMath-2   source: hf, path: nvidia/OpenMathInstruct-2, train_split: train_1M,
-               prompt_field: problem, answer_field: expected_answer,
+               prompt_field: problem, answer_field: expected_answer, max_examples: 100000,
                instruction: 'Put your final answer within \\boxed{}.'
                (splits train_1M / train_2M / train_5M / train; believed layout, not verified here)
 
-Reward: `math_reward` takes the last complete \\boxed{...}; else the text after the last
-"answer:" / "answer is"; else the last number, and compares it with the gold answer with
-math-verify (1/2 == 0.5 == \\frac{1}{2}). Plain integers on both sides are compared directly.
-math-verify's signal-based timeouts (2 s) work in the main thread only; elsewhere they are off, so
-answers that could pin sympy for minutes (power towers, huge exponents, n!!, integrals) score 0.0
-unparsed. Exceptions and timeouts score 0.0 and are counted: `reward_stats()` reads and resets.
+`data.max_examples` caps the train split (a hub id is then streamed: datasets' streaming + take);
+otherwise `datasets` downloads and caches the split (HF_DATASETS_CACHE).
+
+Reward: `math_reward` lives in rewards.py, whose docstring writes down its rules (boxed, then a
+final-answer statement read as one expression, then a bare-number completion; nothing from
+truncated output; the last-number fallback only with data.reward_last_number, which
+`reward_last_number(cfg)` resolves: on for the synthetic task). docs/reward.md compares it with
+verl's math-verify reward. `data_warnings` names overlong-prompt drops and gold answers that look
+like worked solutions (GSM8K without data.answer_regex).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
 import random
 import re
-import threading
 from pathlib import Path
 
 from config import DataConfig, UserError
+from rewards import extract_answer, format_reward, last_boxed, math_reward, reward_stats  # noqa: F401 - data.math_reward is the contract
 
 log = logging.getLogger(__name__)
 
@@ -67,156 +75,10 @@ class DataError(UserError):
 
 # ----------------------------------------------------------------------------------------- rewards
 
-_REWARD_TIMEOUT_S = 2          # math-verify parse/verify limit (main thread only; signal.alarm)
-_MAX_ANSWER_CHARS = 1000       # longer extracted answers score 0 without being parsed
-_stats_lock = threading.Lock()
-_stats = {"reward/errors": 0, "reward/timeouts": 0, "reward/skipped": 0}
-# Answers that can keep sympy busy for minutes (in a worker thread nothing interrupts it, and big-int
-# arithmetic holds the GIL): power towers, 3+ digit exponents, n!!, 4+ digit n!, calculus. Such a
-# prediction scores 0 unparsed unless the gold answer has the same kind of construct.
-_RISKY = re.compile(r"(?:\^|\*\*)\s*\{?\s*[-+]?\d{3}|\^\s*\{[^{}]*(?:\^|\*\*)|(?:\^|\*\*)\s*\(?\s*\w+\s*(?:\^|\*\*)"
-                    r"|!\s*!|\d{4}\s*!|\\(?:int|iint|oint|sum|prod|lim)(?![a-zA-Z])")
-
-_BOXED_OR_BRACE = re.compile(r"\\boxed\s*\{|\{|\}")
-_ANSWER_ANCHOR = re.compile(r"answer\s*(?:is\b|:)", re.IGNORECASE)
-_NUMBER = re.compile(r"(?:(?<![\w)\]])-)?(?:\d+(?:,\d{3})*(?:\.\d+)?|\.\d+)(?:/\d+)?")
-_INT = re.compile(r"[+-]?\d+")
-_THOUSANDS = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
-
-
-def _count(key: str) -> None:
-    with _stats_lock:
-        _stats[key] += 1
-        if key == "reward/timeouts":
-            _stats["reward/errors"] += 1
-
-
-def reward_stats(reset: bool = True) -> dict[str, int]:
-    """Counts since the last reset: "reward/errors" (exceptions and timeouts), "reward/timeouts",
-    "reward/skipped" (risky predictions scored 0 without parsing, see _RISKY)."""
-    with _stats_lock:
-        out = dict(_stats)
-        if reset:
-            for k in _stats:
-                _stats[k] = 0
-    return out
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last complete, non-empty \\boxed{...} (nested braces handled), else None."""
-    if "\\boxed" not in text:
-        return None
-    stack: list[tuple[bool, int]] = []     # (is a \boxed{, index just after its "{")
-    best: tuple[int, int] | None = None    # the boxed span that closes last
-    for m in _BOXED_OR_BRACE.finditer(text):
-        tok = m.group()
-        if tok == "}":
-            if stack:
-                is_boxed, start = stack.pop()
-                if is_boxed and text[start:m.start()].strip():
-                    best = (start, m.start())
-        else:
-            stack.append((tok != "{", m.end()))
-    return text[best[0]:best[1]].strip() if best else None
-
-
-def extract_answer(completion: str) -> tuple[str, str] | None:
-    """(kind, text) of the completion's final answer, kind in {"boxed", "text", "number"}, or None."""
-    boxed = last_boxed(completion)
-    if boxed is not None:
-        return "boxed", boxed
-    anchor = None
-    for anchor in _ANSWER_ANCHOR.finditer(completion):
-        pass
-    if anchor is not None:
-        rest = completion[anchor.end():anchor.end() + 4 * _MAX_ANSWER_CHARS]
-        line = next((ln for ln in rest.split("\n") if ln.strip(" \t*:")), "")
-        line = line.strip(" \t*:").rstrip(" .")
-        if line:
-            return "text", line
-    number = None
-    for number in _NUMBER.finditer(completion):
-        pass
-    return ("number", number.group()) if number is not None else None
-
-
-def _normalize_number(s: str) -> str:
-    s = s.strip().rstrip(".").strip()
-    return s.replace(",", "") if _THOUSANDS.fullmatch(s) else s
-
-
-def _mv_timeout() -> int | None:
-    return _REWARD_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-
-
-def _mv_parse(text: str) -> tuple:
-    """math_verify.parse that raises on internal errors/timeouts (counted by the caller)."""
-    from math_verify import parse
-    return tuple(parse(text, parsing_timeout=_mv_timeout(), raise_on_error=True))
-
-
-@functools.lru_cache(maxsize=16384)
-def _parse_gold(answer: str) -> tuple:
-    parsed = _mv_parse("\\boxed{" + answer + "}")
-    return parsed or _mv_parse(answer) or (answer.strip(),)
-
-
-@functools.lru_cache(maxsize=16384)
-def _parse_pred(kind: str, text: str) -> tuple:
-    if kind == "boxed":
-        return _mv_parse("\\boxed{" + text + "}")
-    if kind == "number":
-        return _mv_parse(text)
-    return _mv_parse(text) or _mv_parse("\\boxed{" + text + "}")
-
-
-def _call(fn, *args):
-    """fn(*args); exceptions and math-verify timeouts are counted and give None."""
-    from math_verify.errors import TimeoutException
-    try:
-        return fn(*args)
-    except TimeoutException:
-        _count("reward/timeouts")
-    except Exception:  # noqa: BLE001 - a reward must never take the run down
-        _count("reward/errors")
-    return None
-
-
-def math_reward(completion: str, answer: str) -> float:
-    """1.0 if the completion's final answer equals `answer` per math-verify, else 0.0. Never raises."""
-    if not isinstance(completion, str) or not isinstance(answer, str) or not answer.strip():
-        return 0.0
-    extracted = _call(extract_answer, completion)
-    if extracted is None or len(extracted[1]) > _MAX_ANSWER_CHARS:
-        return 0.0
-    kind, pred = extracted
-    gold_n, pred_n = _normalize_number(answer), _normalize_number(pred)
-    if _INT.fullmatch(gold_n) and _INT.fullmatch(pred_n):   # fast path: same verdict as math-verify
-        return float(int(gold_n) == int(pred_n))
-    if kind != "boxed":
-        pred = pred_n
-    if _RISKY.search(pred) and not _RISKY.search(gold_n):
-        _count("reward/skipped")
-        return 0.0
-    gold_p = _call(_parse_gold, gold_n)
-    pred_p = _call(_parse_pred, kind, pred)
-    if not gold_p or not pred_p:
-        return 0.0
-    from math_verify import verify
-    timeout = _mv_timeout()
-    for g in gold_p:          # verify() on the lists, pair by pair so that failures are counted
-        for p in pred_p:
-            if _call(lambda: verify(g, p, timeout_seconds=timeout, raise_on_error=True)):
-                return 1.0
-    return 0.0
-
-
-def format_reward(completion: str) -> float:
-    """1.0 if the completion states an answer in a complete, non-empty \\boxed{...}, else 0.0."""
-    try:
-        return float(isinstance(completion, str) and last_boxed(completion) is not None)
-    except Exception:  # noqa: BLE001
-        return 0.0
+def reward_last_number(cfg: DataConfig) -> bool:
+    """data.reward_last_number resolved: None (auto) = on for the synthetic task, whose worked
+    solutions end in their answer ('...=1850+74=1924'), off for real data (rewards.py, rule 4)."""
+    return cfg.source == "synthetic" if cfg.reward_last_number is None else bool(cfg.reward_last_number)
 
 
 # --------------------------------------------------------------------------------------- synthetic
@@ -306,7 +168,7 @@ def _looks_local(path: str) -> bool:
             or Path(path).suffix.lower() in _FILE_BUILDERS)
 
 
-def _read_jsonl(path: str) -> list[dict]:
+def _read_jsonl(path: str, max_rows: int = 0) -> list[dict]:
     p = Path(path).expanduser()
     if not p.is_file():
         raise DataError(f"data.path={path}: JSONL file not found (cwd {os.getcwd()}); fix data.path")
@@ -322,18 +184,28 @@ def _read_jsonl(path: str) -> list[dict]:
             if not isinstance(row, dict):
                 raise DataError(f"{path} line {i}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)
+            if len(rows) == max_rows:
+                break
     return rows
 
 
-def _load_hf(path: str, hf_config: str, split: str, fields: list[str], is_val: bool = False) -> list[dict]:
+def _load_hf(path: str, hf_config: str, split: str, fields: list[str], is_val: bool = False,
+             max_rows: int = 0) -> list[dict]:
     """Rows of a hub dataset, a save_to_disk directory or a local data file, with only the columns
     that `fields` (possibly dotted paths) need; a missing column returns the first full row so the
-    caller can report which fields exist."""
+    caller can report which fields exist. max_rows > 0: the first max_rows rows only, streamed for
+    a hub id (nothing else is downloaded); otherwise datasets downloads and caches the split."""
     import datasets
     local = Path(path).expanduser()
     what = f"data.path={path} (split {split!r})"
     if _looks_local(path) and not local.exists():
         raise DataError(f"data.path={path}: no such file or directory (cwd {os.getcwd()}); fix data.path")
+    if max_rows and not local.exists():
+        try:
+            return list(datasets.load_dataset(path, hf_config or None, split=split, streaming=True).take(max_rows))
+        except Exception as e:  # noqa: BLE001 - as below
+            raise DataError(f"{what}, hf_config={hf_config!r}: could not stream dataset ({_first_line(e)}); "
+                            "check data.path / data.hf_config / data.train_split") from None
     try:
         if local.is_dir() and ((local / "dataset_dict.json").exists() or (local / "state.json").exists()):
             ds = datasets.load_from_disk(str(local))
@@ -359,6 +231,8 @@ def _load_hf(path: str, hf_config: str, split: str, fields: list[str], is_val: b
                         "check data.path / data.hf_config / data.train_split / data.val_split") from None
     if len(ds) == 0:
         return []
+    if max_rows:
+        ds = ds.select(range(min(max_rows, len(ds))))
     cols = {f if f in ds.column_names else f.split(".")[0] for f in fields}
     if not cols <= set(ds.column_names):
         return [ds[0]]
@@ -424,6 +298,9 @@ def _to_examples(rows: list[dict], cfg: DataConfig, name: str) -> list[dict]:
             m = regex.search(a)
             a = (m.group(1) if m.re.groups else m.group(0)) if m else None
             no_match += m is None
+        if a is not None and cfg.answer_boxed:
+            a = last_boxed(a)
+            no_match += a is None
         q, a = (q or "").strip(), (a or "").strip()
         if not q or not a:
             dropped += 1
@@ -431,13 +308,15 @@ def _to_examples(rows: list[dict], cfg: DataConfig, name: str) -> list[dict]:
             seen.add(q)
             out.append({"question": q, "answer": a})
     if not out:
-        why = (f"data.answer_regex {cfg.answer_regex!r} matched none of the answers (e.g. "
-               f"{str(_get(rows[0], cfg.answer_field))[:80]!r}); fix data.answer_regex") if no_match else \
+        what = " / ".join(f"data.{k} {v!r}" for k, v in (("answer_regex", cfg.answer_regex),
+                                                         ("answer_boxed", cfg.answer_boxed)) if v)
+        why = (f"{what} matched none of the answers (e.g. {str(_get(rows[0], cfg.answer_field))[:80]!r}); "
+               f"fix {what.split()[0]}") if no_match else \
               (f"every row has an empty or non-text {cfg.prompt_field!r} / {cfg.answer_field!r}; "
                "set data.prompt_field / data.answer_field")
         raise DataError(f"{name}: no usable examples in {len(rows)} rows: {why}")
     if dropped or len(out) + dropped < len(rows):
-        log.warning("%s: %d rows -> %d examples (%d dropped: empty field or answer_regex no match; "
+        log.warning("%s: %d rows -> %d examples (%d dropped: empty field or answer_regex / answer_boxed no match; "
                     "%d duplicate questions)", name, len(rows), len(out), dropped, len(rows) - dropped - len(out))
     return out
 
@@ -451,10 +330,11 @@ def _load_examples(cfg: DataConfig, split: str, is_val: bool) -> list[dict]:
         if is_val and not Path(path).expanduser().is_file():
             raise DataError(f"data.val_split={split!r}: with a local data file, val_split must be the path of "
                             "a validation file, or '' to hold out data.val_size examples")
-        rows = _read_jsonl(path) if cfg.source == "jsonl" else _load_hf(path, "", "train", fields)
+        max_rows = 0 if is_val else cfg.max_examples
+        rows = _read_jsonl(path, max_rows) if cfg.source == "jsonl" else _load_hf(path, "", "train", fields, max_rows=max_rows)
         return _to_examples(rows, cfg, f"data.path={path}" if not is_val else f"data.val_split={path}")
-    return _to_examples(_load_hf(cfg.path, cfg.hf_config, split, fields, is_val), cfg,
-                        f"data.path={cfg.path} (split {split!r})")
+    return _to_examples(_load_hf(cfg.path, cfg.hf_config, split, fields, is_val, 0 if is_val else cfg.max_examples),
+                        cfg, f"data.path={cfg.path} (split {split!r})")
 
 
 def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
@@ -467,6 +347,8 @@ def load_splits(cfg: DataConfig) -> tuple[list[dict], list[dict]]:
         return _synthetic_splits(cfg)
     if not cfg.path:
         raise DataError(f"data.path is required for data.source={cfg.source}")
+    if cfg.max_examples < 0:
+        raise DataError(f"data.max_examples must be >= 0 (0 = all rows), got {cfg.max_examples}")
     train = _load_examples(cfg, cfg.train_split, is_val=False)
     if cfg.val_split:
         return train, _load_examples(cfg, cfg.val_split, is_val=True)
@@ -523,6 +405,39 @@ def filter_long_prompts(examples: list[dict], tokenizer, cfg: DataConfig,
         raise DataError(f"all {len(examples)} prompts are longer than data.max_prompt_tokens="
                         f"{cfg.max_prompt_tokens}; raise data.max_prompt_tokens")
     return kept, dropped
+
+
+_WARN_SHARE = 0.10             # data_warnings fires above this share of the examples
+_SENTENCE_END = re.compile(r"[.!?](?:\s|$)")
+
+
+def looks_like_solution(answer: str) -> bool:
+    """Whether a gold answer looks like a worked solution rather than a final answer: it holds a
+    GSM8K '####' marker or a \\boxed{}, spans lines, or is long and has two or more sentences."""
+    return ("####" in answer or "\\boxed" in answer or "\n" in answer.strip()
+            or (len(answer) > 40 and len(_SENTENCE_END.findall(answer)) >= 2))
+
+
+def data_warnings(examples: list[dict], n_dropped: int, cfg: DataConfig) -> list[str]:
+    """One-line warnings (with the fix) about data that would train on the wrong thing: more than 10%
+    of the prompts dropped as overlong (filter_long_prompts' count), or gold answers that look like
+    worked solutions, which math_reward would compare with the model's final answer as a whole."""
+    out = []
+    total = len(examples) + n_dropped
+    if total and n_dropped / total > _WARN_SHARE:
+        out.append(f"{n_dropped} of {total} prompts ({100 * n_dropped / total:.1f}%) are longer than "
+                   f"data.max_prompt_tokens={cfg.max_prompt_tokens} and were dropped; raise data.max_prompt_tokens "
+                   "(and rollout.max_model_len) to train on them")
+    answers = [ex["answer"] for ex in examples[:2000]]
+    bad = [a for a in answers if looks_like_solution(a)]
+    if answers and len(bad) / len(answers) > _WARN_SHARE:
+        fix = ("set data.answer_regex='#### (.*)'" if any("####" in a for a in bad) else
+               "set data.answer_boxed=true" if any("\\boxed" in a for a in bad) else
+               "set data.answer_regex to extract the final answer, or data.answer_field to a field holding only it")
+        out.append(f"data.answer_field={cfg.answer_field!r}: {len(bad)} of {len(answers)} gold answers look like "
+                   f"worked solutions (e.g. {bad[0][:70]!r}); the reward compares the model's final answer with "
+                   f"the whole field, so almost nothing scores; {fix}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------- sampler

@@ -37,7 +37,8 @@ import yaml
 import distributed
 from checkpoint import load_latest, save_checkpoint, set_rng_state
 from config import Config, UserError, load_config, to_dict
-from data import PromptSampler, format_reward, load_splits, math_reward, reward_stats
+from data import (PromptSampler, data_warnings, format_reward, load_splits, math_reward, reward_last_number,
+                  reward_stats)
 from fp8.calibrate import token_mask
 from fp8.linear import bf16_reference
 from losses import collapse
@@ -195,8 +196,9 @@ def validate_accuracy(engine, val_set, tokenizer, cfg: Config, d: distributed.Di
                               max_new_tokens=cfg.rollout.max_new_tokens)
     texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     counted = d.rank % d.tp == 0  # the group's first rank scores its engine's answers; the others add 0
-    correct = torch.tensor(float(sum(math_reward(t, ex["answer"]) for t, ex in zip(texts, mine)) if counted else 0),
-                           device=d.device)
+    last_number = reward_last_number(cfg.data)
+    correct = torch.tensor(float(sum(math_reward(t, ex["answer"], finish_reason=s.finish_reason, last_number=last_number)
+                                     for t, ex, s in zip(texts, mine, samples)) if counted else 0), device=d.device)
     return float(distributed.all_sum(correct, d)) / len(val)
 
 
@@ -237,6 +239,8 @@ def train(args) -> Path:
     if cfg.train.val_every and not val_set:
         raise UserError("the validation split is empty; set data.val_size / data.val_split, or train.val_every=0")
     logger.print(f"data: {len(train_set)} train prompts ({dropped} dropped as overlong), {len(val_set)} val")
+    for warning in data_warnings(train_set, dropped, cfg.data):
+        logger.print(f"WARNING data: {warning}")
 
     # The engine gets its own copy of the weights (HF) or its own process memory (vLLM)
     # before the trainer's linears become FP8: it only ever sees weights through export.
@@ -320,6 +324,8 @@ def train(args) -> Path:
     n, T = cfg.rollout.n, cfg.rollout.temperature
     gen, own = distributed.rollout_share(d, cfg.rollout.prompts_per_step)  # whole groups; see rollout_share
 
+    last_number = reward_last_number(cfg.data)  # the reward's lenient mode (synthetic data)
+
     def rollout_round(step: int, r: int, metrics: dict) -> collapse.Groups:
         """Draw prompts, generate n samples each, score them: this rank's groups of round r of the step."""
         prompts = next(sampler)[gen]  # same draw on every rank
@@ -336,7 +342,8 @@ def train(args) -> Path:
         t0 = time.perf_counter()
         texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
         answers = [batch[s.prompt_index]["answer"] for s in samples]
-        correct = torch.tensor([math_reward(t, a) for t, a in zip(texts, answers)])  # [B]
+        correct = torch.tensor([math_reward(t, a, finish_reason=s.finish_reason, last_number=last_number)
+                                for t, a, s in zip(texts, answers, samples)])  # [B]
         rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
         if cfg.train.probe:  # a synthetic reward with variance: the update direction is checkable on any model
             rewards = probe_rewards(samples)

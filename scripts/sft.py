@@ -11,7 +11,7 @@ them run block FP8 in trainer and vLLM) with the repo's char tokenizer (modeling
 The task is the GRPO task of --task-config (configs/ablations/base.yaml: synthetic difficulty 5,
 three-term +-* expressions such as "(37*52)-18="). SFT trains on a mix of easier levels and
 some level-5 problems (--mix), never on the GRPO validation questions nor on a dev set, with
-worked solutions in the format the reward reads (math_reward takes the last number):
+worked solutions in the format the reward reads (for the synthetic task math_reward takes the last number):
 
     prompt    "(37*52)-18="                       exactly data.render_prompt (plain template)
     response  "37*52=37*50+37*2=1850+74=1924 1924-18=1906" + EOS
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import FP8Config, TinyModelConfig, load_config  # noqa: E402
-from data import load_splits, math_reward, render_prompt, synthetic_arithmetic  # noqa: E402
+from data import load_splits, math_reward, render_prompt, reward_last_number, synthetic_arithmetic  # noqa: E402
 from modeling import build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,7 +194,7 @@ def greedy_accuracy(model, codec: CharCodec, tokenizer, problems, data_cfg, max_
                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=codec.eos,
                                  pad_token_id=codec.pad)
         texts = tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
-        correct += sum(math_reward(t, p["answer"]) for t, p in zip(texts, chunk))
+        correct += sum(math_reward(t, p["answer"], last_number=reward_last_number(data_cfg)) for t, p in zip(texts, chunk))
     model.train(was_training)
     return correct / max(len(problems), 1)
 

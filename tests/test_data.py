@@ -11,6 +11,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import pytest
 
 import data
+import rewards
 from config import DataConfig, SyntheticConfig, TinyModelConfig, UserError
 from data import (DataError, PromptSampler, extract_answer, filter_long_prompts, format_reward,
                   load_splits, math_reward, render_prompt, reward_stats, synthetic_arithmetic,
@@ -35,19 +36,22 @@ def test_answer_is_sentence_and_integers():
     assert math_reward("**Answer:** 7 apples", "7") == 1.0
     assert math_reward("\\boxed{42}", "42") == 1.0
     assert math_reward("\\boxed{-3}", "-3") == 1.0
-    assert math_reward("so x = -3", "-3") == 1.0
     assert math_reward("\\boxed{1,000}", "1000") == 1.0
     assert math_reward("Answer: 1,000", "1,000") == 1.0
     assert math_reward("\\boxed{\\sqrt{8}}", "2\\sqrt{2}") == 1.0
 
 
-def test_last_number_rule():
-    assert math_reward("3+4=7", "7") == 1.0
-    assert math_reward("I think 5 then 7", "7") == 1.0
-    assert math_reward("I think 5 then 7", "5") == 0.0
-    assert math_reward("5-3=2", "2") == 1.0          # '-3' is subtraction here, not a negative number
-    assert math_reward("it is 3/4", "0.75") == 1.0
-    assert extract_answer("I think 5 then 7") == ("number", "7")
+def test_last_number_rule_is_opt_in():
+    for text, gold in [("3+4=7", "7"), ("I think 5 then 7", "7"), ("so x = -3", "-3"), ("it is 3/4", "0.75")]:
+        assert math_reward(text, gold) == 0.0                       # states no answer: off by default
+        assert math_reward(text, gold, last_number=True) == 1.0
+    assert math_reward("I think 5 then 7", "5", last_number=True) == 0.0
+    assert math_reward("5-3=2", "2", last_number=True) == 1.0       # '-3' is subtraction here, not a negative number
+    assert extract_answer("I think 5 then 7", last_number=True) == ("number", "7")
+    assert extract_answer("I think 5 then 7") is None
+    assert data.reward_last_number(DataConfig()) is True            # synthetic: worked solutions end in the answer
+    assert data.reward_last_number(DataConfig(source="jsonl")) is False
+    assert data.reward_last_number(DataConfig(source="synthetic", reward_last_number=False)) is False
 
 
 def test_boxed_wins_and_last_boxed():
@@ -55,7 +59,8 @@ def test_boxed_wins_and_last_boxed():
     assert math_reward("\\boxed{3}, no wait: \\boxed{5}", "5") == 1.0
     assert math_reward("\\boxed{3}, no wait: \\boxed{5}", "3") == 0.0
     assert math_reward("\\boxed{\\frac{1}{\\sqrt{4}}}", "1/2") == 1.0   # nested braces
-    assert extract_answer("\\boxed{a{b}c} then \\boxed{") == ("boxed", "a{b}c")
+    assert data.last_boxed("\\boxed{a{b}c} then \\boxed{") == "a{b}c"
+    assert extract_answer("\\boxed{a{b}c} then \\boxed{") is None      # an answer left open: unfinished
 
 
 def test_wrong_answers():
@@ -79,7 +84,7 @@ def test_malformed_gold():
 
 
 def test_worker_threads():
-    cases = [("\\boxed{\\frac{1}{2}}", "0.5", 1.0), ("The answer is \\sqrt{9}", "3", 1.0), ("3+4=7", "7", 1.0),
+    cases = [("\\boxed{\\frac{1}{2}}", "0.5", 1.0), ("The answer is \\sqrt{9}", "3", 1.0), ("7", "7", 1.0),
              ("\\boxed{0.3}", "1/3", 0.0)] * 4
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda c: math_reward(c[0], c[1]), cases))
@@ -97,12 +102,12 @@ def test_error_counter(monkeypatch):
 
     def boom(text):
         raise RuntimeError("sympy exploded")
-    monkeypatch.setattr(data, "_mv_parse", boom)
+    monkeypatch.setattr(rewards, "_mv_parse", boom)
     assert math_reward("\\boxed{\\frac{17}{19}}", "17/19") == 0.0
 
     def slow(text):
         raise TimeoutException("timed out")
-    monkeypatch.setattr(data, "_mv_parse", slow)
+    monkeypatch.setattr(rewards, "_mv_parse", slow)
     assert math_reward("\\boxed{\\frac{23}{29}}", "23/29") == 0.0
     stats = reward_stats()
     assert stats["reward/errors"] >= 2 and stats["reward/timeouts"] >= 1
@@ -251,7 +256,7 @@ def test_answer_regex_gsm8k_style(tmp_path):
                      answer_regex="#### (.*)", val_size=0)
     train, val = load_splits(cfg)
     assert val == [] and sorted(e["answer"] for e in train) == ["0", "2", "4", "6", "8"]
-    with pytest.raises(DataError, match="answer_regex '@@ (.*)' matched none"):
+    with pytest.raises(DataError, match="data.answer_regex '@@ \\(\\.\\*\\)' matched none"):
         load_splits(DataConfig(**{**cfg.__dict__, "answer_regex": "@@ (.*)"}))
     with pytest.raises(DataError, match="invalid regex"):
         load_splits(DataConfig(**{**cfg.__dict__, "answer_regex": "(unclosed"}))

@@ -86,7 +86,7 @@ def test_equal_rewards_overlong_prompts_and_warn_only(tmp_path, monkeypatch, cap
     rows = [{"problem": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
     rows += [{"problem": f"{d}+" * 20 + "1=", "answer": "0"} for d in (1, 2, 3)]  # 43 chars > max_prompt_tokens=32
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(train_grpo, "math_reward", lambda completion, answer: 0.0)  # every group: zero std
+    monkeypatch.setattr(train_grpo, "math_reward", lambda completion, answer, **context: 0.0)  # every group: zero std
     run_dir = train(tmp_path, "train.steps=2", "data.source=jsonl", f"data.path={tmp_path / 'd.jsonl'}",
                     "data.val_size=0", "train.mismatch_warn=0.5")
     out = capsys.readouterr().out

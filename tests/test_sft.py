@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from config import load_config
-from data import load_splits, math_reward, render_prompt, synthetic_arithmetic
+from data import load_splits, math_reward, render_prompt, reward_last_number, synthetic_arithmetic
 from modeling import build_char_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def test_worked_solution_is_correct_and_rewarded(difficulty):
     for p in synthetic_arithmetic(3000, difficulty, seed=11):
         text, value = sft.worked_solution(p["question"])
         assert str(value) == p["answer"], (p, text)
-        assert math_reward(text, p["answer"]) == 1.0, (p, text)
+        assert math_reward(text, p["answer"], last_number=reward_last_number(load_config(TASK).data)) == 1.0, (p, text)
         assert len(text) + 1 <= max_new  # + EOS fits rollout.max_new_tokens
 
 
