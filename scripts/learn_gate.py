@@ -152,6 +152,10 @@ def _log(msg: str, t0: float) -> None:
     print(f"[gate +{time.time() - t0:.0f}s] {msg}", flush=True)
 
 
+# vLLM's start-up assertion when another process frees GPU memory while it profiles (a run finishing)
+PROFILING_RACE = "Error in memory profiling"
+
+
 def _engine_up(log: Path, metrics: Path) -> str | None:
     if metrics.is_file() and metrics.stat().st_size > 0:
         return "first step logged"
@@ -182,7 +186,9 @@ def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
     deadline = t0 + args.deadline_s
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(args.threads))}
-    for mode, seed in todo:
+    retried = set()
+    while todo:
+        mode, seed = todo.pop(0)
         while len([p for p in live if p.poll() is None]) >= args.max_concurrent and time.time() < deadline:
             time.sleep(1)
         if time.time() > deadline - 30:
@@ -210,6 +216,11 @@ def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
                     why = "deadline"
                 time.sleep(0.5 if why is None else 0)
             _log(f"{name}: {why} after {time.time() - start:.0f}s", t0)
+            if p.returncode and (mode, seed) not in retried and PROFILING_RACE in log.read_text(errors="replace"):
+                retried.add((mode, seed))  # a neighbour freed memory during this engine's start-up: once more
+                live.remove(p)
+                todo.append((mode, seed))
+                _log(f"{name}: vLLM's start-up memory check saw a neighbour's memory change; retrying", t0)
     while any(p.poll() is None for p in live) and time.time() < deadline:
         time.sleep(1)
     late = [p for p in live if p.poll() is None]
