@@ -208,7 +208,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     shape = TINY if args.tiny else L8B
     if args.worker:
-        row = worker(args.worker, shape, int(args.layers), Path(args.ckpt_dir), torch.device(args.device))
+        device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)  # set_device needs the index
+        row = worker(args.worker, shape, int(args.layers), Path(args.ckpt_dir), device)
         print("ROW " + json.dumps(row), flush=True)
         return row
     Path(args.dir).mkdir(parents=True, exist_ok=True)
