@@ -422,7 +422,7 @@ def _finite(x) -> bool:
 def validate(cfg: Config) -> None:
     """Reject settings that would crash late, or stop or reverse learning without a word (a negative lr
     ascends the loss; is_cap=0 or max_grad_norm=0 zero every update). One row per rule:
-    (key, value, ok, what it must be)."""
+    (key, value, ok, what it must be). LossConfig checks its clip and IS bounds itself."""
     m, d, r, f, lo, o, t, lg = cfg.model, cfg.data, cfg.rollout, cfg.fp8, cfg.loss, cfg.optim, cfg.train, cfg.log
     samples = r.n * r.prompts_per_step
     mb = t.mini_batch_size or samples
@@ -457,13 +457,8 @@ def validate(cfg: Config) -> None:
         ("fp8.calib_samples", f.calib_samples, f.calib_samples >= 1, ">= 1"),
         ("fp8.keep_first_layers", f.keep_first_layers, f.keep_first_layers >= 0, ">= 0"),
         ("fp8.keep_last_layers", f.keep_last_layers, f.keep_last_layers >= 0, ">= 0"),
-        ("loss.clip_low", lo.clip_low, 0 <= lo.clip_low < 1, "in [0, 1) (the ratio's lower clip is 1 - clip_low)"),
-        ("loss.clip_high", lo.clip_high, lo.clip_high >= 0, ">= 0"),
-        ("loss.dual_clip", lo.dual_clip, lo.dual_clip is None or lo.dual_clip > 1, "null (off) or > 1"),
         ("loss.is_cap", lo.is_cap, lo.is_cap > 0 or lo.is_correction == "none",
          "> 0 (0 zeroes every importance weight, so every update; loss.is_correction=none turns IS off)"),
-        ("loss.is_floor", lo.is_floor, 0 <= lo.is_floor < lo.is_cap or lo.is_correction in ("none", "tis", "seq_tis"),
-         f">= 0 and below loss.is_cap ({lo.is_cap}): icepop / seq_mask_tis would mask every token"),
         ("loss.kl_coef", lo.kl_coef, lo.kl_coef >= 0, ">= 0"),
         ("optim.lr", o.lr, o.lr > 0, "> 0 (0 never moves the weights; a negative lr ascends the loss)"),
         ("optim.betas", o.betas, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
