@@ -482,7 +482,6 @@ def validate(cfg: Config) -> None:
         ("train.keep_ckpts", t.keep_ckpts, t.keep_ckpts >= 0, ">= 0 (0 = keep all)"),
         ("train.run_name", t.run_name, "/" not in t.run_name and t.run_name not in (".", ".."),
          "a plain directory name (no '/'); train.out_dir sets where it goes"),
-        ("train.mismatch_warn", t.mismatch_warn, t.mismatch_warn >= 1, ">= 1 (token_mult_prob_error is >= 1)"),
         ("train.mismatch_stop", t.mismatch_stop, t.mismatch_stop >= 0, ">= 0 (0 = never stop)"),
         ("train.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 1, ">= 1"),
         ("log.dump_episodes_every", lg.dump_episodes_every, lg.dump_episodes_every >= 0, ">= 0 (0 = off)"),
