@@ -37,6 +37,7 @@ import json
 import math
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
 import torch
@@ -127,7 +128,7 @@ def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "co
         raise ValueError(f"steps={steps}: need >= 2 (the last batch's checkpoint is written after steps - 1)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = Path(tempfile.mkdtemp(prefix="batch-", dir=out_dir))
+    run_dir = out_dir / f"batch-{uuid.uuid4().hex[:8]}"  # train_grpo creates it (and refuses one that exists)
     argv = ["--config", str(config), f"train.out_dir={out_dir}", f"train.run_name={run_dir.name}",
             f"train.steps={steps}", f"log.save_batch_every={steps - 1}", f"train.ckpt_every={steps - 1}",
             "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", *overrides]

@@ -49,18 +49,22 @@ per rank would resume exactly only on the same world size.
 Single-file checkpoints of earlier versions (`state.pt`, full tensors) still load, on any number
 of ranks (distributed.load_full_state).
 
+The run directory around them (create_run_dir, resume_config, ...) lives here too.
+
 Fault injection (tests/test_resume.py): with GRPO_CKPT_FAULT=<step> in the environment, the
 save of that step truncates rank 0's .distcp file in its temp dir to half and SIGKILLs its own
 process.
 """
 
 import contextlib
+import json
 import os
 import random
 import re
 import shutil
 import signal
 import warnings
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -69,11 +73,16 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import distributed
-from config import UserError
+from config import UserError, load_config, to_dict
 from distributed import Dist
 
 META, LEGACY = "meta.pt", "state.pt"
 _STEP_DIR = re.compile(r"step_(\d+)")
+RESUMES = "resumes.jsonl"
+FIXED_ON_RESUME = ("model.name_or_path", "model.tiny.", "model.dtype", "optim.name", "train.out_dir",
+                   "train.run_name")
+"""Keys (or key prefixes) a resume cannot override: they fix the parameters' shapes and dtype, the
+optimizer state and the tokenizer the checkpoint holds, or where the run lives."""
 
 
 def rng_state() -> dict:
@@ -245,3 +254,79 @@ def load_checkpoint(path: str | Path, optimizer: bool = True) -> dict:
         tensors = _load_state_dict_from_keys({"model", "optimizer"} if optimizer else {"model"},
                                              storage_reader=dcp.FileSystemReader(path))
     return {**meta, **tensors}
+def create_run_dir(out_dir: str | Path, name: str, auto: bool) -> Path:
+    """Create out_dir/name with os.mkdir, which fails if it exists, so two runs never share a dir (two
+    runs started in the same second get the same timestamped name). auto (a generated name): on a
+    clash try name-2, name-3, ...; an explicit train.run_name that exists is an error."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for i in range(1, 1000):
+        run_dir = out_dir / (name if i == 1 else f"{name}-{i}")
+        try:
+            run_dir.mkdir()
+            return run_dir
+        except FileExistsError:
+            if auto:
+                continue
+            if latest_checkpoint(run_dir / "checkpoints") is not None:
+                raise UserError(f"train.run_name: {run_dir} holds a run already: continue it with --resume {run_dir}, "
+                                "or pick another train.run_name") from None
+            raise UserError(f"train.run_name: {run_dir} exists (and has no complete checkpoint, so it cannot be "
+                            "resumed): pick another train.run_name, or delete that directory") from None
+    raise UserError(f"train.out_dir: {out_dir} has 999 runs named {name}-*; set train.run_name")
+
+
+def remove_unstarted_run(run_dir: str | Path) -> bool:
+    """Delete a new run's dir if the run failed before it logged a step or saved a checkpoint: what it
+    holds then (config.yaml, an empty metrics.jsonl, event files, the tiny model's config) is debris.
+    Call it only for a dir this process created (never a resumed run's). Returns whether it did."""
+    run_dir = Path(run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    if (metrics.is_file() and metrics.stat().st_size > 0) or checkpoints(run_dir / "checkpoints"):
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return True
+
+
+def _flat(cfg) -> dict:
+    out = {}
+
+    def walk(node, prefix):
+        for k, v in node.items():
+            walk(v, f"{prefix}{k}.") if isinstance(v, dict) else out.__setitem__(prefix + k, v)
+
+    walk(to_dict(cfg), "")
+    return out
+
+
+def resume_overrides(run_dir: str | Path) -> list[str]:
+    """The overrides of the run's earlier resumes, in order (resumes.jsonl; a torn last line is skipped)."""
+    path = Path(run_dir) / RESUMES
+    out = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            out += json.loads(line)["overrides"]
+        except (ValueError, KeyError, TypeError):
+            pass
+    return out
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] = ()):
+    """The config a run continues with: run_dir/config.yaml, the overrides of its earlier resumes, then
+    `overrides`. Refuses an override of a FIXED_ON_RESUME key, before anything is loaded."""
+    run_dir = Path(run_dir)
+    earlier = resume_overrides(run_dir)
+    saved = _flat(load_config(run_dir / "config.yaml", earlier))
+    cfg = load_config(run_dir / "config.yaml", earlier + list(overrides))
+    for key, value in _flat(cfg).items():
+        if key.startswith(FIXED_ON_RESUME) and value != saved[key]:
+            raise UserError(f"--resume {run_dir}: {key} cannot change on resume ({saved[key]!r} -> {value!r}): the "
+                            "checkpoint holds that model and run; drop the override, or start a new run")
+    return cfg
+
+
+def record_resume(run_dir: str | Path, overrides: list[str], step: int) -> None:
+    """Append this resume (time, step, overrides) to run_dir/resumes.jsonl; config.yaml stays as written."""
+    rec = {"time": datetime.now().isoformat(timespec="seconds"), "step": step, "overrides": list(overrides)}
+    with open(Path(run_dir) / RESUMES, "a") as f:
+        f.write(json.dumps(rec) + "\n")

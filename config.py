@@ -3,7 +3,9 @@
     cfg = load_config("configs/tiny_cpu.yaml", ["loss.is_cap=5", "fp8.kv_cache=true"])
 
 * A YAML file may name `base: other.yaml` (relative to itself); its keys are merged on top.
-* Overrides are `section.field=value`, the value parsed as YAML (`true`, `3e-7`, `[a, b]`).
+* Overrides are `section.field=value`. The value is parsed as YAML (`true`, `3e-7`, `[a, b]`,
+  `null`), except for a str field, which takes the text as it is (`data.answer_regex=#### (.*)`).
+* `validate` rejects settings that would stop or reverse learning (lr <= 0, max_grad_norm=0, ...).
 * Unknown keys, wrong types and bad enum values raise `ConfigError` naming the key, so a typo
   fails at start-up instead of an hour into a run.
 
@@ -11,6 +13,8 @@ Every field carries its doc as an attribute docstring (the string on the line be
 """
 
 import dataclasses
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -220,7 +224,9 @@ class OptimConfig:
     eps: float = 1e-8
     warmup_steps: int = 0
     """Linear warm-up in optimizer steps, then constant."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this (> 0); null = no clipping (the norm is still logged,
+    as optim/grad_norm; optim/grad_norm_clipped is the norm after clipping)."""
 
 
 @dataclass
@@ -247,6 +253,7 @@ class TrainConfig:
     save_final: bool = True
     """Checkpoint after the last step (benchmarks turn it off: an 8B state is ~50 GB)."""
     keep_ckpts: int = 2
+    """Checkpoints kept (the newest); 0 = all."""
     out_dir: str = "runs"
     run_name: str = ""
     """'' = <config name>-<timestamp>."""
@@ -396,37 +403,36 @@ def _build(cls, data: dict, prefix: str = ""):
         raise ConfigError(f"{prefix.rstrip('.')}: {e}") from None
 
 
-def _annotation(keys: list[str]):
-    """The type annotation of Config.<keys...>, or None for a key that does not exist."""
+def field_type(keys: list[str]):
+    """The declared type of the field at `keys` (e.g. ['optim', 'lr'] -> float); None if there is none."""
     tp = Config
     for k in keys:
-        hints = typing.get_type_hints(tp) if dataclasses.is_dataclass(tp) else {}
-        if k not in hints:
+        if not dataclasses.is_dataclass(tp):
             return None
-        tp = hints[k]
+        tp = typing.get_type_hints(tp).get(k)
     return tp
 
 
 def parse_override(text: str) -> tuple[list[str], object]:
-    """(key path, value). The value is parsed as YAML, except for str fields, which keep the text
-    as written (YAML would read `#### (.*)` as a comment, i.e. null) unless it is quoted."""
+    """'section.key=value' -> (['section', 'key'], value). The value is read as YAML, but a str field
+    takes the raw text: YAML would read '#### (.*)' as a comment (None), '123' as an int, 'a: b' as a map."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, raw = text.split("=", 1)
     keys = key.strip().split(".")
-    quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
-    if _annotation(keys) is str and not quoted:
+    quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""  # a quoted str: YAML unquotes it
+    if (field_type(keys) is str and not quoted) or raw == "":
         return keys, raw
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        return keys, yaml.safe_load(raw)
     except yaml.YAMLError:
-        value = raw
-    return keys, value
+        return keys, raw
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Config from a YAML file (with `base:` inheritance) plus `key.sub=value` overrides."""
     data = _read_yaml(Path(path)) if path else {}
+    cli_keys = []
     for text in overrides:
         keys, value = parse_override(text)
         node = data
@@ -435,34 +441,105 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: '{k}' is not a section")
         node[keys[-1]] = value
-    cfg = _build(Config, data)
+        cli_keys.append(".".join(keys))
+    try:
+        cfg = _build(Config, data)
+    except ConfigError as e:
+        key = next((k for k in cli_keys if str(e).startswith((k + ":", k + "["))), None)
+        if key is None or "expected" not in str(e):
+            raise
+        raise ConfigError(f"{e} (override values are read as YAML: quote a string, e.g. {key}=\"'...'\")") from None
     validate(cfg)
     return cfg
 
 
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field checks that a single field's type cannot express."""
-    r, t = cfg.rollout, cfg.train
-    for key, v in [("rollout.n", r.n), ("rollout.prompts_per_step", r.prompts_per_step),
-                   ("rollout.max_new_tokens", r.max_new_tokens), ("train.micro_batch_size", t.micro_batch_size)]:
-        if v < 1:
-            raise ConfigError(f"{key} must be >= 1, got {v}")
-    if r.n < 2:
-        raise ConfigError("rollout.n must be >= 2: group-normalised advantages need 2+ samples per prompt")
+    """Reject settings that would crash late, or stop or reverse learning without a word (a negative lr
+    ascends the loss; is_cap=0 or max_grad_norm=0 zero every update). One row per rule:
+    (key, value, ok, what it must be). LossConfig checks its clip and IS bounds itself."""
+    m, d, r, f, lo, o, t, lg = cfg.model, cfg.data, cfg.rollout, cfg.fp8, cfg.loss, cfg.optim, cfg.train, cfg.log
     samples = r.n * r.prompts_per_step
     mb = t.mini_batch_size or samples
-    if samples % mb or mb % min(t.micro_batch_size, mb):
-        raise ConfigError(f"train.mini_batch_size ({mb}) must divide rollout.n * rollout.prompts_per_step "
-                          f"({samples}) and be a multiple of train.micro_batch_size ({t.micro_batch_size})")
-    if t.max_rollout_rounds < 1:
-        raise ConfigError(f"train.max_rollout_rounds must be >= 1, got {t.max_rollout_rounds}")
-    if r.block_size < 0 or r.block_size % 16:
-        raise ConfigError(f"rollout.block_size must be 0 (vLLM's default) or a multiple of 16, got {r.block_size}")
-    if not 0 < r.top_p <= 1 or r.temperature <= 0:
-        raise ConfigError("rollout.temperature must be > 0 and rollout.top_p in (0, 1]")
+    rules = [
+        ("model.tiny.hidden_size", m.tiny.hidden_size, m.tiny.hidden_size >= 1, ">= 1"),
+        ("model.tiny.intermediate_size", m.tiny.intermediate_size, m.tiny.intermediate_size >= 1, ">= 1"),
+        ("model.tiny.num_layers", m.tiny.num_layers, m.tiny.num_layers >= 1, ">= 1"),
+        ("model.tiny.head_dim", m.tiny.head_dim, m.tiny.head_dim >= 1, ">= 1"),
+        ("model.tiny.num_kv_heads", m.tiny.num_kv_heads,
+         m.tiny.num_kv_heads >= 1 and m.tiny.num_heads % m.tiny.num_kv_heads == 0,
+         f">= 1 and divide model.tiny.num_heads ({m.tiny.num_heads})"),
+        ("model.tiny.vocab", m.tiny.vocab, len(m.tiny.vocab) > 0, "a non-empty string of characters"),
+        ("data.val_size", d.val_size, d.val_size >= 0, ">= 0"),
+        ("data.max_prompt_tokens", d.max_prompt_tokens, d.max_prompt_tokens >= 1, ">= 1"),
+        ("data.synthetic.difficulty", d.synthetic.difficulty, 1 <= d.synthetic.difficulty <= 5, "1 to 5"),
+        ("data.synthetic.num_train", d.synthetic.num_train, d.synthetic.num_train >= 1, ">= 1"),
+        ("data.path", d.path, d.source == "synthetic" or d.path,
+         f"set for data.source={d.source} (a JSONL file or an HF datasets id)"),
+        ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
+        ("rollout.n", r.n, r.n >= 2, ">= 2: group-normalised advantages need 2+ samples per prompt "
+         "(with 1 every advantage is 0 and nothing is learned)"),
+        ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
+        ("rollout.temperature", r.temperature, r.temperature > 0, "> 0 (training samples; validation is greedy anyway)"),
+        ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "in (0, 1]"),
+        ("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0 < r.gpu_memory_utilization <= 1, "in (0, 1]"),
+        ("rollout.max_model_len", r.max_model_len, r.max_model_len >= 0, ">= 0 (0 = prompt + max_new_tokens)"),
+        ("rollout.block_size", r.block_size, r.block_size >= 0 and r.block_size % 16 == 0,
+         "0 (vLLM's default) or a multiple of 16"),
+        ("rollout.tensor_parallel_size", r.tensor_parallel_size, r.tensor_parallel_size >= 1, ">= 1"),
+        ("fp8.calib_percentile", f.calib_percentile, 0 < f.calib_percentile <= 100, "in (0, 100]"),
+        ("fp8.calib_margin", f.calib_margin, f.calib_margin > 0, "> 0"),
+        ("fp8.calib_samples", f.calib_samples, f.calib_samples >= 1, ">= 1"),
+        ("fp8.keep_first_layers", f.keep_first_layers, f.keep_first_layers >= 0, ">= 0"),
+        ("fp8.keep_last_layers", f.keep_last_layers, f.keep_last_layers >= 0, ">= 0"),
+        ("loss.is_cap", lo.is_cap, lo.is_cap > 0 or lo.is_correction == "none",
+         "> 0 (0 zeroes every importance weight, so every update; loss.is_correction=none turns IS off)"),
+        ("loss.kl_coef", lo.kl_coef, lo.kl_coef >= 0, ">= 0"),
+        ("optim.lr", o.lr, o.lr > 0, "> 0 (0 never moves the weights; a negative lr ascends the loss)"),
+        ("optim.betas", o.betas, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+         "two numbers in [0, 1), e.g. [0.9, 0.999]"),
+        ("optim.eps", o.eps, o.eps > 0, "> 0"),
+        ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0, ">= 0"),
+        ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0 (a negative warm-up gives a negative lr)"),
+        ("optim.max_grad_norm", o.max_grad_norm, o.max_grad_norm is None or o.max_grad_norm > 0,
+         "> 0, or null for no clipping (0 would zero every update)"),
+        ("train.steps", t.steps, t.steps >= 1, ">= 1"),
+        ("train.max_rollout_rounds", t.max_rollout_rounds, t.max_rollout_rounds >= 1, ">= 1"),
+        ("train.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 1, ">= 1"),
+        ("train.mini_batch_size", t.mini_batch_size,
+         mb >= 1 and t.micro_batch_size >= 1 and samples % mb == 0 and mb % min(t.micro_batch_size, mb) == 0,
+         f"0 (all samples) or divide rollout.n * rollout.prompts_per_step ({samples}) and be a multiple of "
+         f"train.micro_batch_size ({t.micro_batch_size})"),
+        ("train.device", t.device, re.fullmatch(r"auto|cpu|cuda(:\d+)?", t.device), "auto, cpu, cuda or cuda:N"),
+        ("train.val_every", t.val_every, t.val_every >= 0, ">= 0 (0 = no validation)"),
+        ("train.val_max_prompts", t.val_max_prompts, t.val_max_prompts >= 1 or t.val_every == 0,
+         ">= 1 while train.val_every > 0 (or set train.val_every=0)"),
+        ("train.ckpt_every", t.ckpt_every, t.ckpt_every >= 0, ">= 0 (0 = only at the end)"),
+        ("train.keep_ckpts", t.keep_ckpts, t.keep_ckpts >= 0, ">= 0 (0 = keep all)"),
+        ("train.run_name", t.run_name, "/" not in t.run_name and t.run_name not in (".", ".."),
+         "a plain directory name (no '/'); train.out_dir sets where it goes"),
+        ("train.mismatch_stop", t.mismatch_stop, t.mismatch_stop >= 0, ">= 0 (0 = never stop)"),
+        ("train.max_bad_steps", t.max_bad_steps, t.max_bad_steps >= 1, ">= 1"),
+        ("log.dump_episodes_every", lg.dump_episodes_every, lg.dump_episodes_every >= 0, ">= 0 (0 = off)"),
+        ("log.save_batch_every", lg.save_batch_every, lg.save_batch_every >= 0, ">= 0 (0 = off)"),
+        ("log.profile_step", lg.profile_step, lg.profile_step >= -1, ">= 0, or -1 (off)"),
+    ]
+    for key, value, _, _ in rules:  # NaN passes no comparison, but say what is wrong with it
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and math.isnan(v) for v in values):
+            raise ConfigError(f"{key}={value}: must be a number, not NaN")
+    for key, value, ok, need in rules:
+        if not ok:
+            raise ConfigError(f"{key}={value!r}: must be {need}")
+    for key, value in [("optim.lr", o.lr), ("optim.eps", o.eps), ("optim.max_grad_norm", o.max_grad_norm or 0),
+                       ("loss.clip_low", lo.clip_low), ("loss.clip_high", lo.clip_high), ("loss.kl_coef", lo.kl_coef),
+                       ("rollout.temperature", r.temperature), ("data.format_reward", d.format_reward)]:
+        if not _finite(value):
+            raise ConfigError(f"{key}={value}: must be a finite number")
     _check_updates_survive(cfg)
-    if cfg.data.source != "synthetic" and not cfg.data.path:
-        raise ConfigError(f"data.path is required for data.source={cfg.data.source}")
 
 
 def to_dict(cfg) -> dict:

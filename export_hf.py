@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint
-from config import UserError, load_config
+from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, resume_config
+from config import UserError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -60,7 +60,7 @@ def load_trained(run_dir: Path, ckpt: Path):
     checkpoint's weights; state is the rest of the checkpoint (kv_scales, step, ...)."""
     from fp8.linear import clean_name
 
-    cfg = load_config(run_dir / "config.yaml")
+    cfg = resume_config(run_dir)  # config.yaml as the run wrote it, plus its resumes' overrides
     dtype = getattr(torch, cfg.model.dtype)
     if cfg.model.name_or_path == "tiny":
         from modeling import build_char_tokenizer, build_tiny_model

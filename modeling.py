@@ -31,6 +31,15 @@ def build_char_tokenizer(vocab: str) -> PreTrainedTokenizerFast:
                                    eos_token="<eos>", unk_token="<pad>")
 
 
+def check_char_vocab(vocab: str, texts: list[str]) -> None:
+    """The char tokenizer reads a character outside `vocab` as <pad>, which would silently blank out
+    parts of the prompts: refuse it, naming the characters."""
+    missing = sorted(set("".join(texts)) - set(vocab))
+    if missing:
+        raise UserError(f"model.tiny.vocab lacks characters the prompts use: {''.join(missing)!r} (the tiny char "
+                        "tokenizer would read them as <pad>); add them to model.tiny.vocab, or change the data/template")
+
+
 def build_tiny_model(t: TinyModelConfig, tokenizer, dtype: torch.dtype):
     """A randomly initialised Llama or Qwen3 with the tiny dims (seeded by the caller), built in
     `dtype` on the current default device (load_model_and_tokenizer builds it on the target device:

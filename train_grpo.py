@@ -35,7 +35,8 @@ import torch
 import yaml
 
 import distributed
-from checkpoint import load_latest, save_checkpoint, set_rng_state
+from checkpoint import (create_run_dir, load_latest, record_resume, remove_unstarted_run, resume_config,
+                        save_checkpoint, set_rng_state)
 from config import Config, UserError, load_config, to_dict
 from data import (PromptSampler, data_warnings, format_reward, load_splits, math_reward, reward_last_number,
                   reward_stats)
@@ -164,18 +165,20 @@ def micro_batches(n: int, size: int):
 # ----------------------------------------------------------------------------- setup
 
 def make_run_dir(cfg: Config, config_path: str | None, d: distributed.Dist) -> Path:
-    """A fresh run's dir; refuses one that holds a run already (its metrics.jsonl would get a second
-    run's records appended and its checkpoints mixed in)."""
-    stamp = distributed.broadcast_object(f"{datetime.now():%Y%m%d-%H%M%S}", d)  # one name for all ranks
-    name = cfg.train.run_name or f"{Path(config_path or 'default').stem}-{stamp}"
-    run_dir = Path(cfg.train.out_dir) / name
-    metrics = run_dir / "metrics.jsonl"
-    if distributed.broadcast_object(  # rank 0 looks before it writes anything there
-            (metrics.is_file() and metrics.stat().st_size > 0) or any((run_dir / "checkpoints").glob("*")), d):
-        raise UserError(f"{run_dir} holds a run already: continue it with --resume {run_dir}, or pick another "
-                        "train.run_name (or delete that directory)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    """A new run's dir, created by rank 0 alone and exclusively (checkpoint.create_run_dir: never one
+    that exists); every rank gets its name, or rank 0's error."""
+    made = None
+    if d.main:
+        auto = not cfg.train.run_name
+        name = cfg.train.run_name or f"{Path(config_path or 'default').stem}-{datetime.now():%Y%m%d-%H%M%S}"
+        try:
+            made = str(create_run_dir(cfg.train.out_dir, name, auto))
+        except UserError as e:
+            made = e
+    made = distributed.broadcast_object(made, d)
+    if isinstance(made, UserError):
+        raise made
+    return Path(made)
 
 
 def prepare_prompts(examples, tokenizer, cfg: Config):
@@ -183,6 +186,9 @@ def prepare_prompts(examples, tokenizer, cfg: Config):
     from data import filter_long_prompts, uses_chat_template
 
     kept, dropped = filter_long_prompts(examples, tokenizer, cfg.data)
+    if cfg.model.name_or_path == "tiny":
+        from modeling import check_char_vocab
+        check_char_vocab(cfg.model.tiny.vocab, [ex["prompt"] for ex in kept])
     special = not uses_chat_template(tokenizer, cfg.data)  # chat templates write their own BOS
     ids = tokenizer([ex["prompt"] for ex in kept], add_special_tokens=special)["input_ids"] if kept else []
     return [{**ex, "prompt_ids": i} for ex, i in zip(kept, ids)], dropped
@@ -206,16 +212,22 @@ def validate_accuracy(engine, val_set, tokenizer, cfg: Config, d: distributed.Di
 
 def train(args) -> Path:
     resume_dir = Path(args.resume) if args.resume else None
-    config_path = args.config or (str(resume_dir / "config.yaml") if resume_dir else None)
+    if resume_dir and args.config:
+        raise UserError(f"--resume {resume_dir} continues with the run's own config.yaml: drop --config and give "
+                        "changes as key=value overrides")
     if resume_dir and not (resume_dir / "config.yaml").is_file():
         raise UserError(f"--resume {resume_dir}: not a run directory (no config.yaml)")
-    cfg = load_config(config_path, args.overrides)
+    cfg = resume_config(resume_dir, args.overrides) if resume_dir else load_config(args.config, args.overrides)
     d = distributed.init(cfg)
     device, rank = d.device, d.rank
-    run_dir = resume_dir or make_run_dir(cfg, config_path, d)
+    if cfg.rollout.engine == "vllm" and device.type != "cuda":
+        raise UserError(f"rollout.engine=vllm needs a CUDA GPU (the device is {device}); set rollout.engine=hf")
+    run_dir = resume_dir or make_run_dir(cfg, args.config, d)
+    args.new_run_dir = run_dir if d.main and not resume_dir else None  # main() removes it if the run fails early
     if d.main:
         print(f"run_dir: {run_dir}", flush=True)
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        if not resume_dir:  # never rewritten: a resume's overrides go to resumes.jsonl (record_resume)
+            (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), flush=True)
     logger = RunLogger(run_dir, enabled=rank == 0, tensorboard=cfg.log.tensorboard)
     torch.manual_seed(cfg.train.seed)
@@ -279,7 +291,8 @@ def train(args) -> Path:
     if resume_dir:
         loaded = load_latest(ckpt_root, model, optimizer, d, log=logger.print)  # newest that loads; collective
         if loaded is None:
-            raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}")
+            raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}, so it cannot be resumed; "
+                            "start a new run (another train.run_name), or delete that directory")
         ckpt, state = loaded
         if state["world"] != d.world:  # DCP reshards: any world size reads it (checkpoint.py)
             logger.print(f"resuming a {state['world']}-rank checkpoint on {d.world} rank{'s' * (d.world > 1)}")
@@ -289,6 +302,8 @@ def train(args) -> Path:
         start_step, kv_scales, bad_steps = state["step"], state["kv_scales"], state.get("bad_steps", 0)
         logger.truncate(start_step)  # steps the interrupted run logged past the checkpoint are redone
         logger.print(f"resumed from {ckpt} at step {start_step}")
+        if d.main:
+            record_resume(run_dir, args.overrides, start_step)
     if cfg.fp8.train and cfg.fp8.cache_weights:  # fp8.cache_weights: filled now, re-quantized after every step
         from fp8.linear import refresh_weight_caches_on_step
         refresh_weight_caches_on_step(model, optimizer)
@@ -462,7 +477,8 @@ def train(args) -> Path:
                     nonfinite_loss += (~torch.isfinite(loss.detach())).float()
                     for k, v in m.items():
                         loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / n_mini
-                grad_norm = distributed.clip_grad_norm(model.parameters(), cfg.optim.max_grad_norm)
+                max_norm = math.inf if cfg.optim.max_grad_norm is None else cfg.optim.max_grad_norm  # null: no clip
+                grad_norm = distributed.clip_grad_norm(model.parameters(), max_norm)
                 if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees
                     optimizer.zero_grad(set_to_none=True)
                     bad_steps, skipped = bad_steps + 1, skipped + 1
@@ -475,7 +491,8 @@ def train(args) -> Path:
                 bad_steps = 0
                 optimizer.step()
                 scheduler.step()
-                metrics["optim/grad_norm"] = float(grad_norm)
+                metrics["optim/grad_norm"] = float(grad_norm)  # before clipping; after (clip_grads_with_norm_'s factor):
+                metrics["optim/grad_norm_clipped"] = float(grad_norm) * min(1.0, max_norm / (float(grad_norm) + 1e-6))
             optimizer.zero_grad(set_to_none=True)  # free the gradients before the engine wakes (memory)
             if d.world > 1:  # each rank's terms are already weighted by its share of the global batch
                 summed = distributed.all_sum(torch.tensor(list(loss_metrics.values()), device=device), d)
@@ -561,7 +578,11 @@ def main(argv=None):
         args.config = str(Path(__file__).parent / "configs" / "tiny_cpu.yaml")
     try:
         return train(args)
-    except UserError as e:
+    except BaseException as e:
+        if getattr(args, "new_run_dir", None) is not None:  # a new run that failed before its first step
+            remove_unstarted_run(args.new_run_dir)          # leaves no dir behind (a resumed one is kept)
+        if not isinstance(e, UserError):
+            raise
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 

@@ -48,10 +48,10 @@ def test_int_and_exponent_strings_accepted_for_float():
     (["rollout.engine=sglang"], r"rollout.engine: 'sglang' is not one of \['hf', 'vllm'\]"),
     (["loss.is_correction=tiss"], r"loss: .*is_correction.*tiss"),
     (["fp8.keep_bf16=lm_head"], r"fp8.keep_bf16: expected a list"),
-    (["rollout.n=1"], r"rollout.n must be >= 2"),
-    (["train.mini_batch_size=100"], r"train.mini_batch_size \(100\) must divide"),
-    (["data.source=jsonl"], r"data.path is required"),
-    (["rollout.block_size=24"], r"rollout.block_size must be 0 \(vLLM's default\) or a multiple of 16, got 24"),
+    (["rollout.n=1"], r"rollout.n=1: must be >= 2"),
+    (["train.mini_batch_size=100"], r"train.mini_batch_size=100: must be 0 \(all samples\) or divide"),
+    (["data.source=jsonl"], r"data.path='': must be set for data.source=jsonl"),
+    (["rollout.block_size=24"], r"rollout.block_size=24: must be 0 \(vLLM's default\) or a multiple of 16"),
     (["noequals"], r"must look like section.key=value"),
 ])
 def test_errors_name_the_key(override, message):

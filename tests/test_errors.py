@@ -1,4 +1,5 @@
-"""Bad input and unsupported hardware: each message names the problem and the fix.
+"""Bad input and unsupported hardware: each message names the problem and the fix, exits 2, and
+leaves no run dir behind (BAD_INPUT: the table, through train_grpo.main in-process).
 
 Covered elsewhere (not repeated here): unknown config keys, wrong types, bad enum values
 (test_config.py); a missing model dir and a dataset without the named fields, through the CLI
@@ -13,7 +14,7 @@ import torch
 import yaml
 
 import train_grpo
-from config import FP8Config, load_config, to_dict
+from config import FP8Config, UserError, load_config, to_dict
 from conftest import ROOT
 from fp8 import linear as fp8_linear
 
@@ -62,17 +63,19 @@ def test_dims_not_divisible_by_128_fall_back_to_bf16_loudly(capsys):
     assert "WARNING fp8: no linear is FP8, the whole model runs in BF16" in out and "multiples of 128" in out
 
 
-def test_vllm_missing_names_the_install_command(tmp_path, monkeypatch, capsys):
-    from rollout import vllm_env
+def test_vllm_missing_names_the_install_command(monkeypatch):
+    from modeling import build_char_tokenizer, build_tiny_model
+    from rollout import make_engine, vllm_env
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["rollout.engine=vllm"])
     for key in vllm_env(cfg):  # the engine sets these before importing vllm: restore them afterwards
         monkeypatch.setenv(key, "")
-    err = main_error(capsys, ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}",
-                              "log.tensorboard=false", "rollout.engine=vllm"])
-    assert "rollout.engine=vllm but vllm does not import (ModuleNotFoundError: " in err
-    assert "`pip install vllm==0.26.0`" in err and "or set rollout.engine=hf" in err
+    tok = build_char_tokenizer(cfg.model.tiny.vocab)
+    with pytest.raises(UserError) as e:  # (on a CPU host train_grpo stops earlier: vllm needs a CUDA GPU)
+        make_engine(cfg, build_tiny_model(cfg.model.tiny, tok, torch.float32), tok, torch.device("cpu"))
+    assert "rollout.engine=vllm but vllm does not import (ModuleNotFoundError: " in str(e.value)
+    assert "`pip install vllm==0.26.0`" in str(e.value) and "or set rollout.engine=hf" in str(e.value)
 
 
 def test_resume_errors(tmp_path, capsys):
@@ -84,4 +87,103 @@ def test_resume_errors(tmp_path, capsys):
     (tmp_path / "checkpoints" / ".tmp-step_000002").mkdir(parents=True)
     (tmp_path / "checkpoints" / ".tmp-step_000002" / "state.pt").write_bytes(b"torn")
     err = main_error(capsys, ["--resume", str(tmp_path)])
-    assert err == f"error: --resume {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}"
+    assert err == (f"error: --resume {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}, so it cannot "
+                   "be resumed; start a new run (another train.run_name), or delete that directory")
+    assert (tmp_path / "config.yaml").is_file()  # a resumed run's dir is never removed
+
+
+# ---------------------------------------------------------------------------- the bad-input table
+# override(s) -> a substring of the one-line error. Config rules fire in load_config, before any model
+# is built (milliseconds); the rest (marked slow in the comment) after the run dir exists, which the
+# failed run must remove again.
+
+BAD_INPUT = [
+    # settings that stop or reverse learning
+    (["optim.warmup_steps=-3"], "optim.warmup_steps=-3: must be >= 0 (a negative warm-up gives a negative lr)"),
+    (["optim.lr=-1e-3"], "optim.lr=-0.001: must be > 0"),
+    (["optim.lr=0"], "optim.lr=0.0: must be > 0 (0 never moves the weights"),
+    (["optim.lr=nan"], "optim.lr=nan: must be a number, not NaN"),
+    (["optim.lr=inf"], "optim.lr=inf: must be a finite number"),
+    (["optim.betas=[0.9]"], "optim.betas=[0.9]: must be two numbers in [0, 1)"),
+    (["optim.betas=[0.9, 1.0]"], "optim.betas=[0.9, 1.0]: must be two numbers in [0, 1)"),
+    (["optim.eps=0"], "optim.eps=0.0: must be > 0"),
+    (["optim.max_grad_norm=0"], "optim.max_grad_norm=0.0: must be > 0, or null for no clipping"),
+    (["loss.is_cap=0"], "loss.is_cap=0.0: must be > 0 (0 zeroes every importance weight"),
+    (["loss.clip_low=-0.1"], "loss: LossConfig: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low=-0.1"),
+    (["loss.is_correction=icepop", "loss.is_floor=3"], "loss: LossConfig: need 0 <= is_floor <= is_cap, got "
+                                                       "is_floor=3.0, is_cap=2.0"),
+    (["rollout.n=1"], "rollout.n=1: must be >= 2: group-normalised advantages"),
+    (["rollout.temperature=0"], "rollout.temperature=0.0: must be > 0"),
+    (["train.steps=-1"], "train.steps=-1: must be >= 1"),
+    (["train.micro_batch_size=0"], "train.micro_batch_size=0: must be >= 1"),
+    (["train.mini_batch_size=7"], "train.mini_batch_size=7: must be 0 (all samples) or divide"),
+    (["train.val_max_prompts=0"], "train.val_max_prompts=0: must be >= 1 while train.val_every > 0"),
+    (["train.device=foo"], "train.device='foo': must be auto, cpu, cuda or cuda:N"),
+    # overrides are YAML, and the error says so
+    (["optim.lr=fast"], "optim.lr: expected float, got str 'fast' (override values are read as YAML"),
+    (["rollout.n=8: 4"], "rollout.n: expected int, got dict {8: 4} (override values are read as YAML"),
+    # past the config (slow: a model is built)
+    (["rollout.engine=vllm", "train.device=cpu"], "rollout.engine=vllm needs a CUDA GPU (the device is cpu); set "
+                                                  "rollout.engine=hf"),
+    (["model.name_or_path=/nonexistent/model"], "model.name_or_path: '/nonexistent/model' is not a model directory"),
+    (["model.name_or_path=no-such-org/no-such-model"], "model.name_or_path: cannot load 'no-such-org/no-such-model'"),
+    (["data.source=jsonl", "data.path=DATA", "data.prompt_field=question"], "no field 'question' (data.prompt_field)"),
+    (["data.instruction=Say it."], "model.tiny.vocab lacks characters the prompts use: '.Saity'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_INPUT, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_bad_input_is_one_line_exit_2_and_leaves_no_run_dir(overrides, message, tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # an hf id on a host without network
+    (tmp_path / "d.jsonl").write_text('{"problem": "1+1=", "answer": "2"}\n')
+    out = tmp_path / "runs"
+    overrides = [o.replace("DATA", str(tmp_path / "d.jsonl")) for o in overrides]
+    err = main_error(capsys, ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={out}",
+                              "log.tensorboard=true", *overrides])
+    assert message in err, err
+    assert not out.exists() or not list(out.iterdir()), list(out.iterdir())
+
+
+def test_str_overrides_are_taken_as_written():
+    """A str field takes the override's text as it is: YAML would read '#### (.*)' as a comment (None),
+    '123' as an int and 'a: b' as a mapping."""
+    cfg = load_config(None, ["data.answer_regex=#### (.*)", "train.run_name=123", "data.instruction=Answer: 5",
+                             "data.system_prompt=", "optim.max_grad_norm=null"])
+    assert cfg.data.answer_regex == "#### (.*)" and cfg.train.run_name == "123"
+    assert cfg.data.instruction == "Answer: 5" and cfg.data.system_prompt == ""
+    assert cfg.optim.max_grad_norm is None  # no clipping
+
+
+def test_run_dirs_are_created_exclusively(tmp_path, monkeypatch):
+    """Two runs started in the same second get two dirs (name, name-2); threads racing for one name each
+    get their own; an explicit train.run_name that exists is refused and left alone."""
+    import threading
+
+    from checkpoint import create_run_dir
+    from distributed import Dist
+
+    class Frozen(train_grpo.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 1, 2, 3, 4, 5)
+    monkeypatch.setattr(train_grpo, "datetime", Frozen)
+    cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [f"train.out_dir={tmp_path}"])
+    dirs = [train_grpo.make_run_dir(cfg, "configs/tiny_cpu.yaml", Dist()) for _ in range(2)]
+    assert dirs == [tmp_path / "tiny_cpu-20260102-030405", tmp_path / "tiny_cpu-20260102-030405-2"]
+
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(create_run_dir(tmp_path / "race", "r", auto=True)))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 8 and {p.name for p in got} == {"r", *(f"r-{i}" for i in range(2, 9))}
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(UserError, match="train.run_name: .*mine exists .* pick another train.run_name"):
+        train_grpo.make_run_dir(load_config(None, [f"train.out_dir={tmp_path}", "train.run_name=mine"]), None, Dist())
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"

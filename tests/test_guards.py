@@ -105,9 +105,23 @@ def test_fresh_run_refuses_a_dir_that_holds_a_run(tmp_path, capsys):
         train(tmp_path, "train.steps=1")  # same train.run_name
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"error: {run_dir} holds a run already: continue it with --resume {run_dir}, or pick another "
-        "train.run_name (or delete that directory)")
+        f"error: train.run_name: {run_dir} holds a run already: continue it with --resume {run_dir}, or pick "
+        "another train.run_name")
     assert (run_dir / "metrics.jsonl").read_text() == before  # nothing appended
     (tmp_path / "started").mkdir()
-    (tmp_path / "started" / "metrics.jsonl").touch()  # a run that died before its first step
-    assert train(tmp_path, "train.steps=1", "train.run_name=started") == tmp_path / "started"
+    (tmp_path / "started" / "metrics.jsonl").touch()  # a run SIGKILLed before its first step: not ours to reuse
+    with pytest.raises(SystemExit):
+        train(tmp_path, "train.steps=1", "train.run_name=started")
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: train.run_name: {tmp_path / 'started'} exists (and has no complete checkpoint, so it cannot be "
+        "resumed): pick another train.run_name, or delete that directory")
+    assert (tmp_path / "started" / "metrics.jsonl").is_file()  # left as it was
+
+
+def test_grad_norm_logged_before_and_after_clipping(tmp_path):
+    """optim/grad_norm is the norm before clipping, optim/grad_norm_clipped after it; max_grad_norm=null
+    clips nothing."""
+    clipped = read_metrics(train(tmp_path, "train.steps=1", "optim.max_grad_norm=1e-3"))[0]
+    assert clipped["optim/grad_norm"] > 1e-2 and clipped["optim/grad_norm_clipped"] == pytest.approx(1e-3, rel=1e-3)
+    free = read_metrics(train(tmp_path, "train.steps=1", "optim.max_grad_norm=null", "train.run_name=free"))[0]
+    assert free["optim/grad_norm_clipped"] == free["optim/grad_norm"] == clipped["optim/grad_norm"]

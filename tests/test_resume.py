@@ -252,3 +252,38 @@ def test_corrupt_newest_checkpoint_resumes_from_the_older_exactly(tiny_run, tmp_
     assert f"resumed from {root}/step_000006 at step 6" in out
     assert_same_run(run_dir, tiny_run)
     assert load_checkpoint(root / "step_000008")["step"] == 8
+
+
+def test_resume_overrides_are_recorded_and_shape_changes_refused(tiny_run, tmp_path, capsys):
+    """--resume R never rewrites R/config.yaml: its overrides go to R/resumes.jsonl and apply to later
+    resumes and to export_hf (checkpoint.resume_config). An override of what the checkpoint's
+    parameters or tokenizer depend on is refused in one line, before anything is loaded or written."""
+    import shutil
+
+    import train_grpo
+    from checkpoint import resume_config
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(tiny_run, run_dir)
+    config = (run_dir / "config.yaml").read_bytes()
+
+    def error(*argv):
+        with pytest.raises(SystemExit) as e:
+            train_grpo.main(["--resume", str(run_dir), *argv])
+        assert e.value.code == 2
+        return capsys.readouterr().err.strip().splitlines()[-1]
+
+    assert error("model.tiny.hidden_size=256") == (
+        f"error: --resume {run_dir}: model.tiny.hidden_size cannot change on resume (128 -> 256): the checkpoint "
+        "holds that model and run; drop the override, or start a new run")
+    assert "model.dtype cannot change on resume ('float32' -> 'bfloat16')" in error("model.dtype=bfloat16")
+    assert "drop --config and give changes as key=value overrides" in error("--config", "configs/tiny_cpu.yaml")
+    assert (run_dir / "config.yaml").read_bytes() == config and not (run_dir / "resumes.jsonl").exists()
+
+    train_grpo.main(["--resume", str(run_dir), f"train.steps={TINY_STEPS + 1}"])  # one more step
+    assert (run_dir / "config.yaml").read_bytes() == config
+    records = [json.loads(line) for line in (run_dir / "resumes.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["overrides"]) for r in records] == [(TINY_STEPS, [f"train.steps={TINY_STEPS + 1}"])]
+    assert resume_config(run_dir).train.steps == TINY_STEPS + 1  # what a plain --resume and export_hf see
+    assert max(by_step(run_dir)) == TINY_STEPS + 1
+    assert latest_checkpoint(run_dir / "checkpoints").name == f"step_{TINY_STEPS + 1:06d}"
