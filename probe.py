@@ -53,14 +53,15 @@ class WeightChange:
                 m |= self._sampled(p.grad, i).abs() > self.eps
 
     @torch.no_grad()
-    def finish(self) -> float:
+    def finish(self) -> float | None:
+        """The share; None when no entry had a gradient above eps (all advantages 0, say)."""
         changed = counted = 0.0
         for p, i, b, m in zip(self.params, self.index, self.before, self.moved):
             scale = _local(p).numel() / b.numel()  # a sampled tensor stands for all its entries
             changed += scale * int(((self._sampled(p, i) != b) & m).sum())
             counted += scale * int(m.sum())
         self.before = self.moved = None
-        return changed / counted if counted else float("nan")
+        return changed / counted if counted else None
 
 
 def probe_rewards(samples) -> Tensor:

@@ -500,7 +500,8 @@ def train(args) -> Path:
             metrics.update(loss_metrics)
             metrics["optim/skipped_steps"] = skipped
         metrics["time/train"] = time.perf_counter() - t0
-        metrics["optim/changed_frac"] = weight_change.finish()
+        if (changed := weight_change.finish()) is not None:  # the share of weights the step moved
+            metrics["optim/changed_frac"] = changed
         if cfg.train.probe:  # did the update raise the positive-advantage samples relative to the negative ones?
             with bf16_reference(model):
                 metrics["probe/policy_gain"] = policy_gain(score(model, input_ids, attention_mask), probe_before,

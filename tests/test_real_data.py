@@ -137,7 +137,8 @@ TINY = ["model.name_or_path=tiny", "model.dtype=float32", "model.gradient_checkp
         "rollout.prompts_per_step=2", "rollout.n=2", "rollout.max_new_tokens=8", "rollout.max_model_len=0",
         "train.mini_batch_size=0", "train.micro_batch_size=4", "train.steps=1", "train.device=cpu",
         "train.val_every=1", "train.val_max_prompts=2", "train.save_final=false", "train.ckpt_every=0",
-        "log.tensorboard=false", "log.dump_episodes_every=1", "fp8.cache_weights=false"]
+        "log.tensorboard=false", "log.dump_episodes_every=1", "fp8.cache_weights=false",
+        "model.tiny.vocab=" + "".join(map(chr, range(32, 127))) + "\n"]  # real problems use all of ASCII
 
 
 def _run(tmp_path, config, rows, *extra):
