@@ -88,12 +88,17 @@ def test_saved_batch_holds_every_ranks_rows(runs):
         torch.testing.assert_close(b[k][:, :L] * a["mask"], a[k] * a["mask"], rtol=0, atol=1e-4)
 
 
-def assert_same_optimizer(got: dict, want: dict, rtol: float, atol: float):
+def assert_same_optimizer(got: dict, want: dict, rel: float = 0.0):
+    """Same step counts, and Adam moments equal (rel=0) or within rel of the reference tensor's norm: moments
+    summed from gradients that differ at fp32 rounding (1 vs 2 ranks) differ most where they nearly cancel,
+    so an elementwise bound there depends on the host; a dropped or restarted state is off by O(1)."""
     assert list(got["state"]) == list(want["state"])
     for name, s in want["state"].items():
         assert int(got["state"][name]["step"]) == int(s["step"]), name
         for k in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(got["state"][name][k], s[k], rtol=rtol, atol=atol, msg=f"{name} {k}")
+            a, b = got["state"][name][k], s[k]
+            assert torch.equal(a, b) if rel == 0 else (a - b).norm() <= rel * b.norm(), \
+                f"{name} {k}: {float((a - b).norm() / b.norm().clamp(min=1e-30)):.2e} relative"
 
 
 @pytest.mark.parametrize("written, resumed", [(2, 1), (1, 2)])
@@ -118,7 +123,7 @@ def test_checkpoint_resumes_on_another_world_size(runs, tmp_path, written, resum
     assert a["world"] == resumed and a["model"].keys() == b["model"].keys()
     for k in b["model"]:  # (dropped Adam state moves them by ~1e-3)
         torch.testing.assert_close(a["model"][k], b["model"][k], rtol=1e-4, atol=1e-5)
-    assert_same_optimizer(a["optimizer"], b["optimizer"], rtol=1e-3, atol=1e-9)
+    assert_same_optimizer(a["optimizer"], b["optimizer"], rel=1e-3)
 
 
 RESHARD = """
@@ -161,7 +166,7 @@ def test_checkpoint_loads_exactly_on_another_world_size(runs, tmp_path, written,
     assert got["model"].keys() == want["model"].keys()
     for k, v in want["model"].items():
         assert torch.equal(got["model"][k], v), k
-    assert_same_optimizer(got["optimizer"], want["optimizer"], rtol=0, atol=0)
+    assert_same_optimizer(got["optimizer"], want["optimizer"])
     for n in want["optimizer"]["state"]:
         assert torch.equal(got["optimizer"]["state"][n]["step"], want["optimizer"]["state"][n]["step"]), n
     assert got["optimizer"]["param_groups"] == want["optimizer"]["param_groups"]
@@ -191,7 +196,7 @@ def test_full_state_loads_in_one_process(runs, tmp_path):
             assert torch.equal(optimizer.state[p]["exp_avg"], state["optimizer"]["state"][n]["exp_avg"]), n
             assert int(optimizer.state[p]["step"]) == 2
         # and what this process would save again is the checkpoint's optimizer state
-        assert_same_optimizer(distributed.full_state(model, optimizer, d)[1], state["optimizer"], rtol=0, atol=0)
+        assert_same_optimizer(distributed.full_state(model, optimizer, d)[1], state["optimizer"])
     out = export_hf.main([str(runs[2] / "checkpoints/step_000002"), str(tmp_path / "hf")])
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(out)
