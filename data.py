@@ -63,10 +63,17 @@ import random
 import re
 from pathlib import Path
 
+import rewards
 from config import DataConfig, UserError
-from rewards import extract_answer, format_reward, last_boxed, math_reward, reward_stats  # noqa: F401 - data.math_reward is the contract
+from rewards import extract_answer, format_reward, last_boxed, reward_stats  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)
+
+
+def math_reward(completion: str, answer: str, *, finish_reason: str | None = None, last_number: bool = False) -> float:
+    """The reward contract: 1.0 if the completion's final answer equals `answer` per math-verify, else 0.0;
+    never raises. The rules (what counts as a final answer, truncation, units) are rewards.py's."""
+    return rewards.math_reward(completion, answer, finish_reason=finish_reason, last_number=last_number)
 
 
 class DataError(UserError):
