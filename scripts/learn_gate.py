@@ -165,7 +165,7 @@ def _engine_up(log: Path, metrics: Path) -> str | None:
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM each run's process group (started with its own session), SIGKILL what is left after 10 s."""
+    """SIGTERM each run's process group (each run leads its own), SIGKILL what is left after 10 s."""
     live = [p for p in procs if p.poll() is None]
     for p in live:
         os.killpg(p.pid, signal.SIGTERM)
