@@ -287,6 +287,8 @@ def train(args) -> Path:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     sampler = PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
     start_step, kv_scales, bad_steps = 0, None, 0
+    entropy_control = None if cfg.loss.entropy_target is None else \
+        collapse.EntropyControl(cfg.loss.entropy_target, cfg.loss.entropy_coef_step, cfg.loss.entropy_coef)
     ckpt_root = run_dir / "checkpoints"
     if resume_dir:
         loaded = load_latest(ckpt_root, model, optimizer, d, log=logger.print)  # newest that loads; collective
@@ -300,6 +302,8 @@ def train(args) -> Path:
         sampler.load_state_dict(state["sampler"])
         set_rng_state(state["rng"])
         start_step, kv_scales, bad_steps = state["step"], state["kv_scales"], state.get("bad_steps", 0)
+        if entropy_control is not None and state.get("entropy_coef") is not None:
+            entropy_control.coef = state["entropy_coef"]
         logger.truncate(start_step)  # steps the interrupted run logged past the checkpoint are redone
         logger.print(f"resumed from {ckpt} at step {start_step}")
         if d.main:
@@ -326,7 +330,8 @@ def train(args) -> Path:
 
     def save(step):  # collective: each rank writes its own shards (checkpoint.py)
         meta = {"scheduler": scheduler.state_dict(), "sampler": sampler.state_dict(), "step": step,
-                "kv_scales": kv_scales, "bad_steps": bad_steps}
+                "kv_scales": kv_scales, "bad_steps": bad_steps,
+                "entropy_coef": None if entropy_control is None else entropy_control.coef}
         path = save_checkpoint(ckpt_root, step, meta, model, optimizer, d, keep=cfg.train.keep_ckpts)
         logger.print(f"checkpoint: {path}")
 
@@ -450,6 +455,9 @@ def train(args) -> Path:
 
         # ---- policy update: mini-batches (one optimizer step each) of micro-batches
         t0 = time.perf_counter()
+        entropy_coef = cfg.loss.entropy_coef if entropy_control is None else entropy_control(metrics["policy/entropy"])
+        if cfg.loss.entropy_coef or entropy_control is not None:
+            metrics["loss/entropy_coef"] = entropy_coef
         weight_change.start()
         with torch.profiler.record_function("train"):
             model.train()
@@ -467,9 +475,11 @@ def train(args) -> Path:
                 for micro in micro_batches(len(idx), mb):
                     j = idx[micro]
                     with amp():
-                        logp = token_logprobs(model, input_ids[j], attention_mask[j], T)
+                        logp = token_logprobs(model, input_ids[j], attention_mask[j], T, entropy=entropy_coef > 0)
+                    logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
                     loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], loss_mask[j], cfg.loss,
-                                        ref_logp=None if ref_logp is None else ref_logp[j])
+                                        ref_logp=None if ref_logp is None else ref_logp[j],
+                                        entropy=policy_entropy, entropy_coef=entropy_coef)
                     # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
                     weight = loss_mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else \
                         float(loss_mask[j].amax(1).sum()) / max(mini_rows, 1.0)

@@ -82,7 +82,10 @@ def distinct_answers(texts: list[str], n: int) -> Tensor:
 def token_entropy(logp: Tensor) -> Tensor:
     """logp [..., V] (log_softmax) -> entropy in nats [...]: -sum_v p log p.
 
-    One extra [..., V] buffer, worked in place; 0 * log 0 counts 0 (exp(-inf) * -inf is NaN)."""
+    Without grad: one extra [..., V] buffer, worked in place; 0 * log 0 counts 0 (exp(-inf) * -inf
+    is NaN). With grad (an entropy bonus): out of place, so autograd keeps exp(logp)."""
+    if logp.requires_grad:
+        return -(logp.exp() * logp).nan_to_num(nan=0.0).sum(-1)   # [...]
     plogp = logp.exp().mul_(logp)                                 # [..., V]
     return -plogp.nan_to_num_(nan=0.0).sum(-1)                    # [...]
 
@@ -122,3 +125,21 @@ def assemble(rounds: list[Groups], n: int, mode: str) -> tuple[Groups, Tensor]:
 def deficit(rounds: list[Groups], n: int) -> int:
     """Groups with variance that resample still lacks for a full batch (0 = full)."""
     return max(0, len(rounds[0]) - sum(int(has_variance(rnd.rewards, n).sum()) for rnd in rounds))
+
+
+@dataclass
+class EntropyControl:
+    """Skywork-OR1's adaptive entropy control (He et al. 2025, "Skywork Open Reasoner 1"): the
+    entropy bonus's coefficient c rises by `step` while the policy's entropy is below `target` and
+    falls by `step` while it is above, within [0, 1]; the bonus applies only below the target.
+    So the bonus switches itself on as a collapse starts and off once exploration is back.
+
+    coef: the state (checkpointed, so a resumed run continues the same schedule)."""
+    target: float
+    step: float
+    coef: float = 0.0
+
+    def __call__(self, entropy: float) -> float:
+        """This step's policy/entropy (nats, before the update) -> this step's coefficient."""
+        self.coef = min(1.0, max(0.0, self.coef + (self.step if entropy < self.target else -self.step)))
+        return self.coef if entropy < self.target else 0.0

@@ -2,6 +2,7 @@
 
     python scripts/flagship_check.py --out /tmp/out                       # all five 8B configs
     python scripts/flagship_check.py --configs llama31_8b_fp8 --steps 3   # one of them
+    python scripts/flagship_check.py --configs gsm8k --data /tmp/gsm8k    # a data config on local JSONL
 
 Each config runs the real trainer (train_grpo.py) in its own process with only what a machine without
 hub access needs swapped: random-init weights at the exact Llama-3.1-8B / Qwen3-8B shapes (all layers,
@@ -12,6 +13,11 @@ train.probe gives the rewards variance and logs probe/policy_gain. Prints one ro
 time by phase (last step; step 0 also autotunes and captures), mem/peak_gib next to nvidia-smi's peak
 memory.used over the run, the share of weights the last optimizer step changed, the mismatch and the
 probe. Writes OUT/flagship.json, OUT/flagship.md and each run's log.
+
+--data DIR runs the data configs (gsm8k, math) on real-format files instead of synthetic prompts:
+DIR/train.jsonl and DIR/test.jsonl in the dataset's own fields, through the config's loader, answer
+extraction and reward, with a character tokenizer over printable ASCII (the random-init model has no
+hub tokenizer, so no chat template: data.template=plain).
 """
 
 import argparse
@@ -47,6 +53,19 @@ def smi_peak_watcher(path: Path) -> subprocess.Popen | None:
         return None
 
 
+def real_data(d: Path) -> list[str]:
+    """Overrides that swap SHORT_RUN's synthetic prompts for local real-format files (the config's
+    instruction stays)."""
+    for f in ("train.jsonl", "test.jsonl"):
+        if not (d / f).is_file():
+            print(f"error: --data {d}: no {f} there (the dataset's rows as JSON lines); pass a directory "
+                  "holding train.jsonl and test.jsonl", file=sys.stderr)
+            sys.exit(2)
+    return ["data.source=jsonl", f"data.path={d / 'train.jsonl'}", f"data.val_split={d / 'test.jsonl'}",
+            "data.max_prompt_tokens=512", "train.val_max_prompts=8",
+            "model.tiny.vocab=" + "".join(map(chr, range(32, 127))) + "\n"]
+
+
 def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int) -> dict:
     steps = [m for m in metrics if "time/step" in m]
     if not steps:
@@ -70,16 +89,19 @@ def main():
     p.add_argument("--out", default="/tmp/flagship")
     p.add_argument("--runs", default="/tmp/flagship_runs")
     p.add_argument("--timeout", type=float, default=420, help="seconds per config")
+    p.add_argument("--data", help="DIR with train.jsonl + test.jsonl in the config's fields (see above)")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every config")
     args = p.parse_args()
     out, runs = Path(args.out), Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
     results = json.loads((out / "flagship.json").read_text()) if (out / "flagship.json").is_file() else []
+    short_run = SHORT_RUN if not args.data else \
+        [o for o in SHORT_RUN if not o.startswith(("data.source", "data.instruction"))] + real_data(Path(args.data))
     for name in args.configs.split(","):
         cfg_path = ROOT / "configs" / f"{name}.yaml"
         family = "qwen3" if name.startswith("qwen3") else "llama"
         cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(cfg_path), f"model.tiny={SHAPES[family]}",
-               *SHORT_RUN, f"train.steps={args.steps}", f"train.out_dir={runs}", f"train.run_name={name}",
+               *short_run, f"train.steps={args.steps}", f"train.out_dir={runs}", f"train.run_name={name}",
                *args.overrides]
         subprocess.run(["rm", "-rf", str(runs / name)])
         smi = smi_peak_watcher(out / f"smi_{name}.txt")

@@ -7,6 +7,7 @@ import torch
 
 from config import ConfigError, load_config
 from losses import collapse
+from losses.grpo import LossConfig, grpo_loss
 from rollout import Sample
 
 
@@ -104,3 +105,34 @@ def test_dynamic_sampling_keeps_ranks_in_lockstep(tmp_path):
     res = launch(tmp_path, "resample2", 2, [*extra, "train.dynamic_sampling=resample", "train.max_rollout_rounds=2"])
     rounds = by_step(res, "rollout/rounds")
     assert len(by_step(res, "reward/mean")) == 3 and 2 in rounds and set(rounds) <= {1, 2}
+
+
+def test_entropy_control_follows_the_target():
+    """Skywork-OR1's rule: the coefficient climbs by `step` while entropy is below the target (the
+    bonus on), falls by `step` above it (the bonus off), and stays within [0, 1]."""
+    ctl = collapse.EntropyControl(target=0.5, step=0.1)
+    assert [round(ctl(0.2), 6) for _ in range(3)] == [0.1, 0.2, 0.3]   # collapsing: bonus grows
+    assert ctl(0.9) == 0.0 and round(ctl.coef, 6) == 0.2               # above target: off, decays
+    assert [ctl(0.9) for _ in range(5)] == [0.0] * 5 and ctl.coef == 0.0
+    ctl.coef = 0.95
+    assert ctl(0.1) == 1.0                                             # clamped at 1
+
+
+def test_entropy_bonus_raises_the_entropy():
+    """The loss's entropy term has the right sign: a gradient step on it alone (zero advantages)
+    raises the policy's token entropy, and the grad-carrying entropy equals the in-place one."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 11, requires_grad=True)                # [B, T, V]
+    lp = torch.log_softmax(logits, -1)
+    logp = lp[..., 0]                                                   # [B, T] any sampled token
+    H = collapse.token_entropy(lp)                                      # with grad
+    assert torch.allclose(H.detach(), collapse.token_entropy(lp.detach().clone()))
+    mask = torch.ones(4, 6)
+    loss, _ = grpo_loss(logp, logp.detach(), logp.detach(), torch.zeros(4), mask, LossConfig(),
+                        entropy=H, entropy_coef=0.1)
+    loss.backward()
+    with torch.no_grad():
+        after = collapse.token_entropy(torch.log_softmax(logits - 1.0 * logits.grad, -1))
+    assert after.mean() > H.mean()
+    with pytest.raises(ValueError, match="needs entropy"):
+        grpo_loss(logp, logp.detach(), logp.detach(), torch.zeros(4), mask, LossConfig(), entropy_coef=0.1)

@@ -112,6 +112,8 @@ BAD_INPUT = [
     (["loss.clip_low=-0.1"], "loss: LossConfig: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low=-0.1"),
     (["loss.is_correction=icepop", "loss.is_floor=3"], "loss: LossConfig: need 0 <= is_floor <= is_cap, got "
                                                        "is_floor=3.0, is_cap=2.0"),
+    (["loss.entropy_coef=-0.01"], "loss.entropy_coef=-0.01: must be >= 0 (a negative bonus drives entropy down)"),
+    (["loss.entropy_target=0"], "loss.entropy_target=0.0: must be > 0 nats, or null"),
     (["rollout.n=1"], "rollout.n=1: must be >= 2: group-normalised advantages"),
     (["rollout.temperature=0"], "rollout.temperature=0.0: must be > 0"),
     (["train.steps=-1"], "train.steps=-1: must be >= 1"),
