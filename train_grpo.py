@@ -469,6 +469,7 @@ def train(args) -> Path:
             for mini_slice in micro_batches(B, mini):
                 idx = order[mini_slice]
                 mini_tokens = distributed.all_sum(loss_mask[idx].sum(), d).clamp(min=1)
+                mini_all_tokens = distributed.all_sum(mask[idx].sum(), d).clamp(min=1)  # kept groups or not
                 mini_rows = float(distributed.all_sum(loss_mask[idx].amax(1).sum(), d))  # rows that count
                 optimizer.zero_grad(set_to_none=True)
                 nonfinite_loss = torch.zeros((), device=device)
@@ -478,12 +479,14 @@ def train(args) -> Path:
                         logp = token_logprobs(model, input_ids[j], attention_mask[j], T, entropy=entropy_coef > 0)
                     logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
                     loss, m = grpo_loss(logp, old_logp[j], rollout_logp[j], advantages[j], loss_mask[j], cfg.loss,
-                                        ref_logp=None if ref_logp is None else ref_logp[j],
-                                        entropy=policy_entropy, entropy_coef=entropy_coef)
+                                        ref_logp=None if ref_logp is None else ref_logp[j])
                     # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
                     weight = loss_mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else \
                         float(loss_mask[j].amax(1).sum()) / max(mini_rows, 1.0)
-                    (loss * weight * distributed.grad_scale(d)).backward()
+                    loss = loss * weight
+                    if entropy_coef > 0:  # the bonus: mean entropy over all the mini-batch's response tokens
+                        loss = loss - entropy_coef * (policy_entropy * mask[j]).sum() / mini_all_tokens
+                    (loss * distributed.grad_scale(d)).backward()
                     nonfinite_loss += (~torch.isfinite(loss.detach())).float()
                     for k, v in m.items():
                         loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / n_mini

@@ -15,8 +15,7 @@ off-policy RL training"):
     pg   = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))               PPO / DAPO clip
     pg   = min(pg, -A c)                 where A < 0, c = dual_clip         dual clip
     w    = IS(exp(old_logp - rollout_logp))      detached; non-finite -> 0
-    loss = agg(w * pg + kl_coef * k3 - entropy_coef * H),   k3 = exp(ref - logp) - (ref - logp) - 1
-where H [B, T] is the policy's token entropy (nats), given only when entropy_coef > 0.
+    loss = agg(w * pg + kl_coef * k3),   k3 = exp(ref - logp) - (ref - logp) - 1
 
 IS(.) by is_correction (C = is_cap, F = is_floor; "mean_t" / "sum_t" run over masked tokens):
     none          w = 1
@@ -69,13 +68,14 @@ class LossConfig:
     """Coefficient of the k3 KL penalty to a reference policy (Schulman 2020 "Approximating KL
     divergence", as in GRPO, Shao et al. 2024); 0 disables it, as in DAPO / Dr. GRPO."""
     entropy_coef: float = 0.0
-    """Entropy bonus: the loss subtracts entropy_coef * agg(H), H the policy's token entropy
-    (Williams & Peng 1991; PPO's c2). With entropy_target set it is the starting coefficient."""
+    """Entropy bonus (Williams & Peng 1991; PPO's c2): the trainer subtracts entropy_coef times the
+    policy's mean token entropy over every sampled response token, kept group or not (a collapsed
+    group has no advantage, and the bonus is what reaches it). With entropy_target: the start value."""
     entropy_target: float | None = None
     """Adaptive entropy control (Skywork-OR1, He et al. 2025): each step the coefficient moves by
     entropy_coef_step towards keeping policy/entropy (nats per response token, measured before the
     update) at or above this target, within [0, 1], and the bonus applies only on steps whose
-    entropy is below it. Keeps sampled groups from collapsing onto one answer. None: fixed coef."""
+    entropy is below it. None: the fixed entropy_coef."""
     entropy_coef_step: float = 0.005
     """The coefficient's change per step under entropy_target (Skywork-OR1's Delta)."""
     agg: str = "token_mean"
@@ -160,15 +160,11 @@ def _check_shapes(logp, advantages, **others):
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages: Tensor,
-              mask: Tensor, cfg: LossConfig, ref_logp: Tensor | None = None,
-              entropy: Tensor | None = None, entropy_coef: float = 0.0) -> tuple[Tensor, dict[str, float]]:
-    """Scalar loss (differentiable w.r.t. logp and entropy) and a dict of python-float metrics.
-    entropy [B, T]: the policy's token entropy, needed when entropy_coef > 0 (the step's
-    coefficient: cfg.entropy_coef, or the adaptive one under cfg.entropy_target)."""
+              mask: Tensor, cfg: LossConfig, ref_logp: Tensor | None = None
+              ) -> tuple[Tensor, dict[str, float]]:
+    """Scalar loss (differentiable w.r.t. logp) and a dict of python-float metrics."""
     _check_shapes(logp, advantages, old_logp=old_logp, rollout_logp=rollout_logp, mask=mask,
-                  ref_logp=ref_logp, entropy=entropy)
-    if entropy_coef != 0 and entropy is None:
-        raise ValueError(f"entropy_coef={entropy_coef} needs entropy (got None)")
+                  ref_logp=ref_logp)
     if cfg.kl_coef != 0 and ref_logp is None:
         raise ValueError(f"kl_coef={cfg.kl_coef} needs ref_logp (got None)")
     m = mask != 0                                                  # [B, T]
@@ -197,10 +193,7 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages: 
         k3 = dr.exp() - dr - 1                                     # [B, T]
     else:
         k3 = zero
-    per_token = pg_loss + cfg.kl_coef * k3                         # [B, T]
-    if entropy_coef != 0:
-        per_token = per_token - entropy_coef * torch.where(m, entropy.float(), zero)
-    loss = aggregate(per_token, m, cfg.agg)
+    loss = aggregate(pg_loss + cfg.kl_coef * k3, m, cfg.agg)
 
     with torch.no_grad():
         vals = {
