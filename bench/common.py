@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: timing and the results-file schema of ../shared/DESIGN.md."""
+"""Shared by the benchmarks: timing and the results-file schema (docs/design.md, "Benchmark results")."""
 
 import json
 import sys
@@ -37,7 +37,7 @@ def cuda_time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
 
 def write_results(name: str, runs: list[dict], out_dir: Path = RESULTS, device: str | None = None,
                   **extra) -> Path:
-    """Write out_dir/name.json: {"device", "date", "command", "runs", **extra} (../shared/DESIGN.md).
+    """Write out_dir/name.json: {"device", "date", "command", "runs", **extra} (docs/design.md).
 
     device: name of the GPU the runs measured (default: this process's GPU 0, or "cpu"); a parent
     process whose children did the measuring passes theirs instead of touching CUDA itself.

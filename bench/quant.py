@@ -27,7 +27,7 @@ from bench.common import RESULTS, cuda_time_ms, markdown_table, write_results  #
 
 LAYER_K = [4096, 4096, 4096, 14336, 6144, 4096, 28672, 4096]  # x: qkv, o, gate/up, down; grads: qkv, o, gate/up, down
 # (row splits, num_warps): one program per tile; + (stages, programs per SM): a persistent, pipelined grid
-# (the twelfth session's full sweep of those, H100: never better for quant_dual, 1.8-6x a copy)
+# (a full sweep of those, H100: never better for quant_dual, 1.8-6x a copy; quant_h100_persistent.json)
 CONFIGS = [(1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (2, 4, 2, 2), (1, 8, 3, 1)]
 SWIGLU_CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (1, 8, 2, 1), (1, 8, 2, 2), (1, 16, 2, 1)]
 

@@ -22,7 +22,7 @@ startup_s (vllm.LLM construction: load, profile, torch.compile, CUDA graphs), th
 vLLM computed (kv_capacity_tokens = cache_config.num_gpu_blocks * block_size; kv_max_concurrency =
 cache_config.kv_cache_max_concurrency, i.e. sequences of max_model_len that fit; seqs_fit = capacity
 // (prompt_len + gen_len)), refit_s, gpu_memory_utilization. One process per (model, mode): vLLM
-allows one engine per process (../shared/gpu/README.md). The parent spawns `--worker` children (one
+allows one engine per process. The parent spawns `--worker` children (one
 per GPU at a time: all visible GPUs run in parallel), streams their `[bench]` lines, keeps each
 child's full log in OUT/logs/, and rewrites OUT/rollout.json after every child (a failed or killed
 child loses only its own results). Runs already in OUT/rollout.json from the same device are kept

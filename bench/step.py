@@ -19,7 +19,7 @@ Llama-3.1-8B-shape model, vLLM colocated with sleep mode, fixed-length generatio
 Step 0 (Triton autotune, CUDA-graph capture) is reported separately (the trainers keep torchao's
 autotuning on disk, fp8.linear.keep_triton_autotuning, so a later process on the same host skips it); the figures are medians
 over steps 1..N-1 of the trainer's own time/* metrics. Writes bench/results/step.json
-(schema: ../shared/DESIGN.md) after every mode, and prints a markdown table.
+(schema: docs/design.md) after every mode, and prints a markdown table.
 """
 
 import argparse

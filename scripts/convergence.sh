@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The convergence study in one GPU call (issue 6): SFT a small Llama, then the five ablation GRPO
+# The convergence study in one GPU call: SFT a small Llama, then the five ablation GRPO
 # runs of configs/ablations/ (x seeds) as concurrent processes on ONE GPU, then plots + table.
 #
 #   bash scripts/convergence.sh                         # seed 0, 40 steps, everything stops by 520 s

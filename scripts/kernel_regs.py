@@ -6,8 +6,8 @@ compiled on this machine (no GPU needed: Triton's own LLVM and bundled ptxas / c
 
 The kernel is compiled with the specializations Triton applies at run time to 16-byte-aligned
 pointers and sizes divisible by 16 (`tt.divisibility`); without them the loads are not vectorized
-and the counts are unlike the GPU's. With them they match ncu's "Registers Per Thread" (the
-eleventh session: 222 / 236 / 255, reproduced here). mode: 0 quant_dual, 1 SwiGLU forward,
+and the counts are unlike the GPU's. With them they match ncu's "Registers Per Thread" (222 / 236 / 255
+for the float64-scale kernel, reproduced here). mode: 0 quant_dual, 1 SwiGLU forward,
 2 SwiGLU backward; stages 0 = one program per tile (the two-number launch).
 """
 

@@ -1,5 +1,5 @@
 """fp8/kernels.py's quantization kernel compiled for sm_90 on the CPU (scripts/kernel_regs.py): the default
-launches keep the register budget the twelfth session's speedup came from (H100: quant_dual at 2 programs
+launches keep the register budget the float32-scale kernel's speedup came from (H100: quant_dual at 2 programs
 per SM instead of 1; bench/results/quant_h100.json), without spilling."""
 
 import pytest
