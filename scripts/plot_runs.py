@@ -19,12 +19,14 @@ Table, per config (mean ± half the min-max range over seeds, from the raw logge
   val@0     val/accuracy at step 0 (the SFT model, greedy through the engine)
   final     each run's last logged val/accuracy (the end-of-run validation, or the last one
             before the run was stopped); `steps` gives the range of those steps over seeds
+  gain      each run's final minus its own val@0 (runs from different SFT models compare here)
   best      each run's best val/accuracy
   val@S     val/accuracy at S, the last step at which every run in the table (that validated at
             all) logged a validation: the like-for-like comparison when runs were cut at
             different steps
   mismatch  mean over the run's steps of mismatch/token_mult_prob_error, then over seeds
   is_trunc  mean of is/truncated_frac, likewise
+  zero_std  reward/zero_std_groups over the run's last 5 steps, then over seeds
 """
 
 from __future__ import annotations
@@ -120,15 +122,18 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> tuple[list[dict], int |
         mism = [_mean(list(series(rows, "mismatch/token_mult_prob_error").values())) for rows in seeds.values()]
         trunc = [_mean(list(series(rows, "is/truncated_frac").values())) for rows in seeds.values()]
         last = [max(v) for v in vals]
+        zero_std = [_mean(list(series(rows, "reward/zero_std_groups").values())[-5:]) for rows in seeds.values()]
         table.append({
             "config": config, "seeds": sorted(seeds),
             "steps": (min(last), max(last)) if last else None,
             "val0": _agg([v[0] for v in vals if 0 in v]),
             "final": _agg([v[max(v)] for v in vals]),
+            "gain": _agg([v[max(v)] - v[0] for v in vals if 0 in v]),
             "best": _agg([max(v.values()) for v in vals]),
             "val_at_S": _agg([v[S] for v in vals if S in v]) if S is not None else None,
             "mismatch": _agg([m for m in mism if m is not None]),
             "is_trunc": _agg([t for t in trunc if t is not None]),
+            "zero_std": _agg([z for z in zero_std if z is not None]),
         })
     return table, S
 
@@ -137,15 +142,15 @@ def markdown(table: list[dict], S: int | None) -> str:
     def f(a, digits=3):
         return "-" if a is None else f"{a[0]:.{digits}f} ± {a[1]:.{digits}f}"
 
-    lines = [f"| config | seeds | steps | val@0 | final val | best val | val@{S if S is not None else 'S'} | "
-             "token_mult_prob_error | is/truncated_frac |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [f"| config | seeds | steps | val@0 | final val | gain | best val | val@{S if S is not None else 'S'} | "
+             "token_mult_prob_error | is/truncated_frac | zero-std groups (last 5) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table:
         steps = "-" if r["steps"] is None else (str(r["steps"][0]) if r["steps"][0] == r["steps"][1]
                                                 else f"{r['steps'][0]}-{r['steps'][1]}")
         lines.append(f"| {r['config']} | {','.join(map(str, r['seeds']))} | {steps} | {f(r['val0'])} | "
-                     f"{f(r['final'])} | {f(r['best'])} | {f(r['val_at_S'])} | {f(r['mismatch'], 4)} | "
-                     f"{f(r['is_trunc'], 4)} |")
+                     f"{f(r['final'])} | {f(r['gain'])} | {f(r['best'])} | {f(r['val_at_S'])} | "
+                     f"{f(r['mismatch'], 4)} | {f(r['is_trunc'], 4)} | {f(r['zero_std'], 2)} |")
     return "\n".join(lines) + "\n"
 
 

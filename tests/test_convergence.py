@@ -77,13 +77,15 @@ def test_plot_runs_table_and_figures(tmp_path):
     assert by["bf16"]["val0"] == approx(((0.2 + 0.3) / 2, 0.05))
     assert by["bf16"]["final"] == approx(((0.5 + 0.4) / 2, 0.05)) and by["bf16"]["steps"] == (4, 4)
     assert by["bf16"]["best"] == approx(((0.5 + 0.6) / 2, 0.05))
+    assert by["bf16"]["gain"] == approx(((0.3 + 0.1) / 2, 0.1))  # each run's final minus its own val@0
     assert by["bf16"]["val_at_S"] == approx(((0.4 + 0.6) / 2, 0.1))
     assert by["bf16"]["mismatch"] == approx(((1.015 + 1.0) / 2, 0.0075))
     assert by["bf16"]["is_trunc"] == approx(((0.025 + 0.0) / 2, 0.0125))
     assert by["fp8_tis"]["final"] == approx((0.35, 0.0)) and by["fp8_tis"]["steps"] == (2, 2)
     assert by["fp8_tis"]["mismatch"] == approx((1.06, 0.0)) and by["fp8_tis"]["is_trunc"] == approx((0.2, 0.0))
     md = (out / "convergence_table.md").read_text()
-    assert "| bf16 | 0,1 | 4 | 0.250 ± 0.050 | 0.450 ± 0.050 | 0.550 ± 0.050 | 0.500 ± 0.100 | 1.0075 ± 0.0075 |" in md
+    assert "| bf16 | 0,1 | 4 | 0.250 ± 0.050 | 0.450 ± 0.050 | 0.200 ± 0.100 | 0.550 ± 0.050 | 0.500 ± 0.100 | " \
+           "1.0075 ± 0.0075 |" in md
     assert "| fp8_tis | 0 | 2 |" in md and "val@2" in md
 
 
