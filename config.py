@@ -169,7 +169,7 @@ class FP8Config:
     """Engine attention over the FP8 KV cache. fa3: FlashAttention 3 in FP8 (q and P quantized too).
     triton: vLLM's Triton attention, K/V dequantized in the kernel, BF16/FP32 math (q/k/v scales
     still read from device tensors, so per-step recalibration reaches it inside CUDA graphs): a
-    numerics ablation, 1.8x slower attention than fa3 at decode (H200, docs/RESULTS.md)."""
+    numerics ablation, 1.8x slower attention than fa3 at decode (H200, docs/results.md)."""
     recalibrate: bool = True
     """Recompute q/k/v scales from the trainer's attention inputs after every step."""
     calib_pass: Literal["separate", "logprobs"] = "separate"
