@@ -188,7 +188,7 @@ class FP8Config:
     fuse_swiglu: bool = True
     """Trainer, with fuse_projections: a SwiGLU MLP (Llama, Qwen, Mistral) computes silu(gate) * up
     inside the FP8 quantization of down_proj's input, and its gradient inside the quantization of
-    gate/up's output gradient (fp8/kernels.py on Hopper), so neither is written in BF16 and read back.
+    gate/up's output gradient (fp8/fast/kernels.py on Hopper), so neither is written in BF16 and read back.
     Same numerics (h rounded to BF16 once, as torch.compile does). False: HF's MLP forward (ablation)."""
     cache_weights: bool = False
     """Trainer: keep each FP8 weight's quantized copies until the optimizer changes it, so the weight

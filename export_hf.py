@@ -58,7 +58,7 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
 def load_trained(run_dir: Path, ckpt: Path):
     """(model, tokenizer, cfg, state): the run's architecture in its master dtype on CPU, with the
     checkpoint's weights; state is the rest of the checkpoint (kv_scales, step, ...)."""
-    from fp8.linear import clean_name
+    from fp8.plan import clean_name
 
     cfg = resume_config(run_dir)  # config.yaml as the run wrote it, plus its resumes' overrides
     dtype = getattr(torch, cfg.model.dtype)

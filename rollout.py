@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 
 from config import Config, UserError
-from fp8.linear import BLOCK  # block-FP8 tile (one definition, shared with the trainer)
+from fp8.quant import BLOCK  # block-FP8 tile (one definition, shared with the trainer)
 
 
 @dataclass

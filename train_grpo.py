@@ -265,7 +265,8 @@ def train(args) -> Path:
     from fp8.calibrate import QKVCalibrator
     fp8_tokens = 1  # token multiple the trainer's FP8 GEMMs want
     if cfg.fp8.train:
-        from fp8.linear import BLOCK, convert_to_fp8_training, use_torchao
+        from fp8.linear import convert_to_fp8_training, use_torchao
+        from fp8.quant import BLOCK
         if cfg.fp8.cache_weights and d.world > 1:
             raise UserError(f"fp8.cache_weights keeps unsharded FP8 weights, which defeats FSDP over {d.world} "
                             "ranks: set fp8.cache_weights=false, or run on one GPU")
@@ -309,7 +310,7 @@ def train(args) -> Path:
         if d.main:
             record_resume(run_dir, args.overrides, start_step)
     if cfg.fp8.train and cfg.fp8.cache_weights:  # fp8.cache_weights: filled now, re-quantized after every step
-        from fp8.linear import refresh_weight_caches_on_step
+        from fp8.fast import refresh_weight_caches_on_step
         refresh_weight_caches_on_step(model, optimizer)
 
     def sync_engine():

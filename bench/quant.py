@@ -1,4 +1,4 @@
-"""fp8/kernels.py quant_dual: launch configurations vs bandwidth at the trainer's shapes (Hopper).
+"""fp8/fast/kernels.py quant_dual: launch configurations vs bandwidth at the trainer's shapes (Hopper).
 
     python bench/quant.py            # sweep -> OUT/quant.json (its "best": 'split,warps[,stages,per_sm]'), a table
     export FP8_GRPO_QUANT_DUAL=$(python -c "import json; print(json.load(open('bench/results/quant.json'))['best'])")
@@ -53,7 +53,7 @@ def layer_ms(fn, tokens: int, tensors: dict) -> float:
 def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
     """Rows per (config, tokens) and the best config as 'split,warps[,stages,per_sm]' (least summed time
     over `tokens`)."""
-    from fp8.kernels import quant_dual_with
+    from fp8.fast.kernels import quant_dual_with
 
     tensors = {(m, k): torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for m in tokens for k in set(LAYER_K)}
     rows, total = [], dict.fromkeys(configs, 0.0)
@@ -90,8 +90,8 @@ def sweep_swiglu(tokens=(16384,), inter=14336, configs=SWIGLU_CONFIGS) -> tuple[
     """fp8.fuse_swiglu's kernels (h = silu(gate) * up quantized, forward; the gradient of [gate | up]
     quantized, backward) per config at a Llama-3.1-8B MLP, against what they replace: inductor's
     silu*mul (backward) kernel writing BF16, then quant_dual reading it. Best: least fwd + bwd time."""
-    from fp8.kernels import CONFIG, _launch, quant_dual_with
-    from fp8.linear import swiglu, swiglu_backward
+    from fp8.fast.kernels import CONFIG, _launch, quant_dual_with
+    from fp8.fast import swiglu, swiglu_backward
 
     fwd_ref, bwd_ref = torch.compile(swiglu), torch.compile(swiglu_backward)
     named = {",".join(map(str, c)): c for c in configs}
@@ -124,7 +124,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench/quant.py needs a Hopper (SM90) GPU")
-    from fp8.kernels import DEFAULT_CONFIG, DEFAULT_SWIGLU_CONFIG
+    from fp8.fast.kernels import DEFAULT_CONFIG, DEFAULT_SWIGLU_CONFIG
 
     if args.swiglu:
         rows, best = sweep_swiglu()

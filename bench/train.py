@@ -32,7 +32,7 @@ Modes:
                all BF16), so attention's input projections are BF16, o_proj and the MLP FP8
   fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
   fp8_two_pass (not in the default set, ablation) fp8 with torchao's separate 1x128 and 128x1 activation
-               quantizers (two reads of x and of grad_out) instead of fp8/kernels.py's quant_dual (one),
+               quantizers (two reads of x and of grad_out) instead of fp8/fast/kernels.py's quant_dual (one),
                without fuse_swiglu
   fp8_cached   (not in the default set) fp8 with fp8.cache_weights: each weight quantized once per
                optimizer step instead of in every micro-batch's forward and again in its backward
@@ -178,10 +178,10 @@ def use_two_pass_quant(model) -> None:
         return q, s, qc.t(), sc
 
     linears = [m for m in model.modules() if is_fp8_linear(m)]
-    kernels = copy.copy(linears[0]._kernels)
+    kernels = copy.copy(linears[0].kernels)
     kernels.dual = two_pass
     for m in linears:
-        m._kernels = kernels
+        m.kernels = kernels
 
 
 def stack_inputs(hf_cfg, tokens: int, seq_len: int, device, seed: int = 0):
@@ -200,7 +200,7 @@ def stack_inputs(hf_cfg, tokens: int, seq_len: int, device, seed: int = 0):
 
 def make_optimizer(model):
     """Fused AdamW on CUDA; with fp8.cache_weights, the FP8 weight caches refreshed after each step."""
-    from fp8.linear import refresh_weight_caches_on_step
+    from fp8.fast import refresh_weight_caches_on_step
 
     fused = all(p.is_cuda for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=fused or None)

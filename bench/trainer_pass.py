@@ -65,7 +65,9 @@ def main():
     args = p.parse_args()
     from config import load_config
     from distributed import compile_layers, memory_metrics
-    from fp8.linear import BLOCK, attach_weight_caches, convert_to_fp8_training, is_fp8_linear, refresh_weight_caches
+    from fp8.fast import attach_weight_caches, refresh_weight_caches
+    from fp8.linear import convert_to_fp8_training, is_fp8_linear
+    from fp8.quant import BLOCK
     from modeling import load_model_and_tokenizer
     from rollout import Sample
     from train_grpo import collate, length_multiple, token_logprobs

@@ -27,9 +27,9 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 def bench(tokens: int) -> list[dict]:
-    from fp8.linear import _TorchaoKernels
+    from fp8.fast.torchao import DualQuantKernels
 
-    ao = _TorchaoKernels()
+    ao = DualQuantKernels()
     rows = []
     for name, (n, k) in SHAPES.items():
         x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)

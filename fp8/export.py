@@ -37,8 +37,9 @@ import torch
 from torch import Tensor, nn
 
 from fp8.calibrate import attention_modules, set_kv_scales
-from fp8.linear import BLOCK, EmulatedFP8Linear, clean_name, fp8_plan
-from fp8.quant import E4M3, dequantize_blockwise, quantize_blockwise
+from fp8.linear import EmulatedFP8Linear
+from fp8.plan import clean_name, fp8_plan
+from fp8.quant import BLOCK, E4M3, dequantize_blockwise, quantize_blockwise
 
 if TYPE_CHECKING:
     from config import FP8Config

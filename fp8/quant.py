@@ -7,7 +7,7 @@ Recipes (bitwise matters, so the exact arithmetic is part of the contract):
 
 * "torchao" (default; weights always; trainer activations). Exactly what torchao 0.18's
   blockwise_fp8_training kernels compute (`torch_blockwise_scale_weight_quant`,
-  `torch_blockwise_scale_act_quant_lhs/_rhs` and their Triton twins in kernels.py):
+  `torch_blockwise_scale_act_quant_lhs/_rhs` and their Triton twins in fast/kernels.py):
       amax  = max|x| over the group, clamped at 1e-12 in float64
       s     = float32(448 / amax)                 # multiplier, computed in float64
       q     = e4m3(clamp(float32(x) * s, -448, 448))   # MULTIPLY, round-to-nearest-even
@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+BLOCK = 128  # the block edge: weights in BLOCK x BLOCK blocks, activations in 1 x BLOCK tiles
 E4M3 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 TORCHAO_EPS = 1e-12  # torchao kernels.EPS, applied to amax in float64
@@ -70,7 +71,7 @@ def _pad2d(x: Tensor, rows: int, cols: int) -> Tensor:
     return F.pad(x, (0, pc, 0, pr)) if pr or pc else x
 
 
-def quantize_blockwise(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
+def quantize_blockwise(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
     """Weight [N, K] -> (q e4m3 [N, K], scale_inv float32 [ceil(N/block), ceil(K/block)]).
 
     torchao recipe (see module doc); w ~= q.float() * scale_inv (block-broadcast).
@@ -85,7 +86,7 @@ def quantize_blockwise(w: Tensor, block: int = 128) -> tuple[Tensor, Tensor]:
     return q, scale_inv.view(nb, kb)
 
 
-def dequantize_blockwise(q: Tensor, scale_inv: Tensor, block: int = 128,
+def dequantize_blockwise(q: Tensor, scale_inv: Tensor, block: int = BLOCK,
                          dtype: torch.dtype = torch.float32) -> Tensor:
     """(q [N, K], scale_inv [ceil(N/block), ceil(K/block)]) -> q * scale_inv in `dtype` [N, K].
 
@@ -97,7 +98,7 @@ def dequantize_blockwise(q: Tensor, scale_inv: Tensor, block: int = 128,
     return (q.float() * s).to(dtype)
 
 
-def quantize_act_1x128(x: Tensor, recipe: str = "torchao", block: int = 128) -> tuple[Tensor, Tensor]:
+def quantize_act_1x128(x: Tensor, recipe: str = "torchao", block: int = BLOCK) -> tuple[Tensor, Tensor]:
     """Per-token groups of `block` along the last dim.
 
     x [..., K] -> (q e4m3 [..., K], scale float32 [..., ceil(K/block)]); x ~= q * scale.
@@ -112,7 +113,7 @@ def quantize_act_1x128(x: Tensor, recipe: str = "torchao", block: int = 128) -> 
     return q, scale.squeeze(-1)
 
 
-def dequantize_act_1x128(q: Tensor, scale: Tensor, block: int = 128,
+def dequantize_act_1x128(q: Tensor, scale: Tensor, block: int = BLOCK,
                          dtype: torch.dtype = torch.float32) -> Tensor:
     """Inverse of quantize_act_1x128: q [..., K], scale [..., G] -> [..., K] in `dtype`."""
     k = q.shape[-1]
@@ -120,7 +121,7 @@ def dequantize_act_1x128(q: Tensor, scale: Tensor, block: int = 128,
     return (q.float() * s).to(dtype)
 
 
-def quantize_act_128x1(x: Tensor, recipe: str = "torchao", block: int = 128) -> tuple[Tensor, Tensor]:
+def quantize_act_128x1(x: Tensor, recipe: str = "torchao", block: int = BLOCK) -> tuple[Tensor, Tensor]:
     """Column groups: x [M, K] -> (q e4m3 [M, K], scale float32 [ceil(M/block), K]).
 
     Groups of `block` consecutive rows per column, i.e. along the contracting dim of the
@@ -130,23 +131,23 @@ def quantize_act_128x1(x: Tensor, recipe: str = "torchao", block: int = 128) -> 
     return q_t.t().contiguous(), s_t.t().contiguous()
 
 
-def dequantize_act_128x1(q: Tensor, scale: Tensor, block: int = 128,
+def dequantize_act_128x1(q: Tensor, scale: Tensor, block: int = BLOCK,
                          dtype: torch.dtype = torch.float32) -> Tensor:
     """Inverse of quantize_act_128x1: q [M, K], scale [ceil(M/block), K] -> [M, K]."""
     return dequantize_act_1x128(q.t(), scale.t(), block, dtype).t()
 
 
-def fake_quant_weight(w: Tensor, block: int = 128) -> Tensor:
+def fake_quant_weight(w: Tensor, block: int = BLOCK) -> Tensor:
     """dequantize(quantize(w)) in float32 [N, K]: the weight the FP8 GEMM effectively uses."""
     return dequantize_blockwise(*quantize_blockwise(w, block), block)
 
 
-def fake_quant_act_1x128(x: Tensor, recipe: str = "torchao", block: int = 128) -> Tensor:
+def fake_quant_act_1x128(x: Tensor, recipe: str = "torchao", block: int = BLOCK) -> Tensor:
     """dequantize(quantize(x)) in float32, 1x128 groups along the last dim."""
     return dequantize_act_1x128(*quantize_act_1x128(x, recipe, block), block)
 
 
-def fake_quant_act_128x1(x: Tensor, recipe: str = "torchao", block: int = 128) -> Tensor:
+def fake_quant_act_128x1(x: Tensor, recipe: str = "torchao", block: int = BLOCK) -> Tensor:
     """dequantize(quantize(x)) in float32, 128x1 groups along dim 0 of a 2-D x."""
     return dequantize_act_128x1(*quantize_act_128x1(x, recipe, block), block)
 

@@ -1,4 +1,4 @@
-"""Registers, spill stack and SASS instruction count of fp8/kernels.py's quantization kernel for sm_90,
+"""Registers, spill stack and SASS instruction count of fp8/fast/kernels.py's quantization kernel for sm_90,
 compiled on this machine (no GPU needed: Triton's own LLVM and bundled ptxas / cuobjdump).
 
     python scripts/kernel_regs.py                       # the default launches of modes 0, 1, 2
@@ -23,7 +23,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fp8 import kernels  # noqa: E402
+from fp8.fast import kernels  # noqa: E402
 from fp8.quant import FP8_MAX, TORCHAO_EPS  # noqa: E402
 
 ARGS = {"x_ptr": "*bf16", "gu_ptr": "*bf16", "x_out_ptr": "*bf16", "q_row_ptr": "*fp8e4nv", "s_row_ptr": "*fp32",

@@ -1,6 +1,8 @@
-"""fp8/linear.py on CPU: the skip list, in-place conversion of a tiny Llama, the emulated FP8 GEMMs
-bit-exact against a manual quantize-dequantize recipe (forward and both backward GEMMs),
-bf16_reference, and that an all-FP8 model still trains."""
+"""fp8/plan.py, fp8/linear.py and fp8/fast/ on CPU: the skip list, in-place conversion of a tiny Llama,
+the emulated FP8 GEMMs bit-exact against a manual quantize-dequantize recipe (forward and both backward
+GEMMs), bf16_reference, that an all-FP8 model still trains, and that every speed-only path of
+fp8.fast (fused projections, fused SwiGLU, weight cache; eager, compiled, checkpointed) computes what
+the recipe does."""
 
 import json
 import os
@@ -16,10 +18,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from config import FP8Config
 from fp8 import linear as fp8_linear
+from fp8.fast import FusedLinear, FusedSwiGLU, swiglu, swiglu_backward
 from fp8.linear import (
-    EmulatedFP8Linear, bf16_reference, convert_to_fp8_rollout, convert_to_fp8_training, fp8_eligible, fp8_plan,
-    is_fp8_linear, swiglu, swiglu_backward, use_torchao,
+    EmulatedFP8Linear, bf16_reference, convert_to_fp8_rollout, convert_to_fp8_training, is_fp8_linear, use_torchao,
 )
+from fp8.plan import fp8_eligible, fp8_plan
 from fp8.quant import (
     dequantize_act_1x128, dequantize_act_128x1, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1,
     quantize_blockwise,
@@ -232,18 +235,19 @@ def test_fused_projections_match_separate_linears(float64_gemms):
     convert_to_fp8_training(sep, FP8Config(fuse_projections=False))
     convert_to_fp8_training(fused, FP8Config(fuse_swiglu=False))  # the SwiGLU MLP: test_fused_swiglu_*
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
-    assert attn.q_proj._fused is attn.k_proj._fused is attn.v_proj._fused is not None
-    assert mlp.gate_proj._fused is mlp.up_proj._fused is not None and mlp.down_proj._fused is None
-    assert sep.model.layers[0].self_attn.q_proj._fused is None
+    assert all(isinstance(m, FusedLinear) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
+    assert attn.q_proj.group is attn.k_proj.group is attn.v_proj.group and mlp.gate_proj.group is mlp.up_proj.group
+    assert type(mlp.down_proj) is EmulatedFP8Linear and isinstance(attn.q_proj, EmulatedFP8Linear)
+    assert type(sep.model.layers[0].self_attn.q_proj) is EmulatedFP8Linear
     assert dict(sep.named_parameters()).keys() == dict(fused.named_parameters()).keys()  # names unchanged
 
     calls = []
-    orig = type(attn.q_proj)._mm
-    type(attn.q_proj)._mm = lambda self, x, *ws: calls.append(len(ws)) or orig(self, x, *ws)
+    orig = EmulatedFP8Linear.mm
+    EmulatedFP8Linear.mm = lambda self, x, *ws: calls.append(len(ws)) or orig(self, x, *ws)
     try:
         logits_f = fused(input_ids=ids, labels=ids).logits.detach()
     finally:
-        type(attn.q_proj)._mm = orig
+        EmulatedFP8Linear.mm = orig
     assert calls == [3, 1, 2, 1] * 2, calls  # qkv, o, gate_up, down per layer
     logits_s = sep(input_ids=ids).logits.detach()
     torch.testing.assert_close(logits_f, logits_s, rtol=1e-6, atol=1e-6)
@@ -317,13 +321,14 @@ def test_fuse_swiglu_links_only_swiglu_mlps():
         m.model.layers[2].mlp.act_fn = nn.GELU()
     convert_to_fp8_training(plain, FP8Config(keep_bf16=["*.1.mlp.down_proj"], fuse_swiglu=False))
     convert_to_fp8_training(fused, FP8Config(keep_bf16=["*.1.mlp.down_proj"]))
-    assert ["forward" in vars(layer.mlp) for layer in fused.model.layers] == [True, False, False]
-    assert "forward" not in vars(plain.model.layers[0].mlp)
+    assert [isinstance(layer.mlp, FusedSwiGLU) for layer in fused.model.layers] == [True, False, False]
+    assert not isinstance(plain.model.layers[0].mlp, FusedSwiGLU)
     assert dict(plain.named_parameters()).keys() == dict(fused.named_parameters()).keys()
     with bf16_reference(fused), bf16_reference(plain):
         torch.testing.assert_close(fused(input_ids=ids).logits, plain(input_ids=ids).logits)
     copy = __import__("copy").deepcopy(fused)
-    assert copy.model.layers[0].mlp.forward.__self__ is copy.model.layers[0].mlp
+    assert isinstance(copy.model.layers[0].mlp, FusedSwiGLU)
+    assert copy.model.layers[0].self_attn.q_proj.group.members[0] is copy.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         want = fused(input_ids=ids).logits
         copy.model.layers[0].mlp.down_proj.weight.mul_(2)  # the copy's own weights, not the original's
@@ -341,12 +346,12 @@ def test_fused_member_called_alone_or_twice():
     for lin in (attn.k_proj, attn.k_proj, attn.v_proj):
         with bf16_reference(model):
             ref = F.linear(x, lin.weight)
-        torch.testing.assert_close(lin(x), EmulatedFP8Linear._mm(lin, x, lin.weight))
+        torch.testing.assert_close(lin(x), EmulatedFP8Linear.mm(lin, x, lin.weight))
         assert (lin(x) - ref).abs().max() < 0.1 * ref.abs().max()
     q1 = attn.q_proj(x)
     x.mul_(2)  # same object, new version: q_proj must not serve the stale cache to k_proj
-    torch.testing.assert_close(attn.k_proj(x), EmulatedFP8Linear._mm(attn.k_proj, x, attn.k_proj.weight))
-    assert attn.q_proj._fused._x is not None  # q and v of the new input still pending
+    torch.testing.assert_close(attn.k_proj(x), EmulatedFP8Linear.mm(attn.k_proj, x, attn.k_proj.weight))
+    assert attn.q_proj.group._x is not None  # q and v of the new input still pending
     assert q1.shape == (3, 5, 256)
 
 
@@ -493,10 +498,12 @@ def reference_blockwise_mm(a, b, a_s, recipe_a, b_s, recipe_b, out_dtype):
     return ((a.float() * sa) @ (b.float() * sb)).to(out_dtype)
 
 
-def cpu_torchao_kernels():
-    """_TorchaoKernels with CPU stand-ins of its Triton quantizers (fp8/quant.py, == their bytes:
-    tests/gpu) in the layouts their docstrings give, and reference_blockwise_mm."""
-    from fp8.linear import _TorchaoKernels
+def cpu_torchao_kernels(one_pass: bool):
+    """TorchaoKernels (the recipe: torchao's quantizers) or, with `one_pass`, fp8.fast's DualQuantKernels
+    (our one-pass quantizer and its SwiGLU modes), with CPU stand-ins of their Triton quantizers
+    (fp8/quant.py, == their bytes: tests/gpu) in the layouts their docstrings give, and
+    reference_blockwise_mm."""
+    from fp8.linear import TorchaoKernels
     from fp8.quant import quantize_act_1x128, quantize_act_128x1, quantize_blockwise
 
     def col_major(t):
@@ -506,7 +513,15 @@ def cpu_torchao_kernels():
         q, s = quantize_act_1x128(x)
         return q, col_major(s)
 
-    def dual(x):  # + the 128x1 copy: qt [K, M] row-major, st [M/128, K] row-major
+    def rhs(x, block=128):  # q [M, K] column-major, 128x1 scales [M/128, K] row-major
+        q, s = quantize_act_128x1(x)
+        return col_major(q), s
+
+    def transposed_lhs(x, block=128):  # x.T [K, M] row-major, 1x128 groups along M: scales [K, M/128] column-major
+        q, s = quantize_act_128x1(x)
+        return q.t().contiguous(), s.t()
+
+    def dual(x):  # lhs + the 128x1 copy: qt [K, M] row-major, st [M/128, K] row-major
         qc, sc = quantize_act_128x1(x)
         return *lhs(x), qc.t().contiguous(), sc
 
@@ -518,24 +533,34 @@ def cpu_torchao_kernels():
         q, s = quantize_blockwise(w)
         return q.t(), s.t()
 
-    k = _TorchaoKernels()
-    k.mm, k.lhs, k.dual, k.weight_rhs, k.weight_transposed_rhs = (
-        reference_blockwise_mm, lhs, dual, weight_rhs, weight_transposed_rhs)
-    k.swiglu_dual, k.swiglu_lhs = (lambda gu: dual(swiglu(gu))), (lambda gu: lhs(swiglu(gu)))
-    k.swiglu_bwd_dual = lambda grad_h, gu: dual(swiglu_backward(grad_h, gu))
+    if one_pass:
+        from fp8.fast.torchao import DualQuantKernels
+        k = DualQuantKernels()
+        k.dual = dual
+        k.swiglu_dual, k.swiglu_lhs = (lambda gu: dual(swiglu(gu))), (lambda gu: lhs(swiglu(gu)))
+        k.swiglu_bwd_dual = lambda grad_h, gu: dual(swiglu_backward(grad_h, gu))
+    else:
+        k = TorchaoKernels()
+    k.mm, k.lhs, k.rhs, k.transposed_lhs = reference_blockwise_mm, lhs, rhs, transposed_lhs
+    k.weight_rhs, k.weight_transposed_rhs = weight_rhs, weight_transposed_rhs
     return k
 
 
+@pytest.mark.parametrize("dual", [False, True], ids=["torchao", "dual_quant"])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
-def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need):
-    """_TorchaoKernels' forward and backward hand the GEMM operands and scales in the right layouts:
-    through a reference block-scaled GEMM they equal the emulation's quantize-dequantize + fp32
-    GEMM bit for bit (a transposed scale or the saved 128x1 copy read the wrong way would not);
-    the forward saves x's FP8 128x1 copy only when the weight gradient needs it."""
+def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need, dual):
+    """The torchao kernels' forward and backward hand the GEMM operands and scales in the right layouts:
+    through a reference block-scaled GEMM they equal the emulation's quantize-dequantize + fp32 GEMM bit
+    for bit (a transposed scale or the saved 128x1 copy read the wrong way would not). The recipe's
+    saves x; fp8.fast's one-pass kernels save x's FP8 128x1 copy, only when the weight gradient needs
+    it; behind a WeightCache (operands made once, reused) nothing changes."""
     pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
-    from fp8.linear import _EmulatedKernels
+    if dual:
+        pytest.importorskip("triton")
+    from fp8.fast import WeightCache
+    from fp8.fast.swiglu import SwiGLUEmulatedKernels
 
-    ao, emu = cpu_torchao_kernels(), _EmulatedKernels("torchao")
+    ao, emu = cpu_torchao_kernels(dual), SwiGLUEmulatedKernels("torchao")
     g = torch.Generator().manual_seed(0)
     m, k, n = 256, 384, 640
     x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 2, k)).bfloat16()  # per-channel ranges
@@ -543,24 +568,24 @@ def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need):
     w[:128, 128:256] *= 1e3  # one loud block
     go = torch.randn(m, n, generator=g).bfloat16()
     need_x, need_w = need
-    (y, saved), (y_emu, saved_emu) = ao.fwd(x, w, save=need_w), emu.fwd(x, w, save=need_w)
-    assert torch.equal(y, y_emu)
-    assert [t.dtype for t in saved] == ([torch.float8_e4m3fn, torch.float32] if need_w else [])
-    got, want = ao.bwd(go, w, saved, need_x, need_w), emu.bwd(go, w, saved_emu, need_x, need_w)
-    for a, b in zip(got, want):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
-    cached = ao.quant_weight(w)  # fp8.cache_weights: the weight's operands made once, reused
-    y_c, saved_c = ao.fwd(x, None, need_w, cached)
-    assert torch.equal(y_c, y_emu)
-    for a, b in zip(ao.bwd(go, None, saved_c, need_x, need_w, cached), want):
-        assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
+    for kernels in (ao, WeightCache(ao, [w])):
+        (y, saved), (y_emu, saved_emu) = (kern.fwd(x, kern.weight_fwd((w,)), need_w) for kern in (kernels, emu))
+        assert torch.equal(y, y_emu)
+        want_saved = ([torch.float8_e4m3fn, torch.float32] if dual else [torch.bfloat16]) if need_w else []
+        assert [t.dtype for t in saved] == want_saved
+        got = kernels.bwd(go, kernels.weight_dgrad((w,)), saved, need_x, need_w)
+        want = emu.bwd(go, emu.weight_dgrad((w,)), saved_emu, need_x, need_w)
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
+    if not dual:
+        return
     # fuse_swiglu's entry points: x taken as gu = [gate | up], the GEMM's input is swiglu(gu) and its
     # input gradient the gradient of gu (the quantization kernels' SwiGLU modes: tests/gpu)
-    gu, wd = x[:, :256].contiguous(), w[:, :128].contiguous()
-    (y, saved), (y_emu, saved_emu) = ao.fwd_swiglu(gu, wd, need_w), emu.fwd_swiglu(gu, wd, need_w)
+    gu, wd, wgu = x[:, :256].contiguous(), (w[:, :128].contiguous(),), (w[:256, :128].contiguous(),)
+    (y, saved), (y_emu, saved_emu) = (kern.fwd_swiglu(gu, kern.weight_fwd(wd), need_w) for kern in (ao, emu))
     assert torch.equal(y, y_emu)
-    got = ao.bwd_swiglu(go[:, :128].contiguous(), gu, w[:256, :128].contiguous(), saved, need_x, need_w)
-    want = emu.bwd_swiglu(go[:, :128].contiguous(), gu, w[:256, :128].contiguous(), saved_emu, need_x, need_w)
+    got = ao.bwd_swiglu(go[:, :128].contiguous(), gu, ao.weight_dgrad(wgu), saved, need_x, need_w)
+    want = emu.bwd_swiglu(go[:, :128].contiguous(), gu, emu.weight_dgrad(wgu), saved_emu, need_x, need_w)
     for a, b in zip(got, want):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
 
@@ -569,7 +594,7 @@ def _cache_run(cache: bool, compiled: bool = False, steps: int = 2):
     """A 2-layer FP8 Llama through `steps` x (2 micro-batches of forward + backward, AdamW step):
     each step's token logprobs and the final weights."""
     from distributed import compile_layers
-    from fp8.linear import refresh_weight_caches_on_step
+    from fp8.fast import refresh_weight_caches_on_step
     from train_grpo import token_logprobs
 
     model = tiny_llama(layers=2)
@@ -599,12 +624,12 @@ def test_weight_cache_changes_nothing_but_the_quantization_count(compiled, monke
     """fp8.cache_weights: the same logprobs and updated weights, bit for bit, over optimizer steps
     (a cache kept past a step would differ from step 1 on), eager (version counters) and traced
     (the optimizer hook); the weight is quantized once per GEMM per step instead of in every pass."""
-    from fp8.linear import _EmulatedKernels
+    from fp8.linear import EmulatedKernels
 
     ref_logps, ref_params = _cache_run(cache=False, compiled=compiled)
     calls = []
-    orig = _EmulatedKernels.quant_weight
-    monkeypatch.setattr(_EmulatedKernels, "quant_weight", lambda self, w: calls.append(1) or orig(self, w))
+    orig = EmulatedKernels.weight_fwd
+    monkeypatch.setattr(EmulatedKernels, "weight_fwd", lambda self, ws: calls.append(1) or orig(self, ws))
     logps, params = _cache_run(cache=True, compiled=compiled)
     assert all(torch.equal(a, b) for a, b in zip(logps, ref_logps))
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
@@ -616,7 +641,7 @@ def _checkpointed_grads(fp8: FP8Config, checkpointing: bool, compile_backend: st
     """Logprobs and gradients of a 2-layer FP8 Llama over two micro-batches, as the trainer's train pass
     computes them (token_logprobs, backward per micro-batch), with or without activation checkpointing."""
     from distributed import compile_layers
-    from fp8.linear import refresh_weight_caches_on_step
+    from fp8.fast import refresh_weight_caches_on_step
     from train_grpo import token_logprobs
 
     model = tiny_llama(layers=2)

@@ -1,6 +1,6 @@
-"""fp8/kernels.py's quantization kernel compiled for sm_90 on the CPU (scripts/kernel_regs.py): the default
-launches keep the register budget the float32-scale kernel's speedup came from (H100: quant_dual at 2 programs
-per SM instead of 1; bench/results/quant_h100.json), without spilling."""
+"""fp8/fast/kernels.py's quantization kernel compiled for sm_90 on the CPU (scripts/kernel_regs.py): the
+default launches keep the register budget the float32-scale kernel's speedup came from (H100: quant_dual at 2 programs per SM
+instead of 1; bench/results/quant_h100.json), without spilling."""
 
 import pytest
 
@@ -8,7 +8,7 @@ pytest.importorskip("triton")
 
 
 def test_default_quant_launches_fit_their_register_budget():
-    from fp8 import kernels
+    from fp8.fast import kernels
     from scripts.kernel_regs import resources
 
     split, warps = kernels.DEFAULT_CONFIG[:2]

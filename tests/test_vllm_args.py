@@ -166,7 +166,7 @@ def test_ignored_layers_are_what_vllm_skips(tiny):
     from vllm.model_executor.layers.quantization.utils.quant_utils import is_layer_skipped
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
-    from fp8.linear import fp8_plan
+    from fp8.plan import fp8_plan
 
     model, model_dir = tiny
     cfg = cfg_for("fp8", "fp8.keep_first_layers=1", "fp8.keep_bf16=['*.down_proj']")

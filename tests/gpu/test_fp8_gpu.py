@@ -2,7 +2,7 @@
 
 * quant.py == torchao's Triton quantization kernels, bit for bit (weights 128x128, activations
   1x128 and 128x1), and the FP8 weight torchao's linear actually feeds its GEMM == quant.py's;
-* fp8/kernels.py's quant_dual == torchao's three activation quantizers, bit for bit; its SwiGLU
+* fp8/fast/kernels.py's quant_dual == torchao's three activation quantizers, bit for bit; its SwiGLU
   modes == quant_dual of swiglu(gu) / swiglu_backward; a compiled FP8 linear and a compiled fused
   SwiGLU MLP == the eager ones, bit for bit;
 * convert_to_fp8_training on a small Llama (hidden 1024) picks torchao; forward/backward are
@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(not SM90, reason="needs CUDA on an SM90 (H100/H2
 
 from config import FP8Config  # noqa: E402
 from fp8.calibrate import QKVCalibrator  # noqa: E402
+from fp8.fast import FusedSwiGLU, refresh_weight_caches, refresh_weight_caches_on_step, swiglu, swiglu_backward  # noqa: E402
 from fp8.linear import EmulatedFP8Linear, bf16_reference, convert_to_fp8_training, torchao_linear_cls  # noqa: E402
 from fp8.quant import E4M3, quantize_act_1x128, quantize_act_128x1, quantize_blockwise  # noqa: E402
 
@@ -126,11 +127,11 @@ def test_act_quant_equals_torchao_triton(ao, dtype):
 
 @pytest.mark.parametrize("shape", [(512, 1024), (384, 14336)])
 def test_quant_dual_equals_torchao_triton(ao, shape):
-    """fp8/kernels.py's quant_dual (one read, both layouts) == torchao's act_quant_lhs, act_quant_rhs
+    """fp8/fast/kernels.py's quant_dual (one read, both layouts) == torchao's act_quant_lhs, act_quant_rhs
     and act_quant_transposed_lhs: same bytes, scales and layouts (zero groups included). A NaN stays
     NaN (no clamp before the saturating conversion, unlike torchao) and leaves its group's other
     values as torchao quantizes them."""
-    from fp8.kernels import quant_dual
+    from fp8.fast.kernels import quant_dual
 
     g = torch.Generator(device="cuda").manual_seed(2)
     m, k = shape
@@ -160,7 +161,7 @@ def test_quant_dual_launch_configs_write_the_same_bytes():
     """bench/quant.py's sweep may pick any (row splits, num_warps[, stages, programs per SM]): each
     writes the same bytes, the persistent grids too (fewer programs than tiles); FP8_GRPO_QUANT_DUAL
     is checked."""
-    from fp8.kernels import _config_from_env, quant_dual, quant_dual_with
+    from fp8.fast.kernels import _config_from_env, quant_dual, quant_dual_with
 
     x = (torch.randn(384, 14336, device="cuda") * torch.logspace(-3, 2, 14336, device="cuda")).bfloat16()
     want = quant_dual(x)
@@ -175,12 +176,11 @@ def test_quant_dual_launch_configs_write_the_same_bytes():
 
 
 def test_swiglu_quant_kernels_quantize_swiglu_like_quant_dual():
-    """fp8/kernels.py's SwiGLU modes: the BF16 tile they quantize is fp8.linear's swiglu(gu) /
+    """fp8/fast/kernels.py's SwiGLU modes: the BF16 tile they quantize is fp8.fast's swiglu(gu) /
     swiglu_backward(grad_h, gu) within one bf16 ulp (float32 sigmoid implementations differ), and the
     bytes and scales they write are quant_dual's of that tile, bit for bit, for each launch config."""
-    from fp8.kernels import (SWIGLU_CONFIG, _launch, quant_dual, swiglu_backward_quant_dual, swiglu_quant_dual,
-                             swiglu_quant_lhs)
-    from fp8.linear import swiglu, swiglu_backward
+    from fp8.fast.kernels import (SWIGLU_CONFIG, _launch, quant_dual, swiglu_backward_quant_dual, swiglu_quant_dual,
+                                  swiglu_quant_lhs)
 
     g = torch.Generator(device="cuda").manual_seed(3)
     m, inter = 384, 1408
@@ -222,7 +222,7 @@ def test_fused_swiglu_mlp_torchao(cache):
         model = small_llama()
         convert_to_fp8_training(model, FP8Config(fuse_swiglu=fuse, cache_weights=cache))
         mlp = model.model.layers[0].mlp
-        assert ("forward" in vars(mlp)) == fuse
+        assert isinstance(mlp, FusedSwiGLU) == fuse
         for compiled in (False, True) if fuse else (False,):
             torch._dynamo.reset()
             fn = torch.compile(mlp, fullgraph=True) if compiled else mlp
@@ -245,8 +245,6 @@ def test_fused_swiglu_mlp_torchao(cache):
 def test_compiled_fp8_linear_equals_eager(cache):
     """A torch.compile'd TorchaoFP8Linear (quant_dual and torchao's ops traced as custom ops) gives the
     eager module's output and both gradients bit for bit; so does it with fp8.cache_weights."""
-    from fp8.linear import refresh_weight_caches
-
     torch.manual_seed(0)
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     model = nn.Sequential(lin)
@@ -276,8 +274,8 @@ def test_torchao_linear_uses_quant_py_weights(monkeypatch):
     cls = torchao_linear_cls()
     seen = {}
     for name in ("weight_transposed_rhs", "weight_rhs"):
-        orig = getattr(cls._kernels, name)
-        monkeypatch.setattr(cls._kernels, name, lambda w, *a, _o=orig, _n=name, **k: seen.setdefault(_n, _o(w, *a, **k)))
+        orig = getattr(cls.kernels, name)
+        monkeypatch.setattr(cls.kernels, name, lambda w, *a, _o=orig, _n=name, **k: seen.setdefault(_n, _o(w, *a, **k)))
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     mod = cls.from_float(lin)
     x = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -290,27 +288,33 @@ def test_torchao_linear_uses_quant_py_weights(monkeypatch):
 
 
 def test_torchao_linear_equals_torchao_fp8_blockwise_mm():
-    """Our _BlockFP8MM with torchao's kernels is torchao's fp8_blockwise_mm, bit for bit (output,
-    dgrad, wgrad); a fused q/k/v group equals the three linears up to accumulation order."""
+    """Our _BlockFP8MM with the recipe's TorchaoKernels (torchao's quantizers) and with fp8.fast's
+    DualQuantKernels (one-pass quantizer, x saved in FP8) is torchao's fp8_blockwise_mm, bit for bit
+    (output, dgrad, wgrad); a fused q/k/v group equals the three linears up to accumulation order."""
     from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+    from fp8.fast.torchao import DualQuantKernels
 
     torch.manual_seed(0)
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
-    mod = torchao_linear_cls().from_float(lin)
+    recipe, fast = torchao_linear_cls().from_float(lin), torchao_linear_cls().from_float(lin)
+    fast.kernels = DualQuantKernels()
     x = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(512, 2048, device="cuda", dtype=torch.bfloat16)
     outs = []
-    for fn in (mod, lambda xi: fp8_blockwise_mm.apply(xi, lin.weight, 128, torch.bfloat16, False)):
+    for fn in (lambda xi: fp8_blockwise_mm.apply(xi, lin.weight, 128, torch.bfloat16, False), recipe, fast):
         xi = x.clone().requires_grad_(True)
         lin.weight.grad = None
         y = fn(xi)
         y.backward(g)
         outs.append((y.detach(), xi.grad, lin.weight.grad.clone()))
-    same = {k: torch.equal(a, b) for k, a, b in zip(("out", "grad_x", "grad_w"), *outs)}
-    diff = {k: rel(a, b) for k, a, b in zip(("out", "grad_x", "grad_w"), *outs)}
+    same = {f"{who} {k}": torch.equal(a, b) for who, ours in (("recipe", outs[1]), ("fast", outs[2]))
+            for k, a, b in zip(("out", "grad_x", "grad_w"), ours, outs[0])}
+    diff = {f"{who} {k}": rel(a, b) for who, ours in (("recipe", outs[1]), ("fast", outs[2]))
+            for k, a, b in zip(("out", "grad_x", "grad_w"), ours, outs[0])}
     ref = torch.nn.functional.linear(x, lin.weight)
-    print(f"\nours vs torchao fp8_blockwise_mm: bitwise {same}, rel {diff}; vs BF16: ours {rel(outs[0][0], ref):.4f}, "
-          f"torchao {rel(outs[1][0], ref):.4f}")
+    print(f"\nours vs torchao fp8_blockwise_mm: bitwise {same}, rel {diff}; vs BF16: ours {rel(outs[1][0], ref):.4f}, "
+          f"torchao {rel(outs[0][0], ref):.4f}")
 
     def run(fuse):
         torch.manual_seed(1)
@@ -342,7 +346,8 @@ def test_convert_small_llama_torchao():
     names = convert_to_fp8_training(model, FP8Config())
     assert len(names) == 14
     cls = torchao_linear_cls()
-    assert all(type(model.get_submodule(n)) is cls for n in names)
+    assert all(isinstance(model.get_submodule(n), cls) for n in names)
+    assert {type(model.get_submodule(n).kernels).__name__ for n in names} == {"DualQuantKernels"}  # fp8.fast
     ids = torch.randint(0, 512, (2, 100), device="cuda")  # 200 tokens: padded to 256 inside
     calib = QKVCalibrator(model)
     with calib.capture():
@@ -416,7 +421,6 @@ def test_torchao_paths_under_activation_checkpointing(opts, backend):
     projections, the fused SwiGLU MLP, the weight cache and train.compile under HF's (non-reentrant)
     checkpointing give the logprobs and gradients of the same model without it, bit for bit."""
     from distributed import compile_layers
-    from fp8.linear import refresh_weight_caches_on_step
     from train_grpo import token_logprobs
 
     ids = torch.randint(0, 512, (2, 192), device="cuda", generator=torch.Generator("cuda").manual_seed(0))

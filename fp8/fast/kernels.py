@@ -18,7 +18,7 @@ The same kernel also makes its tile before quantizing it: for a SwiGLU MLP (fp8.
 down_proj's input h = silu(gate) * up from gate_up's output, and in backward the gradient of
 [gate | up] from h's gradient, so neither is written to memory in BF16 and read back.
 
-Imported lazily by fp8/linear.py (Triton, CUDA).
+Imported lazily by fp8/fast/torchao.py (Triton, CUDA).
 """
 
 import functools
@@ -30,9 +30,7 @@ import triton.language as tl
 from torch import Tensor
 from torch.library import triton_op, wrap_triton
 
-from fp8.quant import E4M3, FP8_MAX, TORCHAO_EPS
-
-BLOCK = 128  # fp8.linear.BLOCK (linear imports this module)
+from fp8.quant import BLOCK, E4M3, FP8_MAX, TORCHAO_EPS
 
 
 # (row splits, num_warps[, stages, programs per SM]): the launch configuration. The bytes written do
@@ -40,7 +38,7 @@ BLOCK = 128  # fp8.linear.BLOCK (linear imports this module)
 # per 128x128 tile. Four: a persistent grid of programs per SM, each looping over tiles with the
 # loads of the next `stages - 1` tiles in flight (Triton's software pipelining). FP8_GRPO_QUANT_DUAL
 # ="split,warps[,stages,per_sm]" overrides it (bench/quant.py times the choices on the GPU it runs on).
-# H100, one layer's 8 calls at 16k tokens (bench/results/quant_h100.json, twelfth session): (1, 8)
+# H100, one layer's 8 calls at 16k tokens (bench/results/quant_h100.json): (1, 8)
 # 1.85 ms = 1.22x the copy floor (ncu: 117 registers per thread, two programs per SM, DRAM 60% of
 # peak); (2, 4) 1.90 ms = 1.25x; the persistent grids 1.8-6x (quant_h100_persistent.json).
 DEFAULT_CONFIG = (1, 8)

@@ -1,0 +1,60 @@
+"""Speed-only structure on top of the FP8 recipe (fp8/linear.py): same quantization, fewer passes.
+
+`apply(model, cfg)` is the one entry point; convert_to_fp8_training calls it on the model it has
+converted. It gives every FP8 linear fast kernels, then adds what the config switches ask for:
+
+* kernels (always; same bytes): on torchao, one Triton pass writes an activation's 1x128 and 128x1
+  copies and x is saved for backward in FP8 (torchao.py, kernels.py); each linear also gets the
+  SwiGLU entry points fuse_swiglu uses.
+* fp8.fuse_projections: q/k/v and gate/up of a layer as ONE FP8 GEMM each (fused.py).
+* fp8.fuse_swiglu (with fuse_projections): a SwiGLU MLP as one autograd node, silu(gate) * up made
+  inside the FP8 quantization of down_proj's input (swiglu.py).
+* fp8.cache_weights: each GEMM's quantized weight kept until the optimizer changes it (cache.py);
+  the trainer registers its optimizer hook with refresh_weight_caches_on_step.
+
+Module names, Parameters and numerics are those of the recipe (tests/test_fp8_linear.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from fp8.fast.cache import WeightCache, attach_weight_caches, refresh_weight_caches, refresh_weight_caches_on_step
+from fp8.fast.fused import FusedLinear, fuse_projections
+from fp8.fast.swiglu import FusedSwiGLU, SwiGLUEmulatedKernels, fuse_swiglu, swiglu, swiglu_backward
+from fp8.linear import EmulatedKernels, TorchaoKernels, is_fp8_linear
+
+if TYPE_CHECKING:
+    from config import FP8Config
+
+__all__ = ["apply", "FusedLinear", "FusedSwiGLU", "WeightCache", "attach_weight_caches", "refresh_weight_caches",
+           "refresh_weight_caches_on_step", "swiglu", "swiglu_backward"]
+
+
+def apply(model: nn.Module, cfg: FP8Config) -> list[str]:
+    """Add the speed-only structure to an FP8-converted `model` in place (idempotent): fast kernels,
+    then cfg.fuse_projections, cfg.fuse_swiglu, cfg.cache_weights. Returns what it did, for the log."""
+    for m in model.modules():
+        if is_fp8_linear(m) and type(m.kernels) is TorchaoKernels:
+            m.kernels = _dual_quant_kernels()
+        elif is_fp8_linear(m) and type(m.kernels) is EmulatedKernels:
+            m.kernels = SwiGLUEmulatedKernels(m.kernels.act_recipe)
+    done = []
+    if cfg.fuse_projections and (n := fuse_projections(model)):
+        done.append(f"{n} q/k/v + gate/up groups fused into one GEMM each")
+    if cfg.fuse_projections and cfg.fuse_swiglu and (n := fuse_swiglu(model)):
+        done.append(f"{n} SwiGLU MLPs with silu*mul inside the FP8 quantization")
+    if cfg.cache_weights:
+        done.append(f"{attach_weight_caches(model)} FP8 weights cached between optimizer steps")
+    return done
+
+
+@functools.cache
+def _dual_quant_kernels():
+    """One DualQuantKernels for every torchao linear (stateless), as TorchaoKernels is one per class."""
+    from fp8.fast.torchao import DualQuantKernels
+
+    return DualQuantKernels()

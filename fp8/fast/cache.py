@@ -1,0 +1,106 @@
+"""fp8.cache_weights: each FP8 GEMM's quantized weight kept until the optimizer changes the weight.
+
+The weight quantization (and a fused group's weight concatenation) then runs once per optimizer
+step instead of in every forward and backward of every micro-batch; it costs a second copy of the
+FP8 weights (2 bytes per parameter with torchao's two layouts).
+
+A WeightCache is the kernels object of its GEMM (the linear's `kernels`, shared by a fused group's
+members): it hands out the cached weight operands and leaves the rest to the kernels it wraps.
+Eager, each forward compares the weights' version counters and re-quantizes after any in-place
+change. Inside torch.compile it cannot: refresh_weight_caches_on_step registers the one optimizer
+hook that re-quantizes after every step. Refreshes write in place, so compiled graphs keep their
+inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fp8.fast.fused import FusedLinear
+from fp8.linear import is_fp8_linear
+
+
+class WeightCache:
+    """Kernels of one FP8 GEMM (a linear's, or a fused group's) whose weight_fwd/weight_dgrad return
+    the operands `kernels` made of the current weights, kept between optimizer steps."""
+
+    def __init__(self, kernels, weights: list[Tensor]):
+        self.kernels, self.weights = kernels, weights
+        self.fwd_op: tuple[Tensor, ...] | None = None
+        self.dgrad_op: tuple[Tensor, ...] | None = None
+        self.key: tuple | None = None
+
+    def _key(self) -> tuple:
+        return tuple((w._version, w.data_ptr()) for w in self.weights)
+
+    def weight_fwd(self, weights: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        if not torch.compiler.is_compiling() and self._key() != self.key:
+            self.refresh()
+        return self.fwd_op
+
+    def weight_dgrad(self, weights: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        return self.dgrad_op  # as of this step's forward (weight_fwd checked it)
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        k, ws = self.kernels, tuple(w.detach() for w in self.weights)
+        fwd = tuple(k.weight_fwd(ws))
+        shared = type(k).weight_dgrad is type(k).weight_fwd  # one operand for both GEMMs: keep it once
+        dgrad = fwd if shared else tuple(k.weight_dgrad(ws))
+        if self.fwd_op is None:
+            self.fwd_op, self.dgrad_op = fwd, dgrad
+        else:
+            for dst, src in zip(self.fwd_op + (() if shared else self.dgrad_op), fwd + (() if shared else dgrad)):
+                dst.copy_(src)
+        self.key = self._key()
+
+    # the rest is the wrapped kernels'
+    def fwd(self, x2, w_op, save=False):
+        return self.kernels.fwd(x2, w_op, save)
+
+    def bwd(self, g2, w_op, saved, need_x, need_w):
+        return self.kernels.bwd(g2, w_op, saved, need_x, need_w)
+
+    def fwd_swiglu(self, gu, w_op, save=False):
+        return self.kernels.fwd_swiglu(gu, w_op, save)
+
+    def bwd_swiglu(self, grad_h, gu, w_op, saved, need_x, need_w):
+        return self.kernels.bwd_swiglu(grad_h, gu, w_op, saved, need_x, need_w)
+
+
+def attach_weight_caches(model: nn.Module) -> int:
+    """fp8.cache_weights: one WeightCache per FP8 GEMM of `model` (a fused group's members share one)."""
+    n = 0
+    for m in model.modules():
+        if is_fp8_linear(m) and not isinstance(m.kernels, WeightCache):
+            members = m.group.members if isinstance(m, FusedLinear) else [m]
+            cache = WeightCache(m.kernels, [x.weight for x in members])
+            for x in members:
+                x.kernels = cache
+            n += 1
+    return n
+
+
+def weight_caches(model: nn.Module) -> list[WeightCache]:
+    """The WeightCaches of `model`, each once."""
+    return list({id(m.kernels): m.kernels for m in model.modules()
+                 if is_fp8_linear(m) and isinstance(m.kernels, WeightCache)}.values())
+
+
+def refresh_weight_caches(model: nn.Module) -> int:
+    """Re-quantize every WeightCache of `model` (after an optimizer step); returns their count."""
+    caches = weight_caches(model)
+    for c in caches:
+        c.refresh()
+    return len(caches)
+
+
+def refresh_weight_caches_on_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Fill `model`'s WeightCaches now (before a compiled forward, which cannot) and register THE hook
+    of fp8.cache_weights: re-quantize them after every step of `optimizer`. Returns their count (0: no
+    caches, no hook)."""
+    n = refresh_weight_caches(model)
+    if n:
+        optimizer.register_step_post_hook(lambda *_: refresh_weight_caches(model))
+    return n
