@@ -46,7 +46,8 @@ from torch import Tensor
 
 from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint
 from config import load_config
-from fp8.calibrate import QKVCalibrator, fp8_attention, scales_from_amax
+from engines.hf import fp8_attention
+from fp8.calibrate import QKVCalibrator, scales_from_amax
 from fp8.linear import bf16_reference, clean_name, convert_to_fp8_training, is_fp8_linear
 from fp8.quant import FP8_MAX, fake_quant_per_tensor
 from losses.grpo import IS_CORRECTIONS, LossConfig, is_weights
