@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, resume_config
+from checkpoint import fsync, is_checkpoint, latest_checkpoint, load_checkpoint, replace_dir, resume_config
 from config import UserError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -152,15 +152,8 @@ def export(src: str | Path, out: str | Path, fp8: bool = False, dtype: str | Non
             {"checkpoint": str(ckpt.resolve()), "step": state.get("step"), "fp8": fp8}, indent=2))
         for f in (f for f in tmp.iterdir() if f.is_file()):
             os.chmod(f, 0o644)  # safetensors writes 0600; the dir is meant to be served/shared
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out.exists():  # --force: swap the old dir out, then remove it
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+            fsync(f)
+        replace_dir(tmp, out)  # --force: the old dir is swapped out, then removed
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -114,7 +114,8 @@ cfg = load_config(None, ["train.device=cpu", "fp8.rollout=true", "fp8.kv_cache=t
 model, tok = load_model_and_tokenizer(cfg.model, torch.device("cpu"))
 engine = rollout.make_engine(cfg, model, tok, torch.device("cpu"))
 samples = engine.generate([tok("1+1=").input_ids], n=2, temperature=1.0, top_p=1.0, max_new_tokens=3, seed=0)
-print(type(engine).__name__, rollout.VLLMEngine.__name__, len(samples), [m for m in sys.modules if m.split(".")[0] == "vllm"])
+vllm_modules = [m for m in sys.modules if m.split(".")[0] == "vllm"]
+print(type(engine).__name__, rollout.VLLMEngine.__name__, len(samples), vllm_modules)
 """
 
 
