@@ -17,7 +17,7 @@ skip-list). A checkpoint trained with fp8.kv_cache adds its calibrated q/k/v sca
 `model.layers.{i}.self_attn.attn.{q,k,v}_scale`, which vLLM loads with --kv-cache-dtype fp8
 (without it vLLM ignores them). For the trainer's exact numerics serve with
 VLLM_USE_DEEP_GEMM_E8M0=0 (else vLLM may re-round the block scales to powers of two, as
-rollout.vllm_env notes). transformers loads the dir too (it dequantizes to BF16 on CPU).
+engines.vllm.vllm_env notes). transformers loads the dir too (it dequantizes to BF16 on CPU).
 
 The output appears atomically: it is written to a temp sibling dir and renamed into place.
 """

@@ -15,10 +15,11 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from config import FP8Config
+from engines.hf import convert_to_fp8_rollout
 from fp8 import linear as fp8_linear
 from fp8.linear import (
-    EmulatedFP8Linear, bf16_reference, convert_to_fp8_rollout, convert_to_fp8_training, fp8_eligible, fp8_plan,
-    is_fp8_linear, swiglu, swiglu_backward, use_torchao,
+    EmulatedFP8Linear, bf16_reference, convert_to_fp8_training, fp8_eligible, fp8_plan, is_fp8_linear, swiglu,
+    swiglu_backward, use_torchao,
 )
 from fp8.quant import (
     dequantize_act_1x128, dequantize_act_128x1, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1,
