@@ -35,7 +35,6 @@ import fnmatch
 import io
 import json
 import math
-import os
 import tempfile
 import uuid
 from pathlib import Path
@@ -44,9 +43,10 @@ import torch
 import yaml
 from torch import Tensor
 
-from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint
+from checkpoint import atomic_write, is_checkpoint, latest_checkpoint, load_checkpoint
 from config import load_config
-from fp8.calibrate import QKVCalibrator, fp8_attention, scales_from_amax
+from engines.hf import fp8_attention
+from fp8.calibrate import QKVCalibrator, scales_from_amax
 from fp8.linear import bf16_reference, convert_to_fp8_training, is_fp8_linear
 from fp8.plan import clean_name
 from fp8.quant import FP8_MAX, fake_quant_per_tensor
@@ -68,7 +68,7 @@ PAIRS = {  # name -> (a, b): d = a - b
 
 def save_rollout_batch(path, step, input_ids, attention_mask, mask, rollout_logp, old_logp, bf16_logp,
                        rewards, advantages, config: dict, tokenizer=None, tokenizer_dir=None) -> Path:
-    """Write one step's batch (shapes in the module docstring) atomically: tmp file + os.replace."""
+    """Write one step's batch (shapes in the module docstring) atomically (checkpoint.atomic_write)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     t = {k: v.detach().cpu().clone() for k, v in zip(TENSOR_FIELDS, (
@@ -86,13 +86,7 @@ def save_rollout_batch(path, step, input_ids, attention_mask, mask, rollout_logp
         "tokenizer_dir": None if tokenizer_dir is None else str(tokenizer_dir),
         "run_dir": str(path.parent.parent),
     }
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(batch, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda f: torch.save(batch, f))
 
 
 def load_rollout_batch(path) -> dict:

@@ -49,7 +49,10 @@ per rank would resume exactly only on the same world size.
 Single-file checkpoints of earlier versions (`state.pt`, full tensors) still load, on any number
 of ranks (distributed.load_full_state).
 
-The run directory around them (create_run_dir, resume_config, ...) lives here too.
+The run directory around them (create_run_dir, resume_config, ...) lives here too, and so do
+the repo's two atomic-write helpers (atomic_write for one file, replace_dir for a whole dir):
+this module owns what a run leaves on disk, and the exported model dirs, metrics and batch
+dumps need the same all-or-nothing guarantee as checkpoints.
 
 Fault injection (tests/test_resume.py): with GRPO_CKPT_FAULT=<step> in the environment, the
 save of that step truncates rank 0's .distcp file in its temp dir to half and SIGKILLs its own
@@ -66,6 +69,7 @@ import signal
 import warnings
 from datetime import datetime
 from pathlib import Path
+from typing import BinaryIO, Callable
 
 import numpy as np
 import torch
@@ -103,14 +107,51 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(s, i)
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename/creation inside `path` durable (POSIX: the entry lives in the directory)."""
+# ------------------------------------------------------------------------------ atomic writes
+
+def fsync(path: str | Path) -> None:
+    """Make a file's data, or a dir's entries (a rename/creation inside it), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
+    """Write the file `path` all or nothing: write(f) fills a temp file beside it (`.NAME.tmp`),
+    which is fsynced and renamed over `path` (atomic in POSIX), then the dir is fsynced. A crash
+    leaves the old file or the new one, never a torn one; an exception in write removes the temp file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # nothing half-written left behind
+        raise
+    fsync(path.parent)
+    return path
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Publish the dir `tmp`, whose files the caller has written and fsynced, as `final`: fsync tmp,
+    rename it to final (atomic in POSIX), fsync the parent. An existing final is first renamed to
+    `tmp.old` and removed after the commit, so a complete copy exists at every moment."""
+    fsync(tmp)
+    old = tmp.with_name(tmp.name + ".old")
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ checkpoints
 
 def is_checkpoint(path: str | Path) -> bool:
     """A committed checkpoint dir: DCP (meta.pt and .metadata) or single-file (state.pt)."""
@@ -159,17 +200,9 @@ def save_checkpoint(root: str | Path, step: int, meta: dict, model: nn.Module, o
             torn = tmp / "__0_0.distcp"
             os.truncate(torn, torn.stat().st_size // 2)
             os.kill(os.getpid(), signal.SIGKILL)
-        with open(tmp / META, "wb") as f:
-            torch.save({**meta, "rng": rngs, "world": d.world, "optimizer_stepped": stepped}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():  # re-saving a step (end of a resumed run): swap, so a complete copy always exists
-            old = root / f".tmp-old-step_{step:06d}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync_dir(root)
+        atomic_write(tmp / META, lambda f: torch.save({**meta, "rng": rngs, "world": d.world,
+                                                       "optimizer_stepped": stepped}, f))
+        replace_dir(tmp, final)  # re-saving a step (end of a resumed run) swaps the old copy out
         done = checkpoints(root)
         # steps after this one are of the run before a resume (e.g. a newest one that did not load):
         # this run redoes them, as RunLogger.truncate drops their metrics; else keep-K would keep them

@@ -17,7 +17,7 @@ skip-list). A checkpoint trained with fp8.kv_cache adds its calibrated q/k/v sca
 `model.layers.{i}.self_attn.attn.{q,k,v}_scale`, which vLLM loads with --kv-cache-dtype fp8
 (without it vLLM ignores them). For the trainer's exact numerics serve with
 VLLM_USE_DEEP_GEMM_E8M0=0 (else vLLM may re-round the block scales to powers of two, as
-rollout.vllm_env notes). transformers loads the dir too (it dequantizes to BF16 on CPU).
+engines.vllm.vllm_env notes). transformers loads the dir too (it dequantizes to BF16 on CPU).
 
 The output appears atomically: it is written to a temp sibling dir and renamed into place.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint, resume_config
+from checkpoint import fsync, is_checkpoint, latest_checkpoint, load_checkpoint, replace_dir, resume_config
 from config import UserError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -152,15 +152,8 @@ def export(src: str | Path, out: str | Path, fp8: bool = False, dtype: str | Non
             {"checkpoint": str(ckpt.resolve()), "step": state.get("step"), "fp8": fp8}, indent=2))
         for f in (f for f in tmp.iterdir() if f.is_file()):
             os.chmod(f, 0o644)  # safetensors writes 0600; the dir is meant to be served/shared
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        if out.exists():  # --force: swap the old dir out, then remove it
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+            fsync(f)
+        replace_dir(tmp, out)  # --force: the old dir is swapped out, then removed
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out

@@ -5,12 +5,14 @@
     engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout))   # after each step
     engine.set_kv_scales({layer: (q_scale, k_scale, v_scale)})                  # FP8 KV cache
 
-* `HFEngine` (CPU / debug reference): a separate copy of the model that receives weights
-  through the same export stream vLLM gets, with the same FP8 numerics emulated: W8A8 block
-  linears (the pushed fp8 bytes + scale_inv, activations 1x128 quantize-dequantized with
-  vLLM's recipe: fp8.linear.convert_to_fp8_rollout) and, with fp8.kv_cache, q/k/v
-  fake-quantized with the pushed scales (fp8.calibrate).
-* `VLLMEngine` (GPU): vLLM in-process, colocated with the trainer.
+The engines (`rollout.engine`), each in its own module under engines/:
+
+* `engines.hf.HFEngine` (CPU / debug reference): a separate copy of the model that receives
+  weights through the same export stream vLLM gets, with the same FP8 numerics emulated: W8A8
+  block linears on the pushed fp8 bytes and, with fp8.kv_cache, q/k/v fake-quantized with the
+  pushed scales.
+* `engines.vllm.VLLMEngine` (GPU): vLLM in-process, colocated with the trainer. vLLM is
+  imported only when the engine is built, so CPU-only use never imports it.
 
 Logprob convention (both engines, and the trainer): the log-probability of each sampled token
 under the *processed* distribution, i.e. log_softmax(logits / temperature) (vLLM's
@@ -18,21 +20,12 @@ under the *processed* distribution, i.e. log_softmax(logits / temperature) (vLLM
 the top-p mask, so with top_p < 1 the engine's logprobs are renormalised over the nucleus.
 """
 
-import contextlib
-import copy
-import logging
-import os
-import random
-import re
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Protocol
 
 import torch
-import torch.nn as nn
 
-from config import Config, UserError
-from fp8.quant import BLOCK  # block-FP8 tile (one definition, shared with the trainer)
+from config import Config
 
 
 @dataclass
@@ -42,7 +35,6 @@ class Sample:
     token_ids: list[int]  # response tokens, EOS included when emitted
     logprobs: list[float]  # engine logprob of each response token
     finish_reason: str  # "stop" | "length"
-    extra: dict = field(default_factory=dict)
 
 
 class Engine(Protocol):
@@ -61,487 +53,26 @@ class Engine(Protocol):
     def wake(self) -> None: ...
 
 
-class HFEngine:
-    """Batched sampling with HF transformers on a private copy of the model."""
-
-    def __init__(self, cfg: Config, model: nn.Module, tokenizer, device):
-        self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
-        self.model = copy.deepcopy(model).eval().requires_grad_(False)
-        if cfg.fp8.rollout:  # W8A8 block linears on the same skip-list as the trainer and export
-            from fp8.linear import convert_to_fp8_rollout
-            convert_to_fp8_rollout(self.model, cfg.fp8)
-        if cfg.fp8.kv_cache:  # as vLLM: FP8 attention with scales 1.0 until calibrated scales arrive
-            self.set_kv_scales({i: (1.0, 1.0, 1.0) for i in range(self.model.config.num_hidden_layers)})
-
-    @torch.no_grad()
-    def update_weights(self, weights):
-        from fp8.export import load_exported_into_hf
-
-        load_exported_into_hf(self.model, weights)
-
-    def set_kv_scales(self, scales):
-        from fp8.calibrate import set_kv_scales
-
-        set_kv_scales(self.model, scales)  # q/k/v fake-quantized to e4m3 with these scales
-
-    def sleep(self):  # nothing to release on CPU
-        pass
-
-    def wake(self):
-        pass
-
-    @torch.no_grad()
-    def generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seed=None):
-        """Sampling is Gumbel-max with one generator per sample (sample j of prompt i: seed + i*n + j),
-        so a sample does not depend on which other prompts share the batch (e.g. how prompts are
-        split over ranks), as in vLLM's per-request seeds."""
-        from transformers import GenerationConfig, LogitsProcessorList
-
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        rows = [ids for ids in prompt_ids for _ in range(n)]  # group by group
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, r in enumerate(rows):  # left padding
-            input_ids[i, width - len(r):] = torch.tensor(r)
-            attention_mask[i, width - len(r):] = 1
-        greedy = temperature == 0
-        if seed is None:
-            seed = int(torch.randint(2**62, ()))
-        sampler = None if greedy else _GumbelSampler(range(seed, seed + len(rows)), temperature, top_p)
-        gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                   pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
-        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                  generation_config=gen_cfg, logits_processor=LogitsProcessorList(
-                                      [sampler] if sampler else []))
-        new_tokens = out.sequences[:, width:]  # [B, T_new]
-        # processed logits: log_softmax(top-p(logits / T)) (greedy: the raw logits)
-        scores = torch.stack(sampler.processed if sampler else out.scores, dim=1).float()  # [B, T_new, V]
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B, T_new]
-        samples = []
-        for i, r in enumerate(rows):
-            toks = new_tokens[i].tolist()
-            finish = "length"
-            if eos in toks:
-                toks, finish = toks[: toks.index(eos) + 1], "stop"
-            samples.append(Sample(i // n, r, toks, logprobs[i, : len(toks)].tolist(), finish))
-        return samples
-
-
-class _GumbelSampler:
-    """HF logits processor that turns greedy decoding into sampling: argmax(l + G) with G ~ Gumbel(0, 1)
-    i.i.d. is an exact draw from softmax(l), for l = top-p(logits / T). Each row has its own generator;
-    `processed` keeps l per step (the distribution the sample came from)."""
-
-    def __init__(self, seeds, temperature: float, top_p: float):
-        from transformers import TopPLogitsWarper
-
-        self.gens = [torch.Generator().manual_seed(s) for s in seeds]
-        self.temperature, self.processed = temperature, []
-        self.top_p = TopPLogitsWarper(top_p) if top_p < 1.0 else None
-
-    def __call__(self, input_ids, scores):
-        logits = scores.float() / self.temperature
-        if self.top_p is not None:
-            logits = self.top_p(input_ids, logits)
-        self.processed.append(logits)
-        u = torch.stack([torch.rand(logits.shape[-1], generator=g, dtype=torch.float64) for g in self.gens])
-        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
-        return logits + gumbel.to(logits)
-
-
 def make_engine(cfg: Config, model, tokenizer, device, model_dir=None) -> Engine:
+    """The engine cfg.rollout.engine names; model_dir: the config dir vLLM loads (None: the model's)."""
     if cfg.rollout.engine == "hf":
+        from engines.hf import HFEngine
+
         return HFEngine(cfg, model, tokenizer, device)
+    from engines.vllm import VLLMEngine
+
     return VLLMEngine(cfg, model, tokenizer, device, model_dir)
 
 
-# ----------------------------------------------------------------------------------- vLLM engine
-# Everything vLLM-specific is imported lazily (CPU CI imports this module without a working vLLM).
-# Internals used below are those of vLLM 0.26.0 (requirements.txt pins it); each such use says so.
+def __getattr__(name: str):
+    """`rollout.HFEngine` / `rollout.VLLMEngine`, the names the design doc gives, imported on first use
+    (engines/ imports this module for Sample)."""
+    if name == "HFEngine":
+        from engines.hf import HFEngine
 
-_KV_SCALE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\..*?\b(q|k|v|kv)_scale$")
+        return HFEngine
+    if name == "VLLMEngine":
+        from engines.vllm import VLLMEngine
 
-
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.26's layerwise reload
-
-
-def quiet_rotary_reload(record: logging.LogRecord) -> bool:
-    """Logging filter: drops vLLM 0.26's "RotaryEmbedding: Failed to load weights", logged at every
-    refit. A rotary embedding has no tensor in the HF state dict, and vLLM puts the layer's own
-    cos/sin cache back; tests/gpu/test_vllm_engine.py checks the refit engine's logprobs against
-    the trainer. Every other record passes."""
-    return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
-
-
-def vllm_env(cfg: Config) -> dict[str, str]:
-    """Environment vLLM must see before it is imported / the engine is built."""
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in this process: weights reachable
-        "VLLM_USE_DEEP_GEMM_E8M0": "0",  # else block scales are re-rounded to powers of two
-    }
-    if cfg.rollout.tensor_parallel_size > 1:  # torch symmetric-memory all-reduce (vLLM's default) needs NVLink
-        # multicast: on a host without it the first TP forward dies with an illegal address (H200 x2, 2026-11-22)
-        env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = os.environ.get("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
-    backend = cfg.fp8.linear_backend
-    if backend in ("cutlass", "triton"):  # no DeepGEMM anywhere: no JIT, no deep_gemm warmup
-        env["VLLM_USE_DEEP_GEMM"] = "0"
-    elif backend == "deep_gemm":
-        env["VLLM_USE_DEEP_GEMM"] = "1"
-    return env
-
-
-def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_config: dict | None = None,
-                       architecture: str | None = None) -> dict:
-    """Keyword arguments of vllm.LLM (== vllm.engine.arg_utils.EngineArgs fields) for this run.
-
-    architecture: the trainer's class (e.g. LlamaForCausalLM), forced through hf_overrides so a
-    config dir without "architectures" (modeling.save_config_dir writes it; older dirs may lack
-    it) cannot make vLLM 0.26 resolve the headless LlamaModel. quant_config:
-    fp8.export.vllm_quantization_config (fp8.rollout), whose ignored_layers are the HF linears THE
-    skip-list keeps in BF16."""
-    r, f = cfg.rollout, cfg.fp8
-    overrides = {"architectures": [architecture]} if architecture else {}
-    kw = dict(
-        model=str(model_dir), dtype="bfloat16", tensor_parallel_size=r.tensor_parallel_size, seed=r.seed,
-        load_format="dummy",  # real weights arrive through update_weights (reload_weights)
-        gpu_memory_utilization=r.gpu_memory_utilization, enable_sleep_mode=r.sleep_mode,
-        enforce_eager=r.enforce_eager, max_model_len=r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens,
-        logprobs_mode="processed_logprobs",  # log_softmax(logits / T): the repo's convention
-    )
-    if r.block_size:
-        kw["block_size"] = r.block_size
-    if f.rollout:
-        kw["quantization"] = "fp8"
-        if quant_config is None:
-            raise ValueError("fp8.rollout needs quant_config=fp8.export.vllm_quantization_config(model, cfg.fp8)")
-        overrides["quantization_config"] = quant_config
-        if f.linear_backend != "auto":
-            kw["linear_backend"] = f.linear_backend  # KernelConfig.linear_backend filters the kernel list
-    if f.kv_cache:
-        kw["kv_cache_dtype"] = "fp8"
-        kw["calculate_kv_scales"] = False  # scales come from set_kv_scales, never from a batch
-        # FA3 reads q/k/v descales from device tensors at launch, so set_kv_scales' in-place
-        # updates reach it (also inside CUDA graphs); FlashInfer would bake host floats.
-        kw["attention_config"] = ({"backend": "FLASH_ATTN", "flash_attn_version": 3} if f.kv_attention == "fa3"
-                                  else {"backend": "TRITON_ATTN"})
-    if world_size > 1:  # torchrun: vLLM lays ranks out as external DP x TP (parallel_state.py); each group
-        # of tensor_parallel_size consecutive ranks is one engine, the groups generate independently
-        kw["distributed_executor_backend"] = "external_launcher"
-        if r.tensor_parallel_size > 1:  # NCCL all-reduce only: no IPC buffers outside the sleep-mode allocator,
-            # and no all-reduce + RMSNorm fusion (its FlashInfer backend also needs multicast memory)
-            kw["disable_custom_all_reduce"] = True
-            kw["compilation_config"] = {"pass_config": {"fuse_allreduce_rms": False}}
-    elif r.tensor_parallel_size > 1:
-        raise ValueError(f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs as many torchrun ranks")
-    if overrides:
-        kw["hf_overrides"] = overrides
-    return kw
-
-
-def vllm_requests(prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                  max_new_tokens: int, seed: int | None = None, ignore_eos: bool = False):
-    """[(prompt_index, TokensPrompt, SamplingParams)] for LLM.generate.
-
-    Greedy (temperature 0) is one request per sample (vLLM refuses n > 1 when greedy); sampling
-    is one request with n samples per prompt, seeded seed + i * n for prompt i (vLLM gives its
-    j-th sample seed + i * n + j: all distinct). logprobs=0 returns only the sampled token's
-    logprob; flat_logprobs keeps it in plain lists; no detokenization (the trainer decodes).
-    ignore_eos: fixed-length generation, for benchmarks.
-    """
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    greedy = temperature == 0
-    per = 1 if greedy else n
-    out = []
-    for i, ids in enumerate(prompt_ids):
-        params = SamplingParams(n=per, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                max_tokens=max_new_tokens, logprobs=0, flat_logprobs=True, detokenize=False,
-                                ignore_eos=ignore_eos,
-                                seed=None if greedy or seed is None else seed + i * n)
-        out += [(i, TokensPrompt(prompt_token_ids=list(ids)), params)] * (n // per)
-    return out
-
-
-@contextlib.contextmanager
-def kept_env(name: str):
-    """Restore os.environ[name] (or its absence) on exit. vLLM's engine start points the process-wide
-    TRITON_CACHE_DIR into its per-config compile cache (vllm/compilation/compiler_interface.py), so
-    torchao's autotuning in the colocated trainer would not land in fp8.linear.keep_triton_autotuning's
-    fixed dir (H100, 2026-11-23: 0 autotune files there after a first FP8 step that autotuned)."""
-    before = os.environ.get(name)
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
-
-
-def kv_scale_entry(name: str) -> tuple[int, str] | None:
-    """(layer, 'q'|'k'|'v'|'kv') for a checkpoint-style kv-scale name, e.g.
-    model.layers.3.self_attn.k_scale or model.layers.3.self_attn.k_proj.k_scale ('kv': the
-    deprecated shared k/v scale); None for anything else (weight_scale_inv included)."""
-    m = _KV_SCALE_RE.search(name)
-    return (int(m.group(1)), m.group(2)) if m else None
-
-
-class VLLMEngine:
-    """vLLM in-process, colocated with the trainer: one `vllm.LLM` per process (vLLM allows one).
-
-    Weights: the engine starts from dummy weights; every `update_weights` streams the export
-    (fp8 e4m3 weights + fp32 weight_scale_inv for FP8 linears, bf16 for the rest) through vLLM's
-    layerwise `reload_weights`, which copies into the existing parameter storage (CUDA graphs
-    stay valid). `generate` refuses to run before the first update.
-    Sleep (rollout.sleep_mode): level 2 frees weights and KV cache; `update_weights` wakes only
-    the weights before reloading, `generate`/`wake` wake the rest. Because level 2 discards the
-    weights, a sleep must be followed by update_weights before the next generate.
-    KV scales: written in place into each Attention layer's scale tensors (see set_kv_scales).
-    """
-
-    def __init__(self, cfg: Config, model: nn.Module, tokenizer, device, model_dir=None):
-        self.cfg, self.tokenizer, self.device = cfg, tokenizer, device
-        if model_dir is None:  # the tiny model has no dir of its own: write config + tokenizer
-            if cfg.model.name_or_path != "tiny":
-                model_dir = cfg.model.name_or_path
-            else:
-                import tempfile
-
-                from modeling import save_config_dir
-
-                model_dir = save_config_dir(model, tokenizer, tempfile.mkdtemp(prefix="vllm_engine_"))
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-            # vLLM 0.26 external_launcher joins the trainer's process group (world_size 1 + RANK>0 fails)
-            raise RuntimeError("VLLMEngine under torchrun: initialize torch.distributed before the engine")
-        from fp8.export import vllm_quantization_config
-        quant_config = vllm_quantization_config(model, cfg.fp8) if cfg.fp8.rollout else None
-        arch = (getattr(getattr(model, "config", None), "architectures", None) or [type(model).__name__])[0]
-        self.engine_kwargs = vllm_engine_kwargs(cfg, model_dir, world_size, quant_config, arch)
-        os.environ.update(vllm_env(cfg))  # before the first `import vllm`
-        try:
-            import vllm
-        except (ImportError, OSError) as e:  # not installed, or a build that does not match this CUDA/torch
-            why = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-            raise UserError(f"rollout.engine=vllm but vllm does not import ({why}); install it on a Linux CUDA "
-                            "host with `pip install vllm==0.26.0` (requirements.txt), or set "
-                            "rollout.engine=hf") from None
-
-        logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload)
-        t0 = time.perf_counter()
-        with kept_env("TRITON_CACHE_DIR"):  # the trainer's Triton autotuning stays in its fixed dir
-            self.llm = vllm.LLM(**self.engine_kwargs)
-        self.startup_s = time.perf_counter() - t0
-        # vLLM 0.26 runs dense decoders on Model Runner V2 (config/vllm.py use_v2_model_runner), whose
-        # Gumbel sampler seeds every request from (seed, position) in one kernel; unseeded requests
-        # draw a seed from numpy's global RNG. V1 samples seeded requests row by row in Python.
-        self.v2_runner = bool(self.llm.llm_engine.model_executor.driver_worker.worker.use_v2_model_runner)
-        # Seeded calls: the trainer gives each engine its own range. Unseeded calls: one stream per engine
-        # (the ranks of a TP group must draw the same seeds: they run the same requests in lockstep).
-        self._engine_id = int(os.environ.get("RANK", "0")) // cfg.rollout.tensor_parallel_size
-        self._seeds = random.Random(f"{cfg.rollout.seed}/{self._engine_id}")  # for unseeded calls (V2)
-        self.sleep_mode = cfg.rollout.sleep_mode
-        # 2: discard weights + KV cache (we reload all weights every step anyway); 1 would copy the
-        # weights to pinned CPU memory and back for nothing. Level 2 also discards what vLLM 0.26
-        # allocates next to the weights (V2 runner load_model: sampler penalty / logit-bias / bad-word
-        # / grammar buffers); our requests use none of those features. Model buffers (e.g. the kv
-        # scales, rotary caches) are saved and restored by gpu_worker.Worker.sleep/wake_up.
-        self.sleep_level = 2
-        self._asleep: set[str] = set()  # subset of {"weights", "kv_cache"}
-        self._weights_loaded = False
-        self.kv_scales: dict[int, tuple[float, float, float]] = {}  # applied per layer (q, k, v)
-        self.last_refit_s = 0.0
-        if cfg.fp8.kv_cache:  # known start: 1.0 until calibrated. The dummy load wrote the same random
-            # value into every 0-d scale param, which vLLM 0.26 Fp8KVCacheMethod may have adopted.
-            self.set_kv_scales({i: (1.0, 1.0, 1.0) for i in self._attention_layers()})
-
-    # ------------------------------------------------------------------ vLLM internals (0.26)
-
-    def _model(self) -> nn.Module:
-        # vLLM 0.26 in-process: LLMEngine.model_executor (UniProcExecutor / ExecutorWithExternalLauncher)
-        # .driver_worker (WorkerWrapperBase) .worker (gpu_worker.Worker) .get_model() unwraps CUDA graphs.
-        return self.llm.llm_engine.model_executor.driver_worker.worker.get_model()
-
-    def _attention_layers(self) -> dict[int, nn.Module]:
-        """{decoder layer index: vLLM Attention module} (model.layers.{i}.self_attn.attn); the
-        modules outlive reloads (only their tensors are replaced), so this is computed once."""
-        if getattr(self, "_attn", None) is None:
-            from vllm.model_executor.layers.attention import Attention  # vLLM 0.26 location
-
-            self._attn = {}
-            for name, mod in self._model().named_modules():
-                m = re.search(r"(?:^|\.)layers\.(\d+)\.", name)
-                if isinstance(mod, Attention) and m:
-                    self._attn[int(m.group(1))] = mod
-        return self._attn
-
-    def _wake(self, tags=("weights", "kv_cache")) -> None:
-        todo = [t for t in ("weights", "kv_cache") if t in tags and t in self._asleep]
-        if not todo:
-            return
-        if torch.cuda.is_available():  # the trainer's cached free blocks (activations) back to the driver,
-            torch.cuda.empty_cache()   # where vLLM's allocator maps its pools: only live tensors stay out
-        self.llm.wake_up(tags=todo)  # vLLM 0.26: partial wake by tag (executor tracks sleeping_tags)
-        self._asleep -= set(todo)
-        if "weights" in todo:  # waking restores the buffers saved at sleep: apply scales set since
-            self._apply_kv_scales()
-
-    # ------------------------------------------------------------------ Engine protocol
-
-    def sleep(self) -> None:
-        if not self.sleep_mode or self._asleep == {"weights", "kv_cache"}:
-            return
-        self._wake()  # vLLM sleeps all or nothing: finish a partial wake first
-        self.llm.sleep(level=self.sleep_level)
-        self._asleep = {"weights", "kv_cache"}
-        if self.sleep_level >= 2:
-            self._weights_loaded = False  # discarded; the next update_weights brings them back
-
-    def wake(self) -> None:
-        self._wake()
-
-    @torch.no_grad()
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Stream (HF name, tensor) pairs into vLLM. kv-scale entries ("...layers.{i}...{q,k,v}_scale")
-        are taken out of the stream and applied like set_kv_scales. Times the reload (which also
-        runs the export generator, i.e. quantization) into self.last_refit_s."""
-        self._wake(("weights",))  # KV cache stays asleep: the trainer may still hold its memory
-        kv: dict[int, dict[str, float]] = {}
-
-        def stream():
-            for name, t in weights:
-                if (e := kv_scale_entry(name)) is not None:
-                    kv.setdefault(e[0], {}).update(dict.fromkeys(e[1], float(t)))
-                elif t.dtype == torch.float32 and not name.endswith("_scale_inv"):
-                    yield name, t.to(torch.bfloat16)  # fp32 master weights -> the engine's bf16
-                else:
-                    yield name, t
-
-        t0 = time.perf_counter()
-        # vLLM 0.26 gpu_worker.Worker.reload_weights -> GPUModelRunner.reload_weights(weights_iterator,
-        # is_checkpoint_format=True): layerwise reload, process_weights_after_loading per layer, results
-        # copied into the original tensors. (model.load_weights on a processed model fails.)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream()})
-        torch.cuda.synchronize()
-        self.last_refit_s = time.perf_counter() - t0
-        self._weights_loaded = True
-        for i, d in kv.items():
-            old = self.kv_scales.get(i, (1.0, 1.0, 1.0))
-            self.kv_scales[i] = tuple(d.get(c, o) for c, o in zip("qkv", old))
-        # Reload re-runs Attention.process_weights_after_loading, which resets the scales to 1.0 when
-        # the linears are unquantized (vLLM 0.26 attention.py set_default_quant_scales): re-apply.
-        self._apply_kv_scales()
-        if not self.llm.reset_prefix_cache():  # cached KV was computed by the old weights
-            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running?)")
-
-    def set_kv_scales(self, scales: dict[int, tuple[float, float, float]]) -> None:
-        """Per decoder layer (q_scale, k_scale, v_scale), vLLM's convention x ~= e4m3(x / s) * s
-        (s = amax / 448). Applied now if the weights are resident, else on the next wake/update."""
-        for i, s in scales.items():
-            if len(s) != 3 or not all(0.0 < float(x) < float("inf") for x in s):
-                raise ValueError(f"kv scales of layer {i} must be 3 positive finite floats, got {s}")
-        self.kv_scales.update({int(i): tuple(float(x) for x in s) for i, s in scales.items()})
-        if "weights" not in self._asleep:  # (asleep: sleep already dropped the prefix cache)
-            self._apply_kv_scales()
-            self.llm.reset_prefix_cache()  # cached fp8 K/V were written with the old scales
-
-    def _apply_kv_scales(self) -> None:
-        if not self.kv_scales or not self.cfg.fp8.kv_cache:
-            return
-        attn = self._attention_layers()
-        missing = sorted(set(self.kv_scales) - set(attn))
-        if missing:
-            raise KeyError(f"kv scales for layers {missing}, but vLLM has attention layers {sorted(attn)}")
-        for i, (q, k, v) in self.kv_scales.items():
-            a = attn[i]
-            # vLLM 0.26 Attention: _q/_k/_v_scale are 0-d fp32 device buffers. FA3 reads them at launch
-            # (flash_attn.py: q/k/v_descale = layer._x_scale.expand(...)), reshape_and_cache_flash divides
-            # k/v by them and Attention.forward's QuantFP8 quantizes q with _q_scale: fill_ in place keeps
-            # CUDA graphs valid. The host mirrors are read by other backends (FlashInfer, ROCm): keep in sync.
-            a._q_scale.fill_(q)
-            a._k_scale.fill_(k)
-            a._v_scale.fill_(v)
-            a._q_scale_float, a._k_scale_float, a._v_scale_float = q, k, v
-            a._k_scale_cpu.fill_(k)
-            a._v_scale_cpu.fill_(v)
-
-    @torch.no_grad()
-    def generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seed=None) -> list[Sample]:
-        """n samples per prompt, ordered prompt by prompt; Sample.logprobs = the sampled tokens'
-        logprobs under log_softmax(logits / temperature) (greedy: under the raw logits).
-        seed: makes the call reproducible (V2: per-request seeds; V1: the CUDA RNG, restored after)."""
-        if not prompt_ids:
-            return []
-        if not self._weights_loaded:
-            raise RuntimeError("VLLMEngine.generate before update_weights (the engine starts from dummy "
-                               "weights, and sleep level 2 discards them)")
-        self._wake()
-        if self.v2_runner:  # per-request seeds: free in V2, and no draw from the trainer's numpy RNG
-            base = seed if seed is not None else self._seeds.getrandbits(62)
-            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens, base, self.cfg.rollout.ignore_eos)
-            outs = self.llm.generate([p for _, p, _ in reqs], [s for _, _, s in reqs], use_tqdm=False)
-        else:  # V1 (vLLM 0.26 topk_topp_sampler.random_sample): seeded rows go one by one in Python;
-            # unseeded rows use the device's default CUDA generator, in-process ours: seed it for this
-            # call, then restore the trainer's RNG state.
-            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens,
-                                 ignore_eos=self.cfg.rollout.ignore_eos)
-            with torch.random.fork_rng(devices=[torch.cuda.current_device()], enabled=seed is not None):
-                if seed is not None:
-                    torch.cuda.manual_seed(seed)
-                outs = self.llm.generate([p for _, p, _ in reqs], [s for _, _, s in reqs], use_tqdm=False)
-        samples = []
-        for (i, _, _), out in zip(reqs, outs):  # LLM.generate keeps the input order
-            for o in sorted(out.outputs, key=lambda o: o.index):
-                toks, lp = list(o.token_ids), o.logprobs  # FlatLogprobs: sampled token first per position
-                logprobs = [lp.logprobs[s] for s in lp.start_indices]
-                assert len(logprobs) == len(toks) and all(lp.token_ids[s] == t for s, t in zip(lp.start_indices, toks))
-                if o.finish_reason not in ("stop", "length"):
-                    raise RuntimeError(f"vLLM finished a request with reason {o.finish_reason!r}")
-                samples.append(Sample(i, list(prompt_ids[i]), toks, logprobs, o.finish_reason))
-        return samples
-
-    # ------------------------------------------------------------------ read-back for tests
-
-    def internal_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """HF parameter name -> (weight, weight_scale_inv or None) as vLLM holds it (clones).
-
-        vLLM fuses q/k/v_proj into qkv_proj and gate/up_proj into gate_up_proj (the model's
-        packed_modules_mapping), shards stacked along the output dim in that order; this returns
-        the named shard's rows: weight [N, K] (fp8 e4m3fn, or bf16 for unquantized layers) and
-        scale [ceil(N/128), ceil(K/128)] fp32. Padded vocab rows of embed_tokens/lm_head are cut.
-        Layouts are the cutlass backend's (weight kept [N, K], scales unchanged); deep_gemm
-        re-lays-out the scales.
-        """
-        if not self._weights_loaded:
-            raise RuntimeError("no weights loaded")
-        self._wake(("weights",))
-        model = self._model()
-        path = name.removesuffix(".weight")
-        parent, _, leaf = path.rpartition(".")
-        for fused, parts in getattr(model, "packed_modules_mapping", {}).items():
-            if leaf in parts:
-                mod = model.get_submodule(f"{parent}.{fused}" if parent else fused)
-                sizes = mod.output_partition_sizes  # vLLM 0.26 LinearBase: per-shard output sizes (TP=1)
-                idx = parts.index(leaf)
-                lo = sum(sizes[:idx])
-                hi = lo + sizes[idx]
-                break
-        else:
-            mod = model.get_submodule(path)
-            lo, hi = 0, getattr(mod, "org_vocab_size", mod.weight.shape[0])  # VocabParallelEmbedding pads rows
-        w = mod.weight
-        if hasattr(mod, "input_size_per_partition"):
-            assert w.shape[-1] == mod.input_size_per_partition, "unexpected (transposed) weight layout"
-        scale = getattr(mod, "weight_scale_inv", None)  # vLLM 0.26 Fp8LinearMethod (block) name
-        if scale is not None:
-            bn = (getattr(mod, "weight_block_size", None) or [BLOCK])[0]
-            scale = scale[lo // bn: -(-hi // bn)].detach().clone()
-        return w[lo:hi].detach().clone(), scale
-
-    def internal_kv_scales(self) -> dict[int, tuple[float, float, float]]:
-        """{layer: (q, k, v)} read back from vLLM's attention scale tensors."""
-        self._wake(("weights",))
-        return {i: (a._q_scale.item(), a._k_scale.item(), a._v_scale.item())
-                for i, a in sorted(self._attention_layers().items())}
+        return VLLMEngine
+    raise AttributeError(f"module 'rollout' has no attribute {name!r}")

@@ -25,7 +25,6 @@ import copy
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
 from datetime import datetime
@@ -35,8 +34,8 @@ import torch
 import yaml
 
 import distributed
-from checkpoint import (create_run_dir, load_latest, record_resume, remove_unstarted_run, resume_config,
-                        save_checkpoint, set_rng_state)
+from checkpoint import (atomic_write, create_run_dir, load_latest, record_resume, remove_unstarted_run,
+                        resume_config, save_checkpoint, set_rng_state)
 from config import Config, UserError, load_config, to_dict
 from data import (PromptSampler, data_warnings, format_reward, load_splits, math_reward, reward_last_number,
                   reward_stats)
@@ -94,9 +93,7 @@ class RunLogger:
                     keep.append(line + "\n")
             except (ValueError, KeyError, TypeError):
                 pass
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(keep))
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: f.write("".join(keep).encode()))
         self.file = open(path, "a")
         if self.tb is not None:
             from torch.utils.tensorboard import SummaryWriter

@@ -1,4 +1,4 @@
-"""q/k/v scale calibration from trainer forwards, and FP8 KV-cache/attention emulation for HF models.
+"""q/k/v scale calibration from trainer forwards, through one hook on HF attention.
 
 vLLM's FP8 KV cache stores k/v as e4m3(k / k_scale) with ONE static scale per layer (and its
 FP8 attention also quantizes q with q_scale), so the scales must cover the range of the current
@@ -16,12 +16,13 @@ state object on each attention module (`module._fp8_qkv`); modules without one (
 in the process) pass straight through. With a state it
   (a) while a QKVCalibrator captures: max-reduces max|q|, max|k|, max|v| into that module's
       state.amax [3] (device tensor, in place, no sync), the current micro-batch's record;
-  (b) when kv scales are set: fake-quantizes q, k, v to e4m3 with the per-layer scales before
-      calling the real attention (how the CPU engine emulates vLLM's FP8 KV cache + attention).
+  (b) when the state has a transform: replaces q, k, v by transform(q, k, v) before calling the
+      real attention (engines/hf.py: the CPU engine's emulation of vLLM's FP8 KV cache +
+      attention, which fake-quantizes them with the per-layer scales).
 Idle cost: one getattr per attention call. Recording runs under no_grad on detached tensors, so
-gradients are untouched; fake quantization uses a straight-through gradient if ever trained.
-Recording is an in-place tensor update, which torch.compile traces: a train.compile'd trainer
-calibrates inside its compiled layers (one more graph variant per layer: recording on/off).
+gradients are untouched. Recording is an in-place tensor update, which torch.compile traces: a
+train.compile'd trainer calibrates inside its compiled layers (one more graph variant per layer:
+recording on/off).
 
 Micro-batches: a forward pre-hook on the model (eager: outside the compiled layers) closes the
 previous record (stacks the modules' amax into an [L, 3] record and zeroes them) and starts a new
@@ -34,48 +35,28 @@ excluded from the amax (pad embeddings are finite but not representative); packe
 scales() = percentile over micro-batches of amax (linear interpolation, numpy's default) *
 margin / 448 per layer and tensor, max-reduced across ranks when torch.distributed is
 initialized (collective: every rank must call it). Scale convention = vLLM's: x ~= e4m3(x/s)*s.
-
-Emulation vs vLLM (FA3 backend with kv_cache_dtype=fp8): k/v quantized exactly as the cache
-write kernel does (divide by scale, saturate), q as QuantFP8's static per-tensor path (multiply
-by fp32(1/scale)). Not emulated: the e4m3 rounding of the softmax probabilities P inside FA3's
-FP8 kernel, and the dequantized q/k/v are rounded to the model dtype here whereas FA3 applies
-the descales to its fp32 accumulators.
 """
 
 import contextlib
 import sys
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
-from fp8.quant import FP8_MAX, fake_quant_per_tensor
+from fp8.quant import FP8_MAX
 
 
 class _State:
-    """Per attention module: who records, and the (q, k, v) scales for fake quantization."""
+    """Per attention module: who records, and what replaces q, k, v before attention."""
 
-    __slots__ = ("calibrator", "scales", "amax")
+    __slots__ = ("calibrator", "amax", "transform")
 
     def __init__(self):
         self.calibrator: QKVCalibrator | None = None
-        self.scales: tuple[float, float, float] | None = None
         self.amax: Tensor | None = None  # [3] max|q|, max|k|, max|v| of the open record
-
-
-class _FakeQuantSTE(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, scale: float, reciprocal: bool) -> Tensor:
-        return fake_quant_per_tensor(x, scale, reciprocal)
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        return g, None, None
-
-
-def _fake_quant(x: Tensor, scale: float, reciprocal: bool) -> Tensor:
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _FakeQuantSTE.apply(x, scale, reciprocal)
-    return fake_quant_per_tensor(x, scale, reciprocal)
+        # (q, k, v) -> (q, k, v) before attention, e.g. engines.hf.FP8QKV (FP8 attention emulation)
+        self.transform: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None
 
 
 def _own_eager(module: nn.Module):
@@ -99,10 +80,8 @@ def _wrap(impl: str) -> None:
         if st is not None:
             if st.calibrator is not None:
                 st.calibrator._record(st, query, key, value)
-            if st.scales is not None:
-                qs, ks, vs = st.scales
-                query = _fake_quant(query, qs, True)
-                key, value = _fake_quant(key, ks, False), _fake_quant(value, vs, False)
+            if st.transform is not None:
+                query, key, value = st.transform(query, key, value)
         fn = orig if orig is not None else _own_eager(module)
         return fn(module, query, key, value, attention_mask, **kwargs)
 
@@ -133,37 +112,10 @@ def install(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def uninstall(model: nn.Module) -> None:
-    """Drop the model's scales and calibrator state; its attention is then plain again (the
+    """Drop the model's transform and calibrator state; its attention is then plain again (the
     global wrapper stays registered and passes modules without state straight through)."""
     for m in attention_modules(model).values():
         m.__dict__.pop("_fp8_qkv", None)
-
-
-def set_kv_scales(model: nn.Module, scales: dict[int, tuple[float, float, float]] | None) -> None:
-    """Turn on FP8 q/k/v fake quantization with {layer: (q_scale, k_scale, v_scale)}; None = off."""
-    mods = install(model)
-    if scales is not None and (missing := sorted(set(mods) - set(scales))):
-        raise KeyError(f"kv scales missing for layers {missing}")
-    for i, m in mods.items():
-        m._fp8_qkv.scales = None if scales is None else tuple(float(s) for s in scales[i])
-
-
-def get_kv_scales(model: nn.Module) -> dict[int, tuple[float, float, float]] | None:
-    st = {i: getattr(m, "_fp8_qkv", None) for i, m in attention_modules(model).items()}
-    if not st or any(s is None or s.scales is None for s in st.values()):
-        return None
-    return {i: s.scales for i, s in st.items()}
-
-
-@contextlib.contextmanager
-def fp8_attention(model: nn.Module, scales: dict[int, tuple[float, float, float]]):
-    """Context manager form of set_kv_scales; restores the previous scales on exit."""
-    prev = get_kv_scales(model)
-    set_kv_scales(model, scales)
-    try:
-        yield model
-    finally:
-        set_kv_scales(model, prev)
 
 
 _token_mask: Tensor | None = None  # set by token_mask(): real tokens of a forward run without its mask
@@ -279,16 +231,3 @@ class QKVCalibrator:
         if not self._records:
             raise RuntimeError("QKVCalibrator: nothing captured (run forwards inside capture())")
         return scales_from_amax(torch.stack(self._records), self.percentile, self.margin, sorted(self._mods))
-
-
-def enable_fp8_attention(model: nn.Module, scales: dict[int, tuple[float, float, float]]) -> None:
-    """Alias of set_kv_scales(model, scales)."""
-    set_kv_scales(model, scales)
-
-
-def disable_fp8_attention(model: nn.Module) -> None:
-    """Alias of set_kv_scales(model, None): attention in high precision again."""
-    set_kv_scales(model, None)
-
-
-set_fp8_attention = set_kv_scales  # the name rollout.HFEngine uses

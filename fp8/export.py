@@ -1,7 +1,7 @@
 """Stream trainer weights to the rollout engine in HF checkpoint names, FP8 where fp8_plan says so.
 
     for name, t in export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout, kv_scales=scales):
-        ...  # vLLM: model.load_weights / reload_weights; CPU engine: load_exported_into_hf
+        ...  # vLLM: reload_weights (engines/vllm.py); CPU engine: engines.hf.load_exported_into_hf
 
 Names are the HF state_dict names of the unwrapped model (`model.layers.0.self_attn.q_proj.
 weight`, ...), the converted FP8 training linears keep those names. With fp8=True each FP8
@@ -30,16 +30,15 @@ one); the state_dict used for iteration holds references, not copies.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from fp8.calibrate import attention_modules, set_kv_scales
-from fp8.linear import EmulatedFP8Linear
+from fp8.calibrate import attention_modules
 from fp8.plan import clean_name, fp8_plan
-from fp8.quant import BLOCK, E4M3, dequantize_blockwise, quantize_blockwise
+from fp8.quant import BLOCK, quantize_blockwise
 
 if TYPE_CHECKING:
     from config import FP8Config
@@ -98,59 +97,3 @@ def vllm_quantization_config(model: nn.Module, cfg: FP8Config) -> dict:
     ignored = sorted(name for name, (ok, _) in fp8_plan(model, cfg).items() if not ok)
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [BLOCK, BLOCK], "ignored_layers": ignored}
-
-
-@torch.no_grad()
-def load_exported_into_hf(model: nn.Module, pairs: Iterable[tuple[str, Tensor]],
-                          strict: bool = True) -> set[str]:
-    """Receive an export_weights stream into an HF model, as vLLM would.
-
-    FP8 weights are dequantized (q * scale_inv, float32, then the parameter dtype); into an
-    EmulatedFP8Linear (convert_to_fp8_rollout) the exact FP8 bytes are also pinned, so its GEMM
-    uses them. KV scales, if present, turn on FP8 attention emulation (calibrate.set_kv_scales).
-    Returns the names of the parameters/buffers written; strict=True raises on unknown names.
-    """
-    params = {clean_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
-    modules = {clean_name(n): m for n, m in model.named_modules()}
-    pending: dict[str, dict[str, Tensor]] = {}  # prefix -> {"q": ..., "s": ...} until both arrived
-    kv_prefix = {p: i for i, p in kv_scale_names(model).items()}
-    kv: dict[int, dict[str, float]] = {}
-    loaded: set[str] = set()
-    for name, t in pairs:
-        if name.endswith(SCALE_SUFFIX) or (t.dtype == E4M3 and name.endswith(".weight")):
-            is_scale = name.endswith(SCALE_SUFFIX)
-            prefix = name[: -len(SCALE_SUFFIX)] if is_scale else name[: -len(".weight")]
-            slot = pending.setdefault(prefix, {})
-            slot["s" if is_scale else "q"] = t
-            if len(slot) < 2:
-                continue
-            del pending[prefix]
-            target = params.get(prefix + ".weight")
-            if target is None:
-                if strict:
-                    raise KeyError(f"exported FP8 weight {prefix}.weight not in model")
-                continue
-            mod = modules.get(prefix)
-            if isinstance(mod, EmulatedFP8Linear):
-                mod.load_fp8_weight(slot["q"], slot["s"])
-            else:
-                target.copy_(dequantize_blockwise(slot["q"].to(target.device), slot["s"].to(target.device),
-                                                  BLOCK, target.dtype))
-            loaded.add(prefix + ".weight")
-            continue
-        prefix, _, leaf = name.rpartition(".")
-        if leaf in KV_SCALE_NAMES and prefix in kv_prefix:
-            kv.setdefault(kv_prefix[prefix], {})[leaf] = float(t)
-            continue
-        target = params.get(name)
-        if target is None:
-            if strict:
-                raise KeyError(f"exported tensor {name} not in model")
-            continue
-        target.copy_(t.to(target.device, target.dtype))
-        loaded.add(name)
-    if pending:
-        raise ValueError(f"FP8 weights without their scale (or vice versa): {sorted(pending)}")
-    if kv:
-        set_kv_scales(model, {i: tuple(d[n] for n in KV_SCALE_NAMES) for i, d in kv.items()})
-    return loaded

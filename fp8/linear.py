@@ -30,8 +30,8 @@ Speed-only structure, same quantization, lives in fp8/fast/ and is applied to th
 by its one entry point, fp8.fast.apply (called at the end of convert_to_fp8_training): a one-pass
 activation quantizer, fused projections, a fused SwiGLU MLP and a weight cache.
 
-`convert_to_fp8_rollout` builds the CPU stand-in for vLLM's W8A8 linear: activations use
-vLLM's 1x128 recipe (divide by amax/448) and weights can be pinned to the exact exported FP8
+engines/hf.py's `convert_to_fp8_rollout` builds the CPU stand-in for vLLM's W8A8 linear from the
+same EmulatedFP8Linear: activations use vLLM's 1x128 recipe (divide by amax/448) and weights can be pinned to the exact exported FP8
 bytes (load_fp8_weight), so the CPU engine computes what vLLM would up to accumulation order.
 """
 
@@ -402,20 +402,6 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
         kinds.add(kind)
     kind = "block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")"
     log_summary(kind + "".join(f", {s}" for s in fast.apply(model, cfg)), plan)
-    return converted
-
-
-def convert_to_fp8_rollout(model: nn.Module, cfg: FP8Config) -> list[str]:
-    """CPU/HF stand-in for vLLM's block W8A8 linears: EmulatedFP8Linear with vLLM's activation
-    recipe on exactly the fp8_plan set. Feed weights with fp8.export.load_exported_into_hf."""
-    plan = fp8_plan(model, cfg)
-    converted = []
-    for raw_name, mod in list(model.named_modules()):
-        name = clean_name(raw_name)
-        if isinstance(mod, nn.Linear) and not is_fp8_linear(mod) and plan.get(name, (False,))[0]:
-            _replace(model, raw_name, EmulatedFP8Linear.from_linear(mod, "vllm"))
-            converted.append(name)
-    log_summary("block-W8A8 (vLLM emulation)", plan)
     return converted
 
 

@@ -4,7 +4,7 @@ The GRPO importance ratio pi_train/pi_rollout is only meaningful if both sides r
 function. If the trainer quantizes a layer the engine keeps in BF16 (or the reverse), every
 token's log-prob carries a systematic offset that IS correction cannot tell from policy change:
 it silently biases the ratios, clipping and the mismatch metrics. So `fp8_plan` decides for
-fp8/linear.py (convert_to_fp8_training, convert_to_fp8_rollout) and fp8/export.py alike.
+fp8/linear.py (convert_to_fp8_training), engines/hf.py (convert_to_fp8_rollout) and fp8/export.py alike.
 
 Stays BF16: embeddings and lm_head (logits are what the RL ratio is computed from), MoE routers
 (tiny, decisions are discontinuous), linears with a bias, linears whose dims are not multiples of
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 _WRAPPER_PARTS = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
 _ROUTER_PATTERNS = ("*router*", "*.mlp.gate", "*.block_sparse_moe.gate", "*shared_expert_gate")
 FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM's packed modules
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 def clean_name(name: str) -> str:
@@ -50,7 +50,7 @@ def num_decoder_layers(model: nn.Module) -> int:
     n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     if isinstance(n, int):
         return n
-    idx = [int(m.group(1)) for name, _ in model.named_modules() if (m := _LAYER_RE.search(name + "."))]
+    idx = [int(m.group(1)) for name, _ in model.named_modules() if (m := LAYER_RE.search(name + "."))]
     return max(idx) + 1 if idx else 0
 
 
@@ -79,7 +79,7 @@ def fp8_eligible(name: str, module: nn.Module, cfg: FP8Config, num_layers: int) 
         for pat in cfg.keep_bf16 if sib != leaf else ():
             if fnmatch.fnmatchcase(f"{parent}.{sib}", pat):
                 return False, f"fused with {sib} (keep_bf16 '{pat}')"
-    if m := _LAYER_RE.search(name):
+    if m := LAYER_RE.search(name):
         i = int(m.group(1))
         if i < cfg.keep_first_layers:
             return False, "keep_first_layers"

@@ -189,7 +189,7 @@ def test_engine_args_accept_bench_configs(name, models, monkeypatch):
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
     from fp8.export import vllm_quantization_config
-    from rollout import vllm_engine_kwargs
+    from engines.vllm import vllm_engine_kwargs
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cfg_hf, model, path = models[name]

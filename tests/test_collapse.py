@@ -1,6 +1,7 @@
 """Collapse signals and dynamic sampling (losses/collapse.py), and their place in the loop."""
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -10,14 +11,19 @@ from losses import collapse
 from rollout import Sample
 
 
+@dataclass
+class TaggedSample(Sample):
+    id: str = ""  # the id of the prompt the sample was drawn for
+
+
 def make_round(rewards_by_group, texts_by_group=None, tag="r0"):
     """A Groups of len(rewards_by_group) prompts; prompt g is {'id': f'{tag}/{g}'} and its samples carry the
-    prompt's id in `extra`, so a test can check that prompt_index still points at the right prompt."""
+    prompt's id, so a test can check that prompt_index still points at the right prompt."""
     prompts, samples, texts, rewards = [], [], [], []
     for g, rs in enumerate(rewards_by_group):
         prompts.append({"id": f"{tag}/{g}", "prompt_ids": [g]})
         for j, r in enumerate(rs):
-            samples.append(Sample(g, [g], [j], [-0.5], "stop", extra={"id": f"{tag}/{g}"}))
+            samples.append(TaggedSample(g, [g], [j], [-0.5], "stop", id=f"{tag}/{g}"))
             texts.append(texts_by_group[g][j] if texts_by_group else str(j))
             rewards.append(float(r))
     r = torch.tensor(rewards)
@@ -25,7 +31,7 @@ def make_round(rewards_by_group, texts_by_group=None, tag="r0"):
 
 
 def ids(groups):
-    assert all(groups.prompts[s.prompt_index]["id"] == s.extra["id"] for s in groups.samples)
+    assert all(groups.prompts[s.prompt_index]["id"] == s.id for s in groups.samples)
     return [p["id"] for p in groups.prompts]
 
 

@@ -64,8 +64,9 @@ def test_dims_not_divisible_by_128_fall_back_to_bf16_loudly(capsys):
 
 
 def test_vllm_missing_names_the_install_command(monkeypatch):
+    from engines.vllm import vllm_env
     from modeling import build_char_tokenizer, build_tiny_model
-    from rollout import make_engine, vllm_env
+    from rollout import make_engine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["rollout.engine=vllm"])

@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import export_hf
 from checkpoint import latest_checkpoint, load_checkpoint
 from config import UserError, load_config
-from fp8.export import export_weights, load_exported_into_hf, vllm_quantization_config
+from engines.hf import load_exported_into_hf
+from fp8.export import export_weights, vllm_quantization_config
 from fp8.quant import E4M3
 from modeling import load_model_and_tokenizer
 
@@ -73,8 +74,7 @@ def test_plain_export_logits_bitwise(tiny_run, tmp_path):
 
 
 def test_fp8_export_round_trips_into_the_engine_model(tiny_run, tmp_path):
-    from fp8.calibrate import get_kv_scales
-    from fp8.linear import convert_to_fp8_rollout
+    from engines.hf import convert_to_fp8_rollout, get_kv_scales
 
     ref, tok, cfg, state = trained(tiny_run)
     assert state["kv_scales"]  # trained with fp8.kv_cache: calibrated scales in the checkpoint

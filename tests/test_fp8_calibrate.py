@@ -1,6 +1,7 @@
 """fp8/calibrate.py on CPU: captured q/k/v amax equal a hand computation with the layer's own
 projections and RoPE, padding is excluded, percentiles over micro-batches, gradients untouched,
-and FP8 attention emulation equals a manual quantize-dequantize."""
+and the CPU engine's FP8 attention emulation (engines/hf.py, through the same hook) equals a manual
+quantize-dequantize."""
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from fp8.calibrate import QKVCalibrator, fp8_attention, get_kv_scales, scales_from_amax, set_kv_scales, uninstall
+from engines.hf import fp8_attention, get_kv_scales, set_kv_scales
+from fp8.calibrate import QKVCalibrator, scales_from_amax, uninstall
 from fp8.quant import E4M3
 
 MARGIN = 1.05

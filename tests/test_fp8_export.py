@@ -9,9 +9,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from config import FP8Config
-from fp8.calibrate import get_kv_scales
-from fp8.export import export_weights, kv_scale_names, load_exported_into_hf, vllm_quantization_config
-from fp8.linear import EmulatedFP8Linear, convert_to_fp8_rollout, convert_to_fp8_training
+from engines.hf import convert_to_fp8_rollout, get_kv_scales, load_exported_into_hf
+from fp8.export import export_weights, kv_scale_names, vllm_quantization_config
+from fp8.linear import EmulatedFP8Linear, convert_to_fp8_training
 from fp8.plan import fp8_plan
 from fp8.quant import E4M3, dequantize_blockwise, quantize_blockwise
 

@@ -17,10 +17,11 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from config import FP8Config
+from engines.hf import convert_to_fp8_rollout
 from fp8 import linear as fp8_linear
 from fp8.fast import FusedLinear, FusedSwiGLU, swiglu, swiglu_backward
 from fp8.linear import (
-    EmulatedFP8Linear, bf16_reference, convert_to_fp8_rollout, convert_to_fp8_training, is_fp8_linear, use_torchao,
+    EmulatedFP8Linear, bf16_reference, convert_to_fp8_training, is_fp8_linear, use_torchao,
 )
 from fp8.plan import fp8_eligible, fp8_plan
 from fp8.quant import (

@@ -6,7 +6,7 @@ import torch
 
 import distributed
 from config import UserError, load_config
-from rollout import vllm_engine_kwargs, vllm_env
+from engines.vllm import vllm_engine_kwargs, vllm_env
 from test_distributed import by_step, launch
 
 

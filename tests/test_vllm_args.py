@@ -1,7 +1,7 @@
 """VLLMEngine's engine arguments, env and requests, validated on CPU by vLLM's own parsers.
 
 No GPU and no engine: EngineArgs / ModelConfig / Fp8Config / KernelConfig / CacheConfig /
-SamplingParams are built from what rollout.py would pass to vllm.LLM, against a tiny local
+SamplingParams are built from what engines/vllm.py would pass to vllm.LLM, against a tiny local
 Llama dir (config.json + char tokenizer). Tests needing vLLM skip when it does not import.
 """
 
@@ -17,8 +17,8 @@ import torch
 
 from config import load_config
 from fp8.export import vllm_quantization_config
-from rollout import (RELOAD_LOGGER, kept_env, kv_scale_entry, quiet_rotary_reload, vllm_engine_kwargs, vllm_env,
-                     vllm_requests)
+from engines.vllm import (RELOAD_LOGGER, VLLMEngine, kept_env, kv_scale_entry, quiet_rotary_reload, vllm_engine_kwargs,
+                          vllm_env, vllm_requests)
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = {  # name -> config overrides (the three rollout recipes of configs/, and the engine options)
@@ -106,10 +106,24 @@ def test_kv_scale_entries_are_recognised():
         assert kv_scale_entry(name) is None, name
 
 
-def test_rollout_imports_without_vllm():
-    code = "import sys; sys.modules['vllm'] = None; import rollout; print(rollout.VLLMEngine.__name__)"
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0 and "VLLMEngine" in r.stdout, r.stderr[-2000:]
+CPU_ONLY = """
+import sys, torch, rollout, engines.vllm
+from config import load_config
+from modeling import load_model_and_tokenizer
+cfg = load_config(None, ["train.device=cpu", "fp8.rollout=true", "fp8.kv_cache=true"])
+model, tok = load_model_and_tokenizer(cfg.model, torch.device("cpu"))
+engine = rollout.make_engine(cfg, model, tok, torch.device("cpu"))
+samples = engine.generate([tok("1+1=").input_ids], n=2, temperature=1.0, top_p=1.0, max_new_tokens=3, seed=0)
+vllm_modules = [m for m in sys.modules if m.split(".")[0] == "vllm"]
+print(type(engine).__name__, rollout.VLLMEngine.__name__, len(samples), vllm_modules)
+"""
+
+
+def test_cpu_use_never_imports_vllm():
+    """The CPU engine runs (FP8 emulated) and both engine classes resolve without importing vLLM."""
+    r = subprocess.run([sys.executable, "-c", CPU_ONLY], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-1] == "HFEngine VLLMEngine 2 []"
 
 
 # ---------------------------------------------------------------- vLLM's own parsers
@@ -217,8 +231,6 @@ def test_sampling_requests():
 def test_wake_returns_the_trainers_cached_memory_first(monkeypatch):
     """VLLMEngine wakes vLLM only after PyTorch's caching allocator gave its free blocks (the
     trainer's activations) back to the driver, where vLLM's allocator maps its pools."""
-    from rollout import VLLMEngine
-
     calls = []
 
     class FakeLLM:

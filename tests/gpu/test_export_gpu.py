@@ -6,7 +6,7 @@ model (as in tests/gpu/test_vllm_engine.py: hidden 1024, 2 layers, 8 heads x 128
 tokenizer) is written as a run dir + checkpoint the way train_grpo.py writes them, exported with
 export_hf.py --fp8, and loaded by vLLM from the export (load_format auto: safetensors + the
 quantization_config of config.json) with the engine settings the trainer uses
-(rollout.vllm_env / vllm_engine_kwargs):
+(engines.vllm.vllm_env / vllm_engine_kwargs):
 
 * fp8:   fp8.keep_first_layers=1. vLLM's FP8 weights and scales are the file's bytes (fused
          qkv/gate_up sliced), layer 0 (ignored_layers) is BF16, BF16 tensors are equal.
@@ -14,7 +14,7 @@ quantization_config of config.json) with the engine settings the trainer uses
          vLLM's attention layers from the file (self_attn.attn.{q,k,v}_scale), not 1.0.
 
 Then greedy generation: vLLM's logprobs of its own greedy tokens match the CPU engine's
-emulation of the same export (rollout.HFEngine on the GPU) within kernel tolerance and are far
+emulation of the same export (engines.hf.HFEngine on the GPU) within kernel tolerance and are far
 from those of another model. How many greedy sequences agree is only logged: on a random-init
 model near-ties make them diverge after one flipped token.
 """
@@ -87,9 +87,9 @@ def write_run(run_dir: Path, cfg, tok, seed: int):
 
 
 def served_engine(cfg, llm):
-    """rollout.VLLMEngine's generate / read-back methods over an LLM that loaded the export itself
+    """engines.vllm.VLLMEngine's generate / read-back methods over an LLM that loaded the export itself
     (no dummy weights, no refit)."""
-    from rollout import VLLMEngine
+    from engines.vllm import VLLMEngine
 
     class Served(VLLMEngine):
         def __init__(self):
@@ -136,8 +136,9 @@ def run(mode):
 
     import export_hf
     from config import load_config
+    from engines.hf import HFEngine
+    from engines.vllm import vllm_engine_kwargs, vllm_env
     from modeling import build_char_tokenizer
-    from rollout import HFEngine, vllm_engine_kwargs, vllm_env
 
     cfg = load_config(None, TINY + MODES[mode])
     cfg.model.tiny.vocab = VOCAB

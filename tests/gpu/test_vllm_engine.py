@@ -176,9 +176,9 @@ def check_kv_scales(engine, model, cfg, prompts):
 
 def run(mode):
     from config import load_config
+    from engines.vllm import VLLMEngine
     from fp8.export import export_weights
     from modeling import build_char_tokenizer
-    from rollout import VLLMEngine
 
     cfg = load_config(None, TINY + MODES[mode])
     cfg.model.tiny.vocab = VOCAB
