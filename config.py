@@ -303,7 +303,7 @@ class LogConfig:
     """Run this step under torch.profiler (CPU + CUDA, in-process vLLM included): writes
     <run_dir>/profile/step_N_rankR.json (trace for Perfetto / chrome://tracing) and .txt (each
     phase's wall time and device-busy share, then the top operators by self device time, CPU time
-    on CPU; profiling.save_profile). -1 = off; step 0 includes autotuning."""
+    on CPU; observe.save_profile). -1 = off; step 0 includes autotuning."""
     profile_rollout: bool = True
     """false: profile_step's profile starts after the rollout (the trainer's logprobs, train,
     recalibrate and refit only): a long-generation rollout is ~1e6 kernels, a trace too big to read."""
@@ -546,7 +546,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r}: must be {need}")
     for key, value in [("optim.lr", o.lr), ("optim.eps", o.eps), ("optim.max_grad_norm", o.max_grad_norm or 0),
                        ("loss.clip_low", lo.clip_low), ("loss.clip_high", lo.clip_high), ("loss.kl_coef", lo.kl_coef),
-                       ("rollout.temperature", r.temperature), ("data.format_reward", d.format_reward), ("advantage.eps", a.eps)]:
+                       ("rollout.temperature", r.temperature), ("data.format_reward", d.format_reward),
+                       ("advantage.eps", a.eps)]:
         if not _finite(value):
             raise ConfigError(f"{key}={value}: must be a finite number")
     _check_updates_survive(cfg)

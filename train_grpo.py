@@ -6,10 +6,11 @@
     python train_grpo.py --resume runs/tiny_cpu-20261122-101500           # continue a run
 
 Each step: rollout (engine samples n completions per prompt, with each token's logprob) ->
-reward (math-verify) -> group advantages -> trainer logprobs of the behaviour weights
-(`old_logp`) and rollout/trainer mismatch -> one or more optimizer steps on the clipped
+reward (data.reward: math-verify) -> group advantages -> trainer logprobs of the behaviour
+weights (`old_logp`) and rollout/trainer mismatch -> one or more optimizer steps on the clipped
 surrogate with truncated importance sampling -> q/k/v scale recalibration (FP8 KV cache) ->
-weight sync into the engine (FP8 weights made by fp8/quant.py) -> log.
+weight sync into the engine (FP8 weights made by fp8/quant.py) -> log. Each phase is a function
+of trainer.py; batch.py makes the tensors, observe.py logs, profiles and dumps.
 
 Where this departs from textbook GRPO:
 - Two policies, not one: the engine (FP8, different kernels) samples, the trainer scores. The

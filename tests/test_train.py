@@ -115,7 +115,7 @@ def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path, rollout):
 
 
 def test_phase_busy_is_the_device_time_inside_each_phase():
-    from profiling import phase_busy
+    from observe import phase_busy
 
     spans = {"logprobs": [(0, 100)], "train": [(200, 300), (400, 500)]}
     kernels = [(10, 30), (20, 40), (90, 210), (250, 260), (450, 600), (700, 800)]  # ns; overlaps merge
@@ -128,7 +128,7 @@ def test_phase_busy_is_the_device_time_inside_each_phase():
 def test_gc_timer_counts_collections_once():
     import gc
 
-    from profiling import gc_timer
+    from observe import gc_timer
 
     timer = gc_timer()
     assert timer is gc_timer()  # one per process: callbacks do not pile up over train() calls
@@ -181,7 +181,7 @@ def test_gradients_are_freed_before_the_engine_wakes(tmp_path, monkeypatch):
 
 
 def test_length_multiple_makes_micro_batches_whole_blocks():
-    from train_grpo import length_multiple
+    from batch import length_multiple
 
     assert [length_multiple(r, 128) for r in (1, 2, 3, 8, 256)] == [128, 64, 128, 16, 1]
     assert all(r * length_multiple(r, 128) % 128 == 0 for r in range(1, 300))
