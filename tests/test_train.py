@@ -186,3 +186,17 @@ def test_length_multiple_makes_micro_batches_whole_blocks():
     assert [length_multiple(r, 128) for r in (1, 2, 3, 8, 256)] == [128, 64, 128, 16, 1]
     assert all(r * length_multiple(r, 128) % 128 == 0 for r in range(1, 300))
     assert length_multiple(4, 1) == 1  # BF16 / emulated FP8: no rounding
+
+
+def test_nothing_but_tests_imports_the_entry_script():
+    """train_grpo.py is a script: the modules, bench/, scripts/ and notebooks/ take what they share from
+    modules (batch.py, observe.py, trainer.py). Tests may import it, to drive main() in-process."""
+    import re
+
+    pattern = re.compile(r"^\s*(?:from\s+train_grpo\s+import|import\s+train_grpo\b)", re.M)
+    files = [p for p in [*ROOT.rglob("*.py"), *ROOT.rglob("*.ipynb")]
+             if not {".venv", "tests", "runs"} & set(p.relative_to(ROOT).parts)]
+    assert any(p.name == "analysis.py" for p in files)
+    offenders = [str(p.relative_to(ROOT)) for p in files
+                 if pattern.search(p.read_text().replace('\\n",', "\n").replace('"', " "))]
+    assert offenders == []
