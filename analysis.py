@@ -4,8 +4,8 @@
     BATCH_PATH=runs/<run>/batches/step_000050.pt FIG_DIR=figs jupyter execute notebooks/mismatch_analysis.ipynb
 
 A *rollout batch* is one step's whole batch as the trainer saw it, written by the trainer
-(log.save_batch_every) to <run_dir>/batches/step_NNNNNN.pt with save_rollout_batch. Rows are
-right-padded prompt+response sequences (train_grpo.collate); the logprob of token t sits at
+(log.save_batch_every) to <run_dir>/batches/step_NNNNNN.pt with observe.save_rollout_batch. Rows are
+right-padded prompt+response sequences (batch.collate); the logprob of token t sits at
 position t. Fields (CPU tensors, float32 unless stated):
 
     input_ids       long [B, L]   prompt + response token ids
@@ -32,9 +32,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
-import io
 import json
 import math
+import os
+import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -43,7 +45,8 @@ import torch
 import yaml
 from torch import Tensor
 
-from checkpoint import atomic_write, is_checkpoint, latest_checkpoint, load_checkpoint
+from batch import logprob_pass
+from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint
 from config import load_config
 from engines.hf import fp8_attention
 from fp8.calibrate import QKVCalibrator, scales_from_amax
@@ -52,11 +55,9 @@ from fp8.plan import clean_name
 from fp8.quant import FP8_MAX, fake_quant_per_tensor
 from losses.grpo import IS_CORRECTIONS, LossConfig, is_weights
 from losses.mismatch import masked_mean, mismatch_metrics
+from observe import BATCH_FORMAT, TENSOR_FIELDS, load_rollout_batch, save_rollout_batch  # noqa: F401 - the batch format
 
 ROOT = Path(__file__).resolve().parent
-BATCH_FORMAT = "fp8-grpo/rollout-batch/v1"
-TENSOR_FIELDS = ("input_ids", "attention_mask", "mask", "rollout_logp", "old_logp", "bf16_logp",
-                 "rewards", "advantages")
 PAIRS = {  # name -> (a, b): d = a - b
     "trainer vs engine": ("old_logp", "rollout_logp"),
     "trainer BF16 vs engine": ("bf16_logp", "rollout_logp"),
@@ -65,45 +66,7 @@ PAIRS = {  # name -> (a, b): d = a - b
 
 
 # ----------------------------------------------------------------------------- batches on disk
-
-def save_rollout_batch(path, step, input_ids, attention_mask, mask, rollout_logp, old_logp, bf16_logp,
-                       rewards, advantages, config: dict, tokenizer=None, tokenizer_dir=None) -> Path:
-    """Write one step's batch (shapes in the module docstring) atomically (checkpoint.atomic_write)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    t = {k: v.detach().cpu().clone() for k, v in zip(TENSOR_FIELDS, (
-        input_ids, attention_mask, mask, rollout_logp, old_logp, bf16_logp, rewards, advantages))}
-    resp = t["mask"] != 0
-    n_real = t["attention_mask"].sum(1)
-    first = torch.where(resp.any(1), resp.float().argmax(1), n_real)  # first response position
-    ids = t["input_ids"].tolist()
-    batch = {
-        "format": BATCH_FORMAT, "step": int(step), **t, "config": config,
-        "prompt_ids": [row[: int(f)] for row, f in zip(ids, first)],
-        "response_ids": [[i for i, r in zip(row, m) if r] for row, m in zip(ids, resp.tolist())],
-        "token_text": {} if tokenizer is None else
-        {i: tokenizer.decode([i]) for i in sorted(set(t["input_ids"].flatten().tolist()))},
-        "tokenizer_dir": None if tokenizer_dir is None else str(tokenizer_dir),
-        "run_dir": str(path.parent.parent),
-    }
-    return atomic_write(path, lambda f: torch.save(batch, f))
-
-
-def load_rollout_batch(path) -> dict:
-    """The dict save_rollout_batch wrote; ValueError naming the path if it is not a rollout batch."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such rollout batch file")
-    try:
-        batch = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - anything torch cannot read safely is "not a batch"
-        raise ValueError(f"{path} is not a rollout batch (torch.load failed: {str(e).splitlines()[0]})") from None
-    if not isinstance(batch, dict) or batch.get("format") != BATCH_FORMAT:
-        got = batch.get("format") if isinstance(batch, dict) else type(batch).__name__
-        raise ValueError(f"{path} is not a rollout batch (format {got!r}, expected {BATCH_FORMAT!r}); "
-                         "batches are written by train_grpo.py with log.save_batch_every=N")
-    return batch
-
+# written by the trainer (observe.save_step_batch -> save_rollout_batch), read by load_rollout_batch
 
 def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "configs" / "tiny_cpu.yaml",
                        quiet: bool = True, threads: int | None = 1) -> Path:
@@ -113,12 +76,11 @@ def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "co
     Batches are saved at step 0 and at the last step; a checkpoint is written after steps - 1
     updates, i.e. the exact weights that sampled the last batch (load_batch_model finds it).
     Validation, TensorBoard and episode dumps are off; `overrides` ("key.sub=value") win.
-    threads: torch intra-op threads while it runs (None = leave as is). The tiny model's GEMMs
+    The run is train_grpo.py in a child process.
+    threads: its torch intra-op threads (OMP_NUM_THREADS; None = torch's default). The tiny model's GEMMs
     are too small to gain from threads, and on a busy 2-core machine 2 threads spin-waiting
     for each other made 12 steps take 300 s instead of 20 s.
     """
-    import train_grpo
-
     if steps < 2:
         raise ValueError(f"steps={steps}: need >= 2 (the last batch's checkpoint is written after steps - 1)")
     out_dir = Path(out_dir)
@@ -127,19 +89,12 @@ def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "co
     argv = ["--config", str(config), f"train.out_dir={out_dir}", f"train.run_name={run_dir.name}",
             f"train.steps={steps}", f"log.save_batch_every={steps - 1}", f"train.ckpt_every={steps - 1}",
             "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", *overrides]
-    out = io.StringIO()
-    prev_threads = torch.get_num_threads()
-    with contextlib.ExitStack() as stack:
-        if threads is not None:
-            torch.set_num_threads(threads)
-            stack.callback(torch.set_num_threads, prev_threads)
-        if quiet:
-            stack.enter_context(contextlib.redirect_stdout(out))
-            stack.enter_context(contextlib.redirect_stderr(out))
-        try:
-            train_grpo.main(argv)
-        except (Exception, SystemExit) as e:  # UserError exits 2 with its message in the output
-            raise RuntimeError(f"train_grpo.main({argv}) failed ({e!r}); output:\n{out.getvalue()[-3000:]}") from e
+    env = {**os.environ, **({} if threads is None else {"OMP_NUM_THREADS": str(threads)})}
+    p = subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), *argv], env=env, text=True,
+                       capture_output=quiet)
+    if p.returncode != 0:  # bad input exits 2 with its one-line message in the output
+        out = (p.stdout or "") + (p.stderr or "")
+        raise RuntimeError(f"train_grpo.py {argv} failed (exit {p.returncode}); output:\n{out[-3000:]}")
     path = run_dir / "batches" / f"step_{steps - 1:06d}.pt"
     if not path.is_file():
         raise RuntimeError(f"no batch at {path} (overrides changed log.save_batch_every?)")
@@ -364,18 +319,13 @@ def convert_fp8(model, cfg) -> list[str]:
     return convert_to_fp8_training(model, dataclasses.replace(cfg.fp8, emulate=True))
 
 
-@torch.no_grad()
 def batch_logprobs(model, batch: dict, rows=None, micro_batch: int = 64) -> Tensor:
-    """Trainer logprobs [B, L] of the batch's tokens (train_grpo.token_logprobs, the run's temperature)."""
-    from train_grpo import micro_batches, token_logprobs
-
-    temperature = batch["config"]["rollout"]["temperature"]
-    dev = next(model.parameters()).device
+    """Trainer logprobs [B, L] of the batch's tokens on the CPU (batch.logprob_pass, the run's temperature)."""
     ids, am = batch["input_ids"], batch["attention_mask"]
     if rows is not None:
         ids, am = ids[rows], am[rows]
-    return torch.cat([token_logprobs(model, ids[s].to(dev), am[s].to(dev), temperature).float().cpu()
-                      for s in micro_batches(len(ids), micro_batch)])
+    return logprob_pass(model, ids, am, batch["config"]["rollout"]["temperature"], micro_batch,
+                        device=next(model.parameters()).device).cpu()
 
 
 @contextlib.contextmanager

@@ -23,7 +23,9 @@ from typing import Literal
 
 import yaml
 
+from losses.advantages import AdvantageConfig
 from losses.grpo import LossConfig
+from rewards import REWARDS
 
 
 class UserError(Exception):
@@ -108,6 +110,10 @@ class DataConfig:
     """Appended to each question, e.g. 'Put your final answer within \\boxed{}.'"""
     max_prompt_tokens: int = 512
     """Longer prompts are dropped (and counted)."""
+    reward: str = "math"
+    """The reward each completion scores, by name in rewards.REWARDS: 'math' (the final answer equals
+    the gold answer per math-verify; rewards.py's rules), 'format' (it states an answer in a \\boxed{},
+    right or not). reward/accuracy and val/accuracy are its mean."""
     format_reward: float = 0.0
     """Extra reward for a completion that states its answer in \\boxed{} (0 = off)."""
     reward_last_number: bool | None = None
@@ -297,7 +303,7 @@ class LogConfig:
     """Run this step under torch.profiler (CPU + CUDA, in-process vLLM included): writes
     <run_dir>/profile/step_N_rankR.json (trace for Perfetto / chrome://tracing) and .txt (each
     phase's wall time and device-busy share, then the top operators by self device time, CPU time
-    on CPU; profiling.save_profile). -1 = off; step 0 includes autotuning."""
+    on CPU; observe.save_profile). -1 = off; step 0 includes autotuning."""
     profile_rollout: bool = True
     """false: profile_step's profile starts after the rollout (the trainer's logprobs, train,
     recalibrate and refit only): a long-generation rollout is ~1e6 kernels, a trace too big to read."""
@@ -309,6 +315,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -462,6 +469,7 @@ def validate(cfg: Config) -> None:
     ascends the loss; is_cap=0 or max_grad_norm=0 zero every update). One row per rule:
     (key, value, ok, what it must be). LossConfig checks its clip and IS bounds itself."""
     m, d, r, f, lo, o, t, lg = cfg.model, cfg.data, cfg.rollout, cfg.fp8, cfg.loss, cfg.optim, cfg.train, cfg.log
+    a = cfg.advantage
     samples = r.n * r.prompts_per_step
     mb = t.mini_batch_size or samples
     rules = [
@@ -479,6 +487,8 @@ def validate(cfg: Config) -> None:
         ("data.synthetic.num_train", d.synthetic.num_train, d.synthetic.num_train >= 1, ">= 1"),
         ("data.path", d.path, d.source == "synthetic" or d.path,
          f"set for data.source={d.source} (a JSONL file or an HF datasets id)"),
+        ("data.reward", d.reward, d.reward in REWARDS, f"one of {', '.join(map(repr, REWARDS))} (rewards.REWARDS)"),
+        ("advantage.eps", a.eps, a.eps > 0, "> 0 (a group whose rewards are all equal has std 0)"),
         ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
         ("rollout.n", r.n, r.n >= 2, ">= 2: group-normalised advantages need 2+ samples per prompt "
          "(with 1 every advantage is 0 and nothing is learned)"),
@@ -540,7 +550,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r}: must be {need}")
     for key, value in [("optim.lr", o.lr), ("optim.eps", o.eps), ("optim.max_grad_norm", o.max_grad_norm or 0),
                        ("loss.clip_low", lo.clip_low), ("loss.clip_high", lo.clip_high), ("loss.kl_coef", lo.kl_coef),
-                       ("rollout.temperature", r.temperature), ("data.format_reward", d.format_reward)]:
+                       ("rollout.temperature", r.temperature), ("data.format_reward", d.format_reward),
+                       ("advantage.eps", a.eps)]:
         if not _finite(value):
             raise ConfigError(f"{key}={value}: must be a finite number")
     _check_updates_survive(cfg)

@@ -294,3 +294,16 @@ def format_reward(completion: str) -> float:
         return float(isinstance(completion, str) and last_boxed(completion) is not None)
     except Exception:  # noqa: BLE001
         return 0.0
+
+
+# ----------------------------------------------------------------------------- the registry
+
+def boxed_reward(completion: str, answer: str, *, finish_reason: str | None = None, last_number: bool = False) -> float:
+    """format_reward as a registry entry: 1.0 for a complete, non-empty \\boxed{...}, whatever it holds."""
+    return format_reward(completion)
+
+
+REWARDS = {"math": math_reward, "format": boxed_reward}
+"""The rewards `data.reward` chooses from, by name. Each is fn(completion, answer, *, finish_reason,
+last_number) -> float in [0, 1] and never raises; the chosen one is the step's reward (plus
+data.format_reward * format_reward), reward/accuracy and val/accuracy. Add a reward: add an entry."""

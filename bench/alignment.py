@@ -36,7 +36,7 @@ def measure(mode: str, prompts: int, n: int, new_tokens: int) -> list[dict]:
     from losses.mismatch import mismatch_metrics
     from modeling import load_model_and_tokenizer
     from rollout import VLLMEngine
-    from train_grpo import collate, micro_batches, token_logprobs
+    from batch import collate, logprob_pass, micro_batches
 
     cfg = load_config(None, [*SHAPE, *MODES[mode], "rollout.engine=vllm", "rollout.enforce_eager=true",
                              "rollout.sleep_mode=false", "rollout.gpu_memory_utilization=0.3",
@@ -62,9 +62,7 @@ def measure(mode: str, prompts: int, n: int, new_tokens: int) -> list[dict]:
     input_ids, attention_mask, mask, rollout_logp = (x.to(device) for x in collate(samples, tok.pad_token_id))
     rows = []
     for name, trainer in trainers.items():
-        with torch.no_grad():
-            logp = torch.cat([token_logprobs(trainer, input_ids[s], attention_mask[s], 1.0)
-                              for s in micro_batches(len(samples), 32)])
+        logp = logprob_pass(trainer, input_ids, attention_mask, 1.0, micro_batch=32)
         m = mismatch_metrics(logp, rollout_logp, mask)
         rows.append({"engine": mode, "trainer": name, **m, "refit_s": engine.last_refit_s})
         print(f"engine {mode:17s} trainer {name:5s} token_mult_prob_error {m['token_mult_prob_error']:.4f} "

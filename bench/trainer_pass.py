@@ -1,10 +1,10 @@
-"""The trainer's two passes of one GRPO micro-batch, as train_grpo.py runs them, BF16 vs FP8.
+"""The trainer's two passes of one GRPO micro-batch, as the trainer runs them, BF16 vs FP8.
 
     python bench/trainer_pass.py                                   # bench/step_8b_long_h100.yaml's shape
     python bench/trainer_pass.py --config bench/step_8b.yaml --rows 8 --prompt 32 --response 512
 
 The model, dtype and micro-batch size come from --config (the bench/step.py workload). One
-micro-batch = --rows rows of --prompt + --response tokens, right-padded (train_grpo.collate) to
+micro-batch = --rows rows of --prompt + --response tokens, right-padded (batch.collate) to
 the length the FP8 trainer rounds to (rows x L a multiple of 128). Timed per micro-batch:
 `logprobs` = token_logprobs under no_grad (the old_logp pass), `train` = token_logprobs +
 masked sum + backward (the policy update, without the optimizer step). Variants:
@@ -36,7 +36,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, iters: int) -> dict:
-    from train_grpo import token_logprobs
+    from batch import token_logprobs
 
     m = functools.partial(model, attention_mask=attention_mask) if masked else model  # the old call
 
@@ -70,7 +70,7 @@ def main():
     from fp8.quant import BLOCK
     from modeling import load_model_and_tokenizer
     from rollout import Sample
-    from train_grpo import collate, length_multiple, token_logprobs
+    from batch import collate, length_multiple, token_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
     cfg = load_config(args.config, [f"train.device={device.type}"])
@@ -84,7 +84,7 @@ def main():
                       torch.randint(3, len(tok), (n_resp,), generator=g).tolist(), [0.0] * n_resp, "length")
                for _ in range(rows)]
     batches = {"unpadded": collate(samples, tok.pad_token_id),
-               "padded": collate(samples, tok.pad_token_id, length_multiple(rows, BLOCK))}  # as train_grpo
+               "padded": collate(samples, tok.pad_token_id, length_multiple(rows, BLOCK))}  # as trainer.assemble_batch
     batches = {k: [x.to(device) for x in (ids, am, mask)] for k, (ids, am, mask, _) in batches.items()}
     L = {k: b[0].shape[1] for k, b in batches.items()}
     workload = f"{rows} rows x {args.prompt}+{n_resp} tokens (padded to {L['padded']}), {Path(args.config).name}"

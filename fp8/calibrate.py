@@ -124,7 +124,7 @@ _token_mask: Tensor | None = None  # set by token_mask(): real tokens of a forwa
 @contextlib.contextmanager
 def token_mask(mask: Tensor | None):
     """The real tokens ([B, T], nonzero) of the forwards inside, for a model called without its
-    attention mask (train_grpo.token_logprobs); the calibrator leaves the others out of its amax."""
+    attention mask (batch.token_logprobs); the calibrator leaves the others out of its amax."""
     global _token_mask
     prev, _token_mask = _token_mask, mask
     try:

@@ -10,8 +10,21 @@ A group whose rewards are all equal carries no signal and gets A = 0 (never NaN)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
+
+
+@dataclass
+class AdvantageConfig:
+    """The `advantage` section of the run config: how group_advantages turns rewards into advantages."""
+    normalize_std: bool = True
+    """Divide by the group's reward std (GRPO). false: A = r - mean_g (Dr. GRPO, Liu et al. 2025,
+    arXiv 2503.20783): dividing by the std up-weights groups that are nearly all right or all wrong,
+    a difficulty bias."""
+    eps: float = 1e-6
+    """Added to the std before dividing (normalize_std): keeps a zero-spread group at A = 0."""
 
 
 def group_advantages(rewards: Tensor, group_size: int, normalize_std: bool = True,

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 import train_grpo
+import trainer
 from config import FP8Config, UserError, load_config, to_dict
 from conftest import ROOT
 from fp8 import linear as fp8_linear
@@ -122,6 +123,12 @@ BAD_INPUT = [
     (["train.mini_batch_size=7"], "train.mini_batch_size=7: must be 0 (all samples) or divide"),
     (["train.val_max_prompts=0"], "train.val_max_prompts=0: must be >= 1 while train.val_every > 0"),
     (["train.device=foo"], "train.device='foo': must be auto, cpu, cuda or cuda:N"),
+    # names chosen from a registry, and the advantage settings
+    (["data.reward=maths"], "data.reward='maths': must be one of 'math', 'format' (rewards.REWARDS)"),
+    (["advantage.eps=0"], "advantage.eps=0.0: must be > 0"),
+    (["advantage.eps=inf"], "advantage.eps=inf: must be a finite number"),
+    (["advantage.normalise_std=false"], "unknown config key 'advantage.normalise_std' (valid keys in this section: "
+                                        "normalize_std, eps)"),
     # overrides are YAML, and the error says so
     (["optim.lr=fast"], "optim.lr: expected float, got str 'fast' (override values are read as YAML"),
     (["rollout.n=8: 4"], "rollout.n: expected int, got dict {8: 4} (override values are read as YAML"),
@@ -167,13 +174,13 @@ def test_run_dirs_are_created_exclusively(tmp_path, monkeypatch):
     from checkpoint import create_run_dir
     from distributed import Dist
 
-    class Frozen(train_grpo.datetime):
+    class Frozen(trainer.datetime):
         @classmethod
         def now(cls, tz=None):
             return cls(2026, 1, 2, 3, 4, 5)
-    monkeypatch.setattr(train_grpo, "datetime", Frozen)
+    monkeypatch.setattr(trainer, "datetime", Frozen)
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [f"train.out_dir={tmp_path}"])
-    dirs = [train_grpo.make_run_dir(cfg, "configs/tiny_cpu.yaml", Dist()) for _ in range(2)]
+    dirs = [trainer.make_run_dir(cfg, "configs/tiny_cpu.yaml", Dist()) for _ in range(2)]
     assert dirs == [tmp_path / "tiny_cpu-20260102-030405", tmp_path / "tiny_cpu-20260102-030405-2"]
 
     got = []
@@ -188,5 +195,5 @@ def test_run_dirs_are_created_exclusively(tmp_path, monkeypatch):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(UserError, match="train.run_name: .*mine exists .* pick another train.run_name"):
-        train_grpo.make_run_dir(load_config(None, [f"train.out_dir={tmp_path}", "train.run_name=mine"]), None, Dist())
+        trainer.make_run_dir(load_config(None, [f"train.out_dir={tmp_path}", "train.run_name=mine"]), None, Dist())
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"

@@ -65,7 +65,7 @@ def test_scales_equal_hand_computation():
 
 @pytest.mark.parametrize("via", ["attention_mask", "token_logprobs"])  # the latter runs the model without it
 def test_padding_excluded(via):
-    from train_grpo import token_logprobs
+    from batch import token_logprobs
 
     model = tiny_llama()
     ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(2))

@@ -387,14 +387,14 @@ def test_fp8_layers_trace_under_torch_compile():
 
 
 def test_compiled_layers_share_one_graph():
-    """distributed.compile_layers + the trainer's forward (train_grpo.token_logprobs, no KV cache):
+    """distributed.compile_layers + the trainer's forward (batch.token_logprobs, no KV cache):
     every decoder layer runs the same graph, one for grad mode and one for no_grad, whatever the
     number of layers (per-layer state, e.g. a KV cache or the fused groups, would compile one per
     layer and hit dynamo's recompile limit at 8)."""
     import torch._dynamo
 
     from distributed import compile_layers
-    from train_grpo import token_logprobs
+    from batch import token_logprobs
 
     graphs = []
 
@@ -427,7 +427,7 @@ def test_inductor_compiles_emulated_fp8_layers(monkeypatch):
 
     import fp8.linear as fl
     from distributed import compile_layers
-    from train_grpo import token_logprobs
+    from batch import token_logprobs
 
     if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")):
         pytest.skip("inductor's CPU backend needs a C++ compiler")
@@ -596,7 +596,7 @@ def _cache_run(cache: bool, compiled: bool = False, steps: int = 2):
     each step's token logprobs and the final weights."""
     from distributed import compile_layers
     from fp8.fast import refresh_weight_caches_on_step
-    from train_grpo import token_logprobs
+    from batch import token_logprobs
 
     model = tiny_llama(layers=2)
     convert_to_fp8_training(model, FP8Config(cache_weights=cache))
@@ -643,7 +643,7 @@ def _checkpointed_grads(fp8: FP8Config, checkpointing: bool, compile_backend: st
     computes them (token_logprobs, backward per micro-batch), with or without activation checkpointing."""
     from distributed import compile_layers
     from fp8.fast import refresh_weight_caches_on_step
-    from train_grpo import token_logprobs
+    from batch import token_logprobs
 
     model = tiny_llama(layers=2)
     convert_to_fp8_training(model, fp8)

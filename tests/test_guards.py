@@ -14,7 +14,9 @@ import math
 import pytest
 import torch
 
+import rewards
 import train_grpo
+import trainer
 from checkpoint import load_checkpoint
 from conftest import ROOT, read_metrics
 
@@ -28,13 +30,13 @@ def train(tmp_path, *overrides):
 
 def corrupt_loss(monkeypatch, by_step):
     """grpo_loss whose loss on step s (one call per step here) goes through by_step[s]."""
-    real, calls = train_grpo.grpo_loss, []
+    real, calls = trainer.grpo_loss, []
 
     def grpo_loss(*args, **kwargs):
         loss, metrics = real(*args, **kwargs)
         calls.append(None)
         return by_step.get(len(calls) - 1, lambda x: x)(loss), metrics
-    monkeypatch.setattr(train_grpo, "grpo_loss", grpo_loss)
+    monkeypatch.setattr(trainer, "grpo_loss", grpo_loss)
 
 
 def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch, capsys):
@@ -86,7 +88,7 @@ def test_equal_rewards_overlong_prompts_and_warn_only(tmp_path, monkeypatch, cap
     rows = [{"problem": f"{a}+{b}=", "answer": str(a + b)} for a in range(6) for b in range(6)]
     rows += [{"problem": f"{d}+" * 20 + "1=", "answer": "0"} for d in (1, 2, 3)]  # 43 chars > max_prompt_tokens=32
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    monkeypatch.setattr(train_grpo, "math_reward", lambda completion, answer, **context: 0.0)  # every group: zero std
+    monkeypatch.setitem(rewards.REWARDS, "math", lambda completion, answer, **context: 0.0)  # every group: zero std
     run_dir = train(tmp_path, "train.steps=2", "data.source=jsonl", f"data.path={tmp_path / 'd.jsonl'}",
                     "data.val_size=0", "train.mismatch_warn=0.5")
     out = capsys.readouterr().out
@@ -125,3 +127,21 @@ def test_grad_norm_logged_before_and_after_clipping(tmp_path):
     assert clipped["optim/grad_norm"] > 1e-2 and clipped["optim/grad_norm_clipped"] == pytest.approx(1e-3, rel=1e-3)
     free = read_metrics(train(tmp_path, "train.steps=1", "optim.max_grad_norm=null", "train.run_name=free"))[0]
     assert free["optim/grad_norm_clipped"] == free["optim/grad_norm"] == clipped["optim/grad_norm"]
+
+
+def test_advantage_settings_come_from_the_config(tmp_path):
+    """advantage.normalize_std=false gives A = r - mean of the group (Dr. GRPO); the default divides by
+    the group's std + advantage.eps. Read back from the episode dump of every sample of step 0."""
+    def advantages(name, *overrides):
+        train(tmp_path, "train.steps=1", f"train.run_name={name}", "rollout.prompts_per_step=8",
+              "log.dump_episodes_every=1", "log.dump_episodes_n=64", *overrides)
+        rows = [json.loads(line) for line in (tmp_path / name / "episodes" / "step_000000.jsonl").read_text().splitlines()]
+        assert len(rows) == 64
+        return (torch.tensor([r["reward"] for r in rows]).view(8, 8),
+                torch.tensor([r["advantage"] for r in rows]).view(8, 8))
+
+    r, a = advantages("centered", "advantage.normalize_std=false")
+    assert (r.std(1) > 0).any()  # some group has signal, so the two settings differ
+    torch.testing.assert_close(a, r - r.mean(1, keepdim=True))
+    r, a = advantages("normalized", "advantage.eps=0.5")
+    torch.testing.assert_close(a, (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 0.5))

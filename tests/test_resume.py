@@ -168,7 +168,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_older(tmp_path, how):
 
 
 def test_metrics_truncated_on_resume(tmp_path):
-    from train_grpo import RunLogger
+    from observe import RunLogger
 
     lines = [json.dumps({"step": s, "x": s}) for s in range(5)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "x"')  # torn last line

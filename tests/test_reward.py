@@ -201,3 +201,30 @@ if __name__ == "__main__":
     print("| category | cases | math_reward | verl math-verify |\n|---|---:|---:|---:|")
     for name, n, ours, verl in table():
         print(f"| {name} | {n} | {100 * ours:.1f}% | {100 * verl:.1f}% |")
+
+
+def test_reward_registry_is_chosen_by_data_reward():
+    """trainer.score scores with rewards.REWARDS[data.reward], plus data.format_reward x format_reward;
+    `correct` is the chosen reward's verdict alone."""
+    from types import SimpleNamespace
+
+    import trainer
+    from config import load_config
+    from rewards import REWARDS
+    from rollout import Sample
+
+    texts = ["so \\boxed{4}", "answer: 5", "4", "\\boxed{5}"]
+
+    class Tok:  # token id i decodes to texts[i]
+        def batch_decode(self, ids, skip_special_tokens=True):
+            return [texts[i[0]] for i in ids]
+
+    samples = [Sample(0, [1], [i], [0.0], "stop") for i in range(4)]
+    prompts = [{"answer": "4"}]
+    for name, want in (("math", [1.0, 0.0, 1.0, 0.0]), ("format", [1.0, 0.0, 0.0, 1.0])):
+        cfg = load_config(None, [f"data.reward={name}", "data.format_reward=0.5", "data.source=jsonl", "data.path=x"])
+        got_texts, rewards, correct = trainer.score(SimpleNamespace(cfg=cfg, tokenizer=Tok()), prompts, samples)
+        assert got_texts == texts and correct.tolist() == want
+        assert rewards.tolist() == [c + 0.5 * b for c, b in zip(want, [1.0, 0.0, 0.0, 1.0])]
+        assert [REWARDS[name](t, "4", finish_reason="stop", last_number=False) for t in texts] == want
+    assert REWARDS["math"]("#### 4", "4") == math_reward("#### 4", "4") == 1.0  # the contract's entry point

@@ -5,7 +5,7 @@ import torch
 from config import load_config
 from modeling import load_model_and_tokenizer
 from rollout import HFEngine, Sample
-from train_grpo import collate, token_logprobs
+from batch import collate, token_logprobs
 
 # 95 printable characters: a vocab larger than transformers' default top_k=50, so a sampler
 # that silently applied top-k would renormalise and fail the convention test.

@@ -115,7 +115,7 @@ def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path, rollout):
 
 
 def test_phase_busy_is_the_device_time_inside_each_phase():
-    from profiling import phase_busy
+    from observe import phase_busy
 
     spans = {"logprobs": [(0, 100)], "train": [(200, 300), (400, 500)]}
     kernels = [(10, 30), (20, 40), (90, 210), (250, 260), (450, 600), (700, 800)]  # ns; overlaps merge
@@ -128,7 +128,7 @@ def test_phase_busy_is_the_device_time_inside_each_phase():
 def test_gc_timer_counts_collections_once():
     import gc
 
-    from profiling import gc_timer
+    from observe import gc_timer
 
     timer = gc_timer()
     assert timer is gc_timer()  # one per process: callbacks do not pile up over train() calls
@@ -181,8 +181,22 @@ def test_gradients_are_freed_before_the_engine_wakes(tmp_path, monkeypatch):
 
 
 def test_length_multiple_makes_micro_batches_whole_blocks():
-    from train_grpo import length_multiple
+    from batch import length_multiple
 
     assert [length_multiple(r, 128) for r in (1, 2, 3, 8, 256)] == [128, 64, 128, 16, 1]
     assert all(r * length_multiple(r, 128) % 128 == 0 for r in range(1, 300))
     assert length_multiple(4, 1) == 1  # BF16 / emulated FP8: no rounding
+
+
+def test_nothing_but_tests_imports_the_entry_script():
+    """train_grpo.py is a script: the modules, bench/, scripts/ and notebooks/ take what they share from
+    modules (batch.py, observe.py, trainer.py). Tests may import it, to drive main() in-process."""
+    import re
+
+    pattern = re.compile(r"^\s*(?:from\s+train_grpo\s+import|import\s+train_grpo\b)", re.M)
+    files = [p for p in [*ROOT.rglob("*.py"), *ROOT.rglob("*.ipynb")]
+             if not {".venv", "tests", "runs"} & set(p.relative_to(ROOT).parts)]
+    assert any(p.name == "analysis.py" for p in files)
+    offenders = [str(p.relative_to(ROOT)) for p in files
+                 if pattern.search(p.read_text().replace('\\n",', "\n").replace('"', " "))]
+    assert offenders == []

@@ -123,7 +123,7 @@ def check_weights(engine, files) -> int:
 
 def teacher_forced_gap(hf_engine, samples, pad_id) -> tuple[float, float]:
     """(mean, max) |engine logprob - HF model logprob| over the samples' response tokens."""
-    from train_grpo import collate, token_logprobs
+    from batch import collate, token_logprobs
 
     ids, am, mask, rollout = (x.cuda() for x in collate(samples, pad_id))
     with torch.no_grad():

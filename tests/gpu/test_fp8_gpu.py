@@ -421,7 +421,7 @@ def test_torchao_paths_under_activation_checkpointing(opts, backend):
     projections, the fused SwiGLU MLP, the weight cache and train.compile under HF's (non-reentrant)
     checkpointing give the logprobs and gradients of the same model without it, bit for bit."""
     from distributed import compile_layers
-    from train_grpo import token_logprobs
+    from batch import token_logprobs
 
     ids = torch.randint(0, 512, (2, 192), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     runs = []

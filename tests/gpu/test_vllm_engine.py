@@ -122,7 +122,7 @@ def check_logprob_convention(engine, model, tok, prompts):
     """Engine logprob == trainer log_softmax(logits / T) (fp32 HF forward of the same bf16
     weights); the engine's bf16 forward is the only difference. The wrong-T reference must be
     clearly further away, so the check tells processed from raw logprobs."""
-    from train_grpo import collate, token_logprobs
+    from batch import collate, token_logprobs
 
     ref = copy.deepcopy(model).float().eval()
     for T, wrong_T in [(1.0, 0.6), (0.6, 1.0)]:

@@ -1,0 +1,280 @@
+"""What a run leaves to look at: metrics, profiles, saved batches, episodes; and the mismatch guard.
+
+* RunLogger: metrics.jsonl + TensorBoard in the run dir, silent off rank 0 (no `if rank == 0` in
+  the loop).
+* Profiling: torch.profiler around one step (log.profile_step) with the device-busy share of each
+  phase, and the Python garbage collector's pauses (time/gc).
+* Rollout batches (log.save_batch_every): one step's whole batch as the trainer saw it, for
+  notebooks/ through analysis.py (whose docstring lists the fields and shapes).
+* Episodes (log.dump_episodes_every): a few samples per step as JSONL, to read what the model writes.
+* mismatch_guard: warn (train.mismatch_warn) or stop (train.mismatch_stop) on a step whose
+  rollout/trainer token_mult_prob_error is too high.
+"""
+
+import bisect
+import functools
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import distributed
+from batch import StepBatch, logprob_pass
+from checkpoint import atomic_write
+from config import UserError
+from fp8.linear import bf16_reference
+
+BATCH_FORMAT = "fp8-grpo/rollout-batch/v1"
+TENSOR_FIELDS = ("input_ids", "attention_mask", "mask", "rollout_logp", "old_logp", "bf16_logp",
+                 "rewards", "advantages")
+
+
+# ----------------------------------------------------------------------------- metrics
+
+class RunLogger:
+    """metrics.jsonl + TensorBoard in the run dir; a no-op off rank 0 (no `if rank == 0` in the loop)."""
+
+    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+        self.enabled, self.tb = enabled, None
+        if not enabled:
+            return
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir))
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        for k, v in metrics.items():
+            if self.tb is not None and isinstance(v, (int, float)):
+                self.tb.add_scalar(k, v, step)
+
+    def print(self, *args) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+            tqdm.write(" ".join(str(a) for a in args))
+
+    def truncate(self, step: int) -> None:
+        """Resume from a checkpoint of `step`: drop the records of steps >= step that the interrupted
+        run logged after it (the resumed run logs them again), so metrics.jsonl keeps one record
+        per step; TensorBoard hides them too (purge_step). Unparsable (torn) lines are dropped."""
+        if not self.enabled:
+            return
+        path = Path(self.file.name)
+        self.file.close()
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] < step:
+                    keep.append(line + "\n")
+            except (ValueError, KeyError, TypeError):
+                pass
+        atomic_write(path, lambda f: f.write("".join(keep).encode()))
+        self.file = open(path, "a")
+        if self.tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb.close()
+            self.tb = SummaryWriter(str(path.parent), purge_step=step)
+
+    def close(self) -> None:
+        if self.enabled:
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+
+
+def mismatch_guard(metrics: dict, step: int, cfg, logger: RunLogger) -> None:
+    """cfg: TrainConfig. Warn when mismatch/token_mult_prob_error exceeds train.mismatch_warn; raise
+    UserError when it exceeds train.mismatch_stop (0 = never)."""
+    mult_err = metrics["mismatch/token_mult_prob_error"]
+    if mult_err > cfg.mismatch_warn:
+        logger.print(f"WARNING step {step}: mismatch/token_mult_prob_error={mult_err:.4f} > "
+                     f"train.mismatch_warn={cfg.mismatch_warn}: rollout and trainer disagree")
+    if cfg.mismatch_stop and mult_err > cfg.mismatch_stop:
+        raise UserError(f"step {step}: mismatch/token_mult_prob_error={mult_err:.4f} > train.mismatch_stop="
+                        f"{cfg.mismatch_stop}: rollout and trainer disagree; check the weight sync and the "
+                        "fp8.* settings of both sides, or raise train.mismatch_stop (0 = never stop)")
+
+
+# ----------------------------------------------------------------------------- profiling
+
+def start_profile(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else []),
+                   record_shapes=True)
+    prof.start()
+    return prof
+
+
+PHASES = ("rollout", "logprobs", "train", "recalibrate", "refit")  # the step's record_function spans
+
+
+def phase_busy(spans: dict[str, list[tuple[int, int]]], device_intervals: list[tuple[int, int]]) -> dict:
+    """{phase: (wall_s, device_busy_s)}: each phase's summed span time and the time inside its spans
+    during which the device ran something (union of kernel/copy intervals, ns). busy/wall well under 1
+    means the host, not the GPU, set the phase's pace (launch overhead, syncs, Python)."""
+    merged: list[list[int]] = []
+    for a, b in sorted(device_intervals):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    starts = [a for a, _ in merged]
+    out = {}
+    for name, ranges in spans.items():
+        busy = 0
+        for s, e in ranges:
+            i = max(bisect.bisect_right(starts, s) - 1, 0)
+            while i < len(merged) and merged[i][0] < e:
+                busy += max(0, min(e, merged[i][1]) - max(s, merged[i][0]))
+                i += 1
+        out[name] = (sum(e - s for s, e in ranges) / 1e9, busy / 1e9)
+    return out
+
+
+def profile_phases(prof) -> str:
+    """phase_busy of a stopped torch.profiler profile, as a table (empty without phase spans)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    device = []
+    for ev in prof.profiler.kineto_results.events():
+        if ev.device_type() == torch.autograd.DeviceType.CPU:
+            if ev.name() in PHASES:
+                spans.setdefault(ev.name(), []).append((ev.start_ns(), ev.end_ns()))
+        elif not ev.is_user_annotation() and ev.name() not in PHASES:  # kernels, memcpy, memset
+            device.append((ev.start_ns(), ev.end_ns()))
+    rows = [f"{'phase':<12} {'wall_s':>8} {'device_busy_s':>14} {'busy':>6}"]
+    for name, (wall, busy) in phase_busy(spans, device).items():
+        rows.append(f"{name:<12} {wall:8.3f} {busy:14.3f} {busy / max(wall, 1e-12):6.1%}")
+    return "\n".join(rows) + "\n\n" if spans else ""
+
+
+def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device) -> Path:
+    """Stop the profiler; write (.txt) the device-busy share of each phase (profile_phases), then the
+    top-40 operator table below it, then the trace (.json): the last two take minutes for a long
+    step's ~10^6 events, so a run cut off meanwhile still leaves the phase table."""
+    prof.stop()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"step_{step:06d}_rank{rank}"
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    phases = profile_phases(prof)
+    stem.with_suffix(".txt").write_text(phases)  # first what is quick to get, then the slow parts
+    stem.with_suffix(".txt").write_text(phases + prof.key_averages().table(sort_by=sort, row_limit=40))
+    prof.export_chrome_trace(f"{stem}.json")
+    return stem.with_suffix(".txt")
+
+
+class GCTimer:
+    """Seconds this process spent in Python garbage collection since the last take() (time/gc):
+    a collection pauses the host, and the GPU with it once its queue runs dry. One per process
+    (gc_timer()), registered in gc.callbacks for the process's life."""
+
+    def __init__(self):
+        self.total, self._t0 = 0.0, None
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.total, self._t0 = self.total + time.perf_counter() - self._t0, None
+
+    def take(self) -> float:
+        total, self.total = self.total, 0.0
+        return total
+
+
+@functools.cache
+def gc_timer() -> GCTimer:
+    return GCTimer()
+
+
+class StepProfile:
+    """log.profile_step's profiler for one step: started before the rollout, or after it
+    (log.profile_rollout=false: the trainer's phases only); finish() writes it."""
+
+    def __init__(self, step: int, cfg, device: torch.device):
+        self.on, self.step, self.device = step == cfg.profile_step, step, device
+        self.prof = start_profile(device) if self.on and cfg.profile_rollout else None
+
+    def after_rollout(self) -> None:
+        if self.on and self.prof is None:
+            self.prof = start_profile(self.device)
+
+    def finish(self, run_dir: Path, rank: int, logger: RunLogger) -> None:
+        if self.prof is not None:
+            logger.print(f"profile: {save_profile(self.prof, run_dir / 'profile', self.step, rank, self.device)}")
+
+
+# ----------------------------------------------------------------------------- batches and episodes
+
+def save_rollout_batch(path, step, input_ids, attention_mask, mask, rollout_logp, old_logp, bf16_logp,
+                       rewards, advantages, config: dict, tokenizer=None, tokenizer_dir=None) -> Path:
+    """Write one step's batch (shapes in the module docstring) atomically (checkpoint.atomic_write)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    t = {k: v.detach().cpu().clone() for k, v in zip(TENSOR_FIELDS, (
+        input_ids, attention_mask, mask, rollout_logp, old_logp, bf16_logp, rewards, advantages))}
+    resp = t["mask"] != 0
+    n_real = t["attention_mask"].sum(1)
+    first = torch.where(resp.any(1), resp.float().argmax(1), n_real)  # first response position
+    ids = t["input_ids"].tolist()
+    batch = {
+        "format": BATCH_FORMAT, "step": int(step), **t, "config": config,
+        "prompt_ids": [row[: int(f)] for row, f in zip(ids, first)],
+        "response_ids": [[i for i, r in zip(row, m) if r] for row, m in zip(ids, resp.tolist())],
+        "token_text": {} if tokenizer is None else
+        {i: tokenizer.decode([i]) for i in sorted(set(t["input_ids"].flatten().tolist()))},
+        "tokenizer_dir": None if tokenizer_dir is None else str(tokenizer_dir),
+        "run_dir": str(path.parent.parent),
+    }
+    return atomic_write(path, lambda f: torch.save(batch, f))
+
+
+def load_rollout_batch(path) -> dict:
+    """The dict save_rollout_batch wrote; ValueError naming the path if it is not a rollout batch."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such rollout batch file")
+    try:
+        batch = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - anything torch cannot read safely is "not a batch"
+        raise ValueError(f"{path} is not a rollout batch (torch.load failed: {str(e).splitlines()[0]})") from None
+    if not isinstance(batch, dict) or batch.get("format") != BATCH_FORMAT:
+        got = batch.get("format") if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(f"{path} is not a rollout batch (format {got!r}, expected {BATCH_FORMAT!r}); "
+                         "batches are written by train_grpo.py with log.save_batch_every=N")
+    return batch
+
+
+def save_step_batch(path: Path, step: int, model, b: StepBatch, temperature: float, micro_batch: int, mixed: bool,
+                    config: dict, tokenizer, tokenizer_dir, d: distributed.Dist) -> None:
+    """save_rollout_batch of every rank's rows (rank 0 writes them, in rank order), with bf16_logp
+    from one more no-grad pass of the same weights, linears not quantized. Collective."""
+    with bf16_reference(model):
+        bf16_logp = logprob_pass(model, b.input_ids, b.attention_mask, temperature, micro_batch, mixed=mixed)  # [B, L]
+    rows = [distributed.gather_rows(x, d, pad=tokenizer.pad_token_id if x is b.input_ids else 0)
+            for x in (b.input_ids, b.attention_mask, b.mask, b.rollout_logp, b.old_logp, bf16_logp)]
+    rows += [distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu() for x in (b.rewards, b.advantages)]
+    if d.rank == 0:
+        save_rollout_batch(path, step, *rows, config, tokenizer, tokenizer_dir)
+
+
+def dump_episodes(run_dir: Path, step: int, b: StepBatch, tokenizer, k: int) -> None:
+    """The first k samples of this rank's batch to <run_dir>/episodes/step_N.jsonl, one JSON object each."""
+    out = run_dir / "episodes"
+    out.mkdir(exist_ok=True)
+    answers = b.answers
+    with open(out / f"step_{step:06d}.jsonl", "w") as f:
+        for i, s in enumerate(b.samples[:k]):
+            pos = b.mask[i].nonzero().squeeze(-1)
+            f.write(json.dumps({
+                "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=True), "completion": b.texts[i],
+                "answer": answers[i], "reward": float(b.rewards[i]), "advantage": float(b.advantages[i]),
+                "finish_reason": s.finish_reason, "rollout_logp": s.logprobs,
+                "trainer_logp": b.old_logp[i, pos].tolist()}) + "\n")

@@ -1,0 +1,463 @@
+"""The phases of a GRPO step, in the order train_grpo.train() calls them, and the setup they share.
+
+    rollout_phase   engine samples n completions per prompt and scores them (rewards.REWARDS);
+                    dynamic sampling may roll out more rounds
+    assemble_batch  group advantages, the kept groups, the padded [B, L] tensors (batch.StepBatch)
+    old_logprob_phase  trainer logprobs of the behaviour weights (old_logp), the KL reference,
+                    entropy and the rollout/trainer mismatch
+    train_phase     mini-batches of micro-batches: the policy forward, grpo_loss, one optimizer step
+                    per mini-batch (non-finite steps skipped and counted)
+    refit_phase     q/k/v scale recalibration (FP8 KV cache), then the weight sync into the engine
+    validate        greedy accuracy on the held-out prompts
+    save            a checkpoint of the run state
+
+What a phase needs comes in as arguments: `Run` holds what setup built (fixed for the run), `State`
+what the steps change and checkpoints keep (kv scales, consecutive bad steps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import math
+import time
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+import distributed
+from batch import StepBatch, amp, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
+from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
+from config import Config, UserError
+from data import data_warnings, load_splits, reward_last_number, reward_stats
+from fp8.calibrate import QKVCalibrator, token_mask
+from fp8.export import export_weights
+from fp8.linear import bf16_reference
+from losses import collapse
+from losses.advantages import group_advantages
+from losses.grpo import grpo_loss
+from losses.mismatch import mismatch_metrics
+from observe import RunLogger, gc_timer
+from probe import WeightChange, policy_gain, probe_rewards
+from rewards import REWARDS, format_reward
+
+
+@dataclasses.dataclass
+class Run:
+    """What setup built for the run; the phases read it and never rebind its fields."""
+    cfg: Config
+    d: distributed.Dist
+    run_dir: Path
+    logger: RunLogger
+    model: torch.nn.Module                  # the policy (FP8 linears if fp8.train, sharded if world > 1)
+    ref_model: torch.nn.Module | None       # KL reference: the initial policy, frozen, BF16
+    tokenizer: object
+    engine: object                          # rollout.Engine
+    model_dir: str | Path                   # what the engine loaded (tokenizer dir of saved batches)
+    calibrator: QKVCalibrator | None        # fp8.kv_cache and fp8.recalibrate
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: object                         # data.PromptSampler
+    weight_change: WeightChange
+    train_set: list[dict]
+    val_set: list[dict]
+    fp8_tokens: int = 1                     # token multiple the trainer's FP8 GEMMs want
+    mixed: bool = False                     # fp32 master weights, bf16 compute (CUDA)
+
+
+@dataclasses.dataclass
+class State:
+    """What the steps change and a checkpoint keeps."""
+    start_step: int = 0
+    kv_scales: dict | None = None           # {layer: (q, k, v)} the engine's FP8 attention scales
+    bad_steps: int = 0                      # consecutive optimizer steps skipped as non-finite
+    entropy_control: collapse.EntropyControl | None = None  # loss.entropy_target's adaptive coefficient
+
+
+def entropy_control(cfg: Config) -> collapse.EntropyControl | None:
+    """loss.entropy_target's controller, starting at loss.entropy_coef (None: a fixed coefficient)."""
+    lo = cfg.loss
+    return None if lo.entropy_target is None else \
+        collapse.EntropyControl(lo.entropy_target, lo.entropy_coef_step, lo.entropy_coef)
+
+
+# ----------------------------------------------------------------------------- setup
+
+def read_config(args) -> tuple[Config, Path | None]:
+    """(config, resume dir or None) from the command line: --config + overrides, or --resume's run."""
+    from checkpoint import resume_config
+    from config import load_config
+
+    resume_dir = Path(args.resume) if args.resume else None
+    if resume_dir and args.config:
+        raise UserError(f"--resume {resume_dir} continues with the run's own config.yaml: drop --config and give "
+                        "changes as key=value overrides")
+    if resume_dir and not (resume_dir / "config.yaml").is_file():
+        raise UserError(f"--resume {resume_dir}: not a run directory (no config.yaml)")
+    return (resume_config(resume_dir, args.overrides) if resume_dir else load_config(args.config, args.overrides),
+            resume_dir)
+
+
+def make_run_dir(cfg: Config, config_path: str | None, d: distributed.Dist) -> Path:
+    """A new run's dir, created by rank 0 alone and exclusively (checkpoint.create_run_dir: never one
+    that exists); every rank gets its name, or rank 0's error."""
+    made = None
+    if d.main:
+        auto = not cfg.train.run_name
+        name = cfg.train.run_name or f"{Path(config_path or 'default').stem}-{datetime.now():%Y%m%d-%H%M%S}"
+        try:
+            made = str(create_run_dir(cfg.train.out_dir, name, auto))
+        except UserError as e:
+            made = e
+    made = distributed.broadcast_object(made, d)
+    if isinstance(made, UserError):
+        raise made
+    return Path(made)
+
+
+def prepare_prompts(examples, tokenizer, cfg: Config):
+    """Render + tokenize; prompts longer than data.max_prompt_tokens are dropped (counted)."""
+    from data import filter_long_prompts, uses_chat_template
+
+    kept, dropped = filter_long_prompts(examples, tokenizer, cfg.data)
+    if cfg.model.name_or_path == "tiny":
+        from modeling import check_char_vocab
+        check_char_vocab(cfg.model.tiny.vocab, [ex["prompt"] for ex in kept])
+    special = not uses_chat_template(tokenizer, cfg.data)  # chat templates write their own BOS
+    ids = tokenizer([ex["prompt"] for ex in kept], add_special_tokens=special)["input_ids"] if kept else []
+    return [{**ex, "prompt_ids": i} for ex, i in zip(kept, ids)], dropped
+
+
+def load_data(cfg: Config, tokenizer, logger: RunLogger) -> tuple[list[dict], list[dict]]:
+    """(train, val) prompts, tokenized; what was dropped or looks wrong is printed."""
+    train_set, val_set = load_splits(cfg.data)
+    train_set, dropped = prepare_prompts(train_set, tokenizer, cfg)
+    val_set, _ = prepare_prompts(val_set, tokenizer, cfg)
+    if cfg.train.val_every and not val_set:
+        raise UserError("the validation split is empty; set data.val_size / data.val_split, or train.val_every=0")
+    logger.print(f"data: {len(train_set)} train prompts ({dropped} dropped as overlong), {len(val_set)} val")
+    for warning in data_warnings(train_set, dropped, cfg.data):
+        logger.print(f"WARNING data: {warning}")
+    return train_set, val_set
+
+
+def reference_model(model, cfg: Config):
+    """KL reference: a frozen copy of the initial policy (BF16, never quantized); None without KL."""
+    return copy.deepcopy(model).eval().requires_grad_(False) if cfg.loss.kl_coef > 0 else None
+
+
+def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: bool, logger: RunLogger) -> int:
+    """FP8 linears (fp8.train), compiled layers (train.compile), FSDP2 (world > 1), in that order;
+    returns the token multiple the trainer's FP8 GEMMs want (1 = any)."""
+    fp8_tokens = 1
+    if cfg.fp8.train:
+        from fp8.linear import convert_to_fp8_training, use_torchao
+        from fp8.quant import BLOCK
+        if cfg.fp8.cache_weights and d.world > 1:
+            raise UserError(f"fp8.cache_weights keeps unsharded FP8 weights, which defeats FSDP over {d.world} "
+                            "ranks: set fp8.cache_weights=false, or run on one GPU")
+        converted = convert_to_fp8_training(model, cfg.fp8)
+        logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
+        fp8_tokens = BLOCK if use_torchao(cfg.fp8, d.device) else 1
+    if cfg.train.compile != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
+        distributed.compile_layers(model, cfg.train.compile)
+    # after FP8 conversion: FSDP2 all-gathers the weight each FP8 linear then quantizes, as on one GPU
+    distributed.shard(model, d, bf16_compute=mixed)
+    if ref_model is not None:
+        distributed.shard(ref_model, d, bf16_compute=mixed)
+    return fp8_tokens
+
+
+def lr_schedule(optimizer, warmup: int):
+    """Linear warm-up over `warmup` optimizer steps, then constant."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+
+
+def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
+    """The state of the newest checkpoint that loads (model, optimizer, schedule, sampler, RNG); collective."""
+    ckpt_root, logger, d = run.run_dir / "checkpoints", run.logger, run.d
+    loaded = load_latest(ckpt_root, run.model, run.optimizer, d, log=logger.print)
+    if loaded is None:
+        raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}, so it cannot be resumed; "
+                        "start a new run (another train.run_name), or delete that directory")
+    ckpt, meta = loaded
+    if meta["world"] != d.world:  # DCP reshards: any world size reads it (checkpoint.py)
+        logger.print(f"resuming a {meta['world']}-rank checkpoint on {d.world} rank{'s' * (d.world > 1)}")
+    run.scheduler.load_state_dict(meta["scheduler"])
+    run.sampler.load_state_dict(meta["sampler"])
+    set_rng_state(meta["rng"])
+    state = State(meta["step"], meta["kv_scales"], meta.get("bad_steps", 0), entropy_control(run.cfg))
+    if state.entropy_control is not None and meta.get("entropy_coef") is not None:
+        state.entropy_control.coef = meta["entropy_coef"]
+    logger.truncate(state.start_step)  # steps the interrupted run logged past the checkpoint are redone
+    logger.print(f"resumed from {ckpt} at step {state.start_step}")
+    if d.main:
+        record_resume(run.run_dir, overrides, state.start_step)
+    return state
+
+
+def save(run: Run, state: State, step: int) -> None:
+    """Checkpoint after `step` steps; collective: each rank writes its own shards (checkpoint.py)."""
+    meta = {"scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(), "step": step,
+            "kv_scales": state.kv_scales, "bad_steps": state.bad_steps,
+            "entropy_coef": None if state.entropy_control is None else state.entropy_control.coef}
+    path = save_checkpoint(run.run_dir / "checkpoints", step, meta, run.model, run.optimizer, run.d,
+                           keep=run.cfg.train.keep_ckpts)
+    run.logger.print(f"checkpoint: {path}")
+
+
+# ----------------------------------------------------------------------------- rollout and reward
+
+def score(run: Run, prompts: list[dict], samples) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+    """(texts, rewards [B], correct [B]): data.reward's verdict per sample, plus the format bonus."""
+    cfg = run.cfg
+    texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+    reward, last_number = REWARDS[cfg.data.reward], reward_last_number(cfg.data)
+    correct = torch.tensor([reward(t, prompts[s.prompt_index]["answer"], finish_reason=s.finish_reason,
+                                   last_number=last_number) for t, s in zip(texts, samples)])  # [B]
+    rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
+    if cfg.train.probe:  # a synthetic reward with variance: the update direction is checkable on any model
+        rewards = probe_rewards(samples)
+    return texts, rewards, correct
+
+
+def rollout_round(run: Run, step: int, r: int, metrics: dict) -> collapse.Groups:
+    """Draw prompts, generate n samples each, score them: this rank's groups of round r of the step."""
+    cfg, n = run.cfg, run.cfg.rollout.n
+    gen, own = distributed.rollout_share(run.d, cfg.rollout.prompts_per_step)  # whole groups; see rollout_share
+    prompts = next(run.sampler)[gen]  # same draw on every rank
+    # sample j of global prompt i gets seed step_seed + i*n + j: disjoint across steps and ranks (a
+    # resample round r >= 1 adds r * 2**40, past every step's range)
+    step_seed = (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * n + (r << 40)
+    with torch.profiler.record_function("rollout"):  # a named span in the profile's trace
+        samples = run.engine.generate([ex["prompt_ids"] for ex in prompts], n=n, temperature=cfg.rollout.temperature,
+                                      top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
+                                      seed=step_seed + gen.start * n)
+    batch = prompts[own]  # this rank's prompts and their samples (all of them without TP)
+    samples = [dataclasses.replace(s, prompt_index=s.prompt_index - own.start)
+               for s in samples[own.start * n: own.stop * n]]
+    t0 = time.perf_counter()
+    texts, rewards, correct = score(run, batch, samples)
+    metrics["time/reward"] = metrics.get("time/reward", 0.0) + time.perf_counter() - t0
+    return collapse.Groups(batch, samples, texts, rewards, correct)
+
+
+def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
+    """The step's rollout rounds: one, or under dynamic_sampling=resample more while any rank lacks
+    groups with reward variance (every rank runs the same rounds: losses/collapse.py)."""
+    cfg, n = run.cfg, run.cfg.rollout.n
+    t0 = time.perf_counter()
+    run.engine.wake()
+    rounds = [rollout_round(run, step, 0, metrics)]
+    while cfg.train.dynamic_sampling == "resample" and len(rounds) < cfg.train.max_rollout_rounds and \
+            distributed.all_sum(torch.tensor(float(collapse.deficit(rounds, n)), device=run.d.device), run.d) > 0:
+        rounds.append(rollout_round(run, step, len(rounds), metrics))
+    run.engine.sleep()
+    metrics["time/rollout"] = time.perf_counter() - t0 - metrics["time/reward"]
+    return rounds
+
+
+def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> StepBatch:
+    """Advantages and the padded batch; groups left out by dynamic sampling get loss mask 0 (the batch
+    keeps its shape). Logs the collapse signals over round 0 (the step's fresh draw)."""
+    cfg, d, n = run.cfg, run.d, run.cfg.rollout.n
+    groups, keep = collapse.assemble(rounds, n, cfg.train.dynamic_sampling)  # keep: bool [B / n]
+    advantages = group_advantages(groups.rewards, n, cfg.advantage.normalize_std, cfg.advantage.eps)  # [B]
+    signals = {"reward/zero_std_groups": (~collapse.has_variance(rounds[0].rewards, n)).float(),
+               "reward/distinct_answers": collapse.distinct_answers(rounds[0].texts, n),
+               "reward/unsolved_groups": (rounds[0].correct.view(-1, n).amax(1) == 0).float(),
+               "reward/kept_groups": keep.float()}
+    metrics.update({k: float(distributed.gather_rows(v[:, None].to(d.device), d).mean()) for k, v in signals.items()})
+    metrics["rollout/rounds"] = len(rounds)
+    # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
+    B, mb = len(groups.samples), cfg.train.micro_batch_size
+    input_ids, attention_mask, mask, rollout_logp = (x.to(d.device) for x in collate(
+        groups.samples, run.tokenizer.pad_token_id, length_multiple(min(mb, B), run.fp8_tokens)))
+    loss_mask = mask * keep.repeat_interleave(n).to(d.device)[:, None]  # [B, L]
+    return StepBatch(groups.prompts, groups.samples, groups.texts, groups.rewards, groups.correct, keep,
+                     advantages.to(d.device), input_ids, attention_mask, mask, loss_mask, rollout_logp)
+
+
+# ----------------------------------------------------------------------------- trainer passes
+
+def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
+    """b.old_logp (and b.ref_logp) from no-grad passes; policy/entropy and mismatch/* over all ranks.
+    fp8.calib_pass=logprobs: this forward's q/k/v amax gives the next rollout's scales."""
+    cfg, d = run.cfg, run.d
+    t0 = time.perf_counter()
+    capture = run.calibrator.capture() if run.calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
+        else contextlib.nullcontext()
+    with capture, torch.profiler.record_function("logprobs"):
+        b.old_logp, entropy = logprob_pass(run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
+                                           cfg.train.micro_batch_size, entropy=True, mixed=run.mixed)  # [B, L]
+    if run.ref_model is not None:
+        b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
+                                  cfg.train.micro_batch_size, mixed=run.mixed)
+    metrics["time/logprobs"] = time.perf_counter() - t0
+    metrics["policy/entropy"] = float(distributed.all_sum((entropy * b.mask).sum(), d)
+                                      / distributed.all_sum(b.mask.sum(), d).clamp(min=1))
+    metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
+        *(distributed.gather_rows(x, d) for x in (b.old_logp, b.rollout_logp, b.mask))).items()})
+
+
+def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
+    """No-grad logprobs [B, L] of the master weights, linears not quantized (train.probe)."""
+    with bf16_reference(run.model):
+        return logprob_pass(run.model, b.input_ids, b.attention_mask, run.cfg.rollout.temperature,
+                            run.cfg.train.micro_batch_size, mixed=run.mixed)
+
+
+def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) -> None:
+    """The policy update: mini-batches (one optimizer step each) of micro-batches. A mini-batch whose
+    loss or grad norm is non-finite on any rank is skipped (state.bad_steps counts them in a row;
+    train.max_bad_steps aborts)."""
+    cfg, d, model, optimizer = run.cfg, run.d, run.model, run.optimizer
+    probe_before = bf16_logprobs(run, b) if cfg.train.probe else None  # the policy before the update
+    t0 = time.perf_counter()
+    entropy_coef = cfg.loss.entropy_coef if state.entropy_control is None else \
+        state.entropy_control(metrics["policy/entropy"])
+    if cfg.loss.entropy_coef or state.entropy_control is not None:
+        metrics["loss/entropy_coef"] = entropy_coef
+    run.weight_change.start()
+    with torch.profiler.record_function("train"):
+        model.train()
+        B, mb = len(b.samples), cfg.train.micro_batch_size
+        order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(d.device)
+        mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
+        n_mini = len(micro_batches(B, mini))
+        loss_metrics: dict[str, float] = {}
+        skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
+        for mini_slice in micro_batches(B, mini):
+            idx = order[mini_slice]
+            mini_tokens = distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1)
+            mini_rows = float(distributed.all_sum(b.loss_mask[idx].amax(1).sum(), d))  # rows that count
+            mini_all_tokens = distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1)  # kept groups or not
+            optimizer.zero_grad(set_to_none=True)
+            nonfinite_loss = torch.zeros((), device=d.device)
+            for micro in micro_batches(len(idx), mb):
+                j = idx[micro]
+                with amp(run.mixed):  # the policy forward, with grad
+                    logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
+                                          entropy=entropy_coef > 0)
+                logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
+                loss, m = grpo_loss(logp, b.old_logp[j], b.rollout_logp[j], b.advantages[j], b.loss_mask[j], cfg.loss,
+                                    ref_logp=None if b.ref_logp is None else b.ref_logp[j])
+                # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
+                weight = b.loss_mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else \
+                    float(b.loss_mask[j].amax(1).sum()) / max(mini_rows, 1.0)
+                loss = loss * weight
+                if entropy_coef > 0:  # the bonus: mean entropy over all the mini-batch's response tokens
+                    loss = loss - entropy_coef * (policy_entropy * b.mask[j]).sum() / mini_all_tokens
+                (loss * distributed.grad_scale(d)).backward()
+                nonfinite_loss += (~torch.isfinite(loss.detach())).float()
+                for k, v in m.items():
+                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / n_mini
+            max_norm = math.inf if cfg.optim.max_grad_norm is None else cfg.optim.max_grad_norm  # null: no clip
+            grad_norm = distributed.clip_grad_norm(model.parameters(), max_norm)
+            if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees
+                optimizer.zero_grad(set_to_none=True)
+                state.bad_steps, skipped = state.bad_steps + 1, skipped + 1
+                run.logger.print(f"WARNING step {step}: non-finite loss/grad norm, optimizer step skipped "
+                                 f"({state.bad_steps} in a row)")
+                if state.bad_steps >= cfg.train.max_bad_steps:
+                    raise UserError(f"{state.bad_steps} consecutive non-finite steps (train.max_bad_steps); lower "
+                                    "optim.lr, check the data, or try fp8.train=false to isolate FP8")
+                continue
+            state.bad_steps = 0
+            optimizer.step()
+            run.scheduler.step()
+            metrics["optim/grad_norm"] = float(grad_norm)  # before clipping; after (clip_grads_with_norm_'s factor):
+            metrics["optim/grad_norm_clipped"] = float(grad_norm) * min(1.0, max_norm / (float(grad_norm) + 1e-6))
+        optimizer.zero_grad(set_to_none=True)  # free the gradients before the engine wakes (memory)
+        if d.world > 1:  # each rank's terms are already weighted by its share of the global batch
+            summed = distributed.all_sum(torch.tensor(list(loss_metrics.values()), device=d.device), d)
+            loss_metrics = dict(zip(loss_metrics, summed.tolist()))
+        metrics.update(loss_metrics)
+        metrics["optim/skipped_steps"] = skipped
+    metrics["time/train"] = time.perf_counter() - t0
+    if (changed := run.weight_change.finish()) is not None:  # the share of weights the step moved
+        metrics["optim/changed_frac"] = changed
+    if cfg.train.probe:  # did the update raise the positive-advantage samples relative to the negative ones?
+        metrics["probe/policy_gain"] = policy_gain(bf16_logprobs(run, b), probe_before, b.advantages, b.mask)
+
+
+# ----------------------------------------------------------------------------- engine refit
+
+def recalibrate(run: Run, input_ids, attention_mask) -> dict:
+    """Per-layer (q, k, v) scales from a no-grad forward over the first fp8.calib_samples rows."""
+    with torch.no_grad(), amp(run.mixed), run.calibrator.capture():
+        for s in micro_batches(min(len(input_ids), run.cfg.fp8.calib_samples), run.cfg.train.micro_batch_size):
+            with token_mask(attention_mask[s]):  # right padding: no mask needed (batch.token_logprobs)
+                run.model(input_ids=input_ids[s], use_cache=False)
+    return run.calibrator.scales()
+
+
+def refit(run: Run, state: State) -> float:
+    """Push the trainer's weights (FP8 by fp8/quant.py if fp8.rollout) and kv scales into the engine; seconds."""
+    t0 = time.perf_counter()
+    with torch.profiler.record_function("refit"):
+        run.engine.update_weights(export_weights(run.model, run.cfg.fp8, fp8=run.cfg.fp8.rollout))
+        if run.cfg.fp8.kv_cache and state.kv_scales is not None:
+            run.engine.set_kv_scales(state.kv_scales)
+    return time.perf_counter() - t0
+
+
+def first_refit(run: Run, state: State) -> None:
+    """Before step 0 (or on resume): scales from the training prompts if none were saved, so the first
+    rollout is calibrated too, then the weight sync."""
+    if run.calibrator is not None and state.kv_scales is None:
+        from rollout import Sample
+        prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in run.train_set[: run.cfg.fp8.calib_samples]]
+        ids, am, _, _ = collate(prompts, run.tokenizer.pad_token_id)
+        state.kv_scales = recalibrate(run, ids.to(run.d.device), am.to(run.d.device))
+    refit(run, state)
+
+
+def refit_phase(run: Run, state: State, b: StepBatch, metrics: dict) -> None:
+    """Recalibrate q/k/v scales (on the new weights, or from the old_logp capture), then push weights + scales."""
+    if run.calibrator is not None:
+        t0 = time.perf_counter()
+        with torch.profiler.record_function("recalibrate"):
+            state.kv_scales = recalibrate(run, b.input_ids, b.attention_mask) if run.cfg.fp8.calib_pass == "separate" \
+                else run.calibrator.scales()
+        metrics["time/recalibrate"] = time.perf_counter() - t0
+        for i, name in enumerate(("q", "k", "v")):
+            metrics[f"fp8/{name}_scale_mean"] = sum(sc[i] for sc in state.kv_scales.values()) / len(state.kv_scales)
+    metrics["time/refit"] = refit(run, state)
+
+
+# ----------------------------------------------------------------------------- validation and step metrics
+
+def validate(run: Run) -> float:
+    """Greedy accuracy (data.reward's mean) on the first val_max_prompts held-out prompts (ranks split them)."""
+    cfg, d = run.cfg, run.d
+    val = run.val_set[: cfg.train.val_max_prompts]
+    mine = val[d.rank // d.tp:: d.world // d.tp]  # one share per engine (a TP group generates it together)
+    samples = run.engine.generate([ex["prompt_ids"] for ex in mine], n=1, temperature=0.0, top_p=1.0,
+                                  max_new_tokens=cfg.rollout.max_new_tokens)
+    texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+    counted = d.rank % d.tp == 0  # the group's first rank scores its engine's answers; the others add 0
+    reward, last_number = REWARDS[cfg.data.reward], reward_last_number(cfg.data)
+    correct = torch.tensor(float(sum(reward(t, ex["answer"], finish_reason=s.finish_reason, last_number=last_number)
+                                     for t, ex, s in zip(texts, mine, samples)) if counted else 0), device=d.device)
+    return float(distributed.all_sum(correct, d)) / len(val)
+
+
+def step_metrics(run: Run, b: StepBatch, t_step: float) -> dict:
+    """Rewards, lengths, lr, time and memory of the step, over all ranks' samples."""
+    d, n = run.d, run.cfg.rollout.n
+    truncated = torch.tensor([float(s.finish_reason == "length") for s in b.samples])
+    rewards, correct, lengths, truncated = (distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu()
+                                            for x in (b.rewards, b.correct, b.mask.sum(1), truncated))
+    tokens = float(distributed.all_sum(b.attention_mask.sum(), d))
+    return {
+        "reward/mean": float(rewards.mean()), "reward/accuracy": float(correct.mean()),
+        "reward/solved_groups": float((correct.view(-1, n).max(1).values > 0).float().mean()),
+        "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
+        "response/truncated_frac": float(truncated.mean()),
+        "optim/lr": float(run.scheduler.get_last_lr()[0]), "time/step": time.perf_counter() - t_step,
+        "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
+        "time/gc": gc_timer().take(), **reward_stats(), **distributed.memory_metrics(d.device),
+    }
