@@ -82,7 +82,8 @@ def write_run(run_dir: Path, cfg, tok, seed: int):
         kv_scales = calibrator.scales()
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    save_checkpoint(run_dir / "checkpoints", 1, {"model": model.state_dict(), "kv_scales": kv_scales, "step": 1})
+    save_checkpoint(run_dir / "checkpoints", 1, {"kv_scales": kv_scales, "step": 1}, model,
+                    torch.optim.AdamW(model.parameters()))
     return model, kv_scales
 
 
