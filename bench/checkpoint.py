@@ -38,7 +38,6 @@ import os
 import resource
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +47,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import RESULTS, write_results  # noqa: E402
+from bench.runner import RESULTS, Job, emit, read_records, run_jobs, write_results  # noqa: E402
 
 L8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
            vocab_size=128256)
@@ -205,12 +204,13 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--worker", choices=OPS, help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
+    p.add_argument("--records", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     shape = TINY if args.tiny else L8B
     if args.worker:
         device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)  # set_device needs the index
         row = worker(args.worker, shape, int(args.layers), Path(args.ckpt_dir), device)
-        print("ROW " + json.dumps(row), flush=True)
+        emit(args.records, row)
         return row
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     layers = auto_layers(shape, Path(args.dir), args.device) if args.layers == "auto" else int(args.layers)
@@ -219,19 +219,24 @@ def main(argv=None):
     print(f"{layers} layers: {(rest + layers * layer) / 1e9:.2f}B parameters, "
           f"{(rest + layers * layer) * BYTES_PER_PARAM / 1e9:.1f} GB of fp32 weights + Adam moments", flush=True)
     ckpt_dir, runs = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)), []
-    try:
-        for op in OPS:
-            cmd = [sys.executable, __file__, "--worker", op, "--layers", str(layers), "--ckpt-dir", str(ckpt_dir),
-                   "--device", args.device] + (["--tiny"] if args.tiny else [])
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            rows = [line[4:] for line in r.stdout.splitlines() if line.startswith("ROW ")]
-            if r.returncode or not rows:
-                sys.exit(f"error: {op} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-            runs.append({"workload": f"llama31_8b_shape_{layers}_layers" if not args.tiny else "tiny",
-                         **json.loads(rows[-1])})
-            print(json.dumps(runs[-1]), flush=True)
-            if op == "full-load":  # one checkpoint on disk at a time
-                shutil.rmtree(ckpt_dir / "full")
+    logs = ckpt_dir / "logs"  # (printed when an op fails; removed with the checkpoints)
+
+    def job(op):
+        argv = [sys.executable, __file__, "--worker", op, "--layers", str(layers), "--ckpt-dir", str(ckpt_dir),
+                "--device", args.device, "--records", str(logs / f"{op}.jsonl")] + (["--tiny"] if args.tiny else [])
+        return Job(op, argv, logs / f"{op}.log", logs / f"{op}.jsonl")
+
+    def on_done(job):
+        rows = read_records(job.records)
+        if job.status != "ok" or not rows:  # every later op needs this one's checkpoint
+            raise SystemExit(f"error: {job.label} failed (exit {job.rc}); its log is above")
+        runs.append({"workload": f"llama31_8b_shape_{layers}_layers" if not args.tiny else "tiny", **rows[-1]})
+        print(json.dumps(runs[-1]), flush=True)
+        if job.label == "full-load":  # one checkpoint on disk at a time
+            shutil.rmtree(ckpt_dir / "full")
+
+    try:  # a fresh process per op: ru_maxrss is that op's peak alone
+        run_jobs([job(op) for op in OPS], on_done, poll_s=0.2, stream=None, tag="checkpoint")
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     path = write_results("checkpoint", runs, Path(args.out), device=device, layers=layers, fs=fs_type(Path(args.dir)),

@@ -60,7 +60,6 @@ and shape; within one process (`all`) the in-memory cache already shares them.
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -69,20 +68,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8.linear import keep_triton_autotuning  # noqa: E402
 
 keep_triton_autotuning()  # before torchao's @triton.autotune kernels are defined
-from bench.common import (RESULTS, cuda_time_ms, markdown_table, merge_runs, parse_choices,  # noqa: E402
-                          read_results, write_json, write_results)
+from bench.runner import (RESULTS, add_ratio, cuda_time_ms, markdown_table, parse_choices,  # noqa: E402
+                          run_inline, update_results, write_json)
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (4096, 1024),
           "gate/up_proj": (4096, 14336), "down_proj": (14336, 4096)}
-STACK_MODES = {  # mode -> FP8Config overrides (None = no conversion); '<mode>_compile' compiles the layers
-    "bf16": None,
-    "fp8": {},
-    "fp8_unfused": {"fuse_projections": False},
-    "fp8_kv_bf16": {"keep_bf16": ["*.k_proj", "*.v_proj"]},
-    "fp8_mlp": {"keep_bf16": ["*.self_attn.*"]},
-    "fp8_two_pass": {"fuse_swiglu": False},  # + use_two_pass_quant
-    "fp8_cached": {"cache_weights": True},
-    "fp8_cached_noswiglu": {"cache_weights": True, "fuse_swiglu": False},
+FP8 = ["fp8.train=true"]
+STACK_MODES = {  # mode -> FP8Config overrides; '<mode>_compile' compiles the layers
+    "bf16": [],
+    "fp8": FP8,
+    "fp8_unfused": [*FP8, "fp8.fuse_projections=false"],
+    "fp8_kv_bf16": [*FP8, "fp8.keep_bf16=['*.k_proj', '*.v_proj']"],
+    "fp8_mlp": [*FP8, "fp8.keep_bf16=['*.self_attn.*']"],
+    "fp8_two_pass": [*FP8, "fp8.fuse_swiglu=false"],  # + use_two_pass_quant
+    "fp8_cached": [*FP8, "fp8.cache_weights=true"],
+    "fp8_cached_noswiglu": [*FP8, "fp8.cache_weights=true", "fp8.fuse_swiglu=false"],
 }
 STACK_MODES |= {f"{m}_compile": v for m, v in STACK_MODES.items()}
 COMPILED = "_compile"
@@ -119,7 +119,7 @@ def bench_linear(tokens=(8192, 16384)) -> list[dict]:
             with torch.no_grad():
                 ref, out = bf16(x), fp8(x)
                 runs[-1]["rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm())
-            runs[-1]["speedup"] = runs[-2]["ms"] / runs[-1]["ms"]
+            add_ratio(runs, "speedup", "ms", lower_is_better=True)
             print(f"{row['workload']}: bf16 {runs[-2]['ms']:.3f} ms  fp8 {runs[-1]['ms']:.3f} ms  "
                   f"x{runs[-1]['speedup']:.2f}", flush=True)
     return runs
@@ -138,22 +138,33 @@ def stack_config(layers: int, **overrides):
     return cfg
 
 
+def fp8_config(overrides: list[str]):
+    """FP8Config() with `fp8.key=value` overrides (read as the config CLI reads them)."""
+    from config import FP8Config, parse_override
+
+    fields = {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        if len(keys) != 2 or keys[0] != "fp8":
+            raise ValueError(f"{text!r}: a stack mode overrides fp8.<field> only")
+        fields[keys[1]] = value
+    return FP8Config(**fields)
+
+
 def build_stack(hf_cfg, mode: str, device, seed: int = 0):
     """(LlamaModel in bf16, train mode, on device; converted linear names). Same seed, same weights."""
     from transformers import LlamaModel
 
-    from config import FP8Config
     from fp8.linear import convert_to_fp8_training
 
     if mode not in STACK_MODES:
         raise ValueError(f"stack mode {mode!r} not in {list(STACK_MODES)}")
+    fp8 = fp8_config(STACK_MODES[mode])
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaModel(hf_cfg)
     model = model.to(torch.bfloat16).train()
-    converted = []
-    if STACK_MODES[mode] is not None:
-        converted = convert_to_fp8_training(model, FP8Config(train=True, **STACK_MODES[mode]))
+    converted = convert_to_fp8_training(model, fp8) if fp8.train else []
     if mode.startswith("fp8_two_pass"):
         use_two_pass_quant(model)
     if mode.endswith(COMPILED):
@@ -262,33 +273,33 @@ def profile_kernels(fn, iters: int = 2, per_call: int = 1) -> dict:
 def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, modes=DEFAULT_STACK_MODES,
                 warmup: int = 3, iters: int = 10, device="cuda", timer=None, profile_dir: Path | None = None,
                 on_mode=None, accums=(1,)) -> list[dict]:
-    """Each mode's runs (one per token count); on_mode(runs so far) after each mode (e.g. to save)."""
+    """Each mode's runs (one per token count and accum), modes in this process one after another
+    (bench.runner.run_inline: a failing mode is an error row); on_mode(runs so far) after each mode."""
     timer = timer or (lambda fn: cuda_time_ms(fn, warmup=warmup, iters=iters))
     hf_cfg = stack_config(layers)
-    runs, ref, bf16_ms = [], {}, {}
-    for mode in modes:
-        try:
-            runs += _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref,
-                                      bf16_ms)
-        except Exception as e:  # e.g. a compile failure: record it, measure the other modes
-            traceback.print_exc()
-            runs.append({"workload": f"stack {layers}x Llama-3.1-8B layers", "mode": mode,
-                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    ref = {}  # tokens -> bf16's output: every mode's rel_err is against it
+
+    def measure(mode):
+        return _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref)
+
+    def done(runs):
         if device != "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+        add_ratio(runs, "speedup", "ms", lower_is_better=True,
+                  base=lambda mode: "bf16" + COMPILED * str(mode).endswith(COMPILED))  # compiled vs compiled
+        add_ratio(runs, "speedup_eager", "ms", lower_is_better=True)
         if on_mode is not None:
             on_mode(runs)
-    return runs
+
+    return run_inline(modes, measure, f"stack {layers}x Llama-3.1-8B layers", on_mode=done)
 
 
-def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref,
-                      bf16_ms) -> list[dict]:
-    """bench_stack for one mode; fills ref (bf16 outputs) and bf16_ms (bf16 timings) for later modes."""
+def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref) -> list[dict]:
+    """bench_stack for one mode; fills ref (bf16 outputs) for later modes."""
     runs = []
     model, converted = build_stack(hf_cfg, mode, device)
     opt = make_optimizer(model)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    base = "bf16" + COMPILED * mode.endswith(COMPILED)
     for t in tokens:
         x, pos, grad = stack_inputs(hf_cfg, t, seq_len, device)
         with torch.no_grad():  # before any optimizer step: the same weights in every mode
@@ -301,15 +312,10 @@ def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, tim
         for a in accums:
             if device != "cpu" and torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            step_ms = timer(lambda: stack_step(model, opt, x, pos, grad, a))
-            ms = step_ms / a  # per micro-batch
-            if mode in ("bf16", "bf16" + COMPILED):
-                bf16_ms[mode, t, a] = ms
+            ms = timer(lambda: stack_step(model, opt, x, pos, grad, a)) / a  # per micro-batch
             per_step = f", {a} micro-batches per optimizer step" if a > 1 else ""
             run = {"workload": f"stack {layers}x Llama-3.1-8B layers {t} tok ({rows}x{seq_len or t}){per_step}",
                    "mode": mode, "ms": ms, "tok_s": t / ms * 1e3, "tflops": stack_flops(hf_cfg, t, seq_len) / ms / 1e9,
-                   "speedup": bf16_ms[base, t, a] / ms if (base, t, a) in bf16_ms else None,
-                   "speedup_eager": bf16_ms["bf16", t, a] / ms if ("bf16", t, a) in bf16_ms else None,
                    "rel_err": rel, "layers": layers, "tokens": t, "seq_len": seq_len or t, "accum": a,
                    "fp8_linears": len(converted), "bf16_linears": n_linear - len(converted)}
             if device != "cpu" and torch.cuda.is_available():
@@ -324,23 +330,13 @@ def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, tim
                       + ", ".join(f"{c} {v['ms']:.1f} ({v['share']:.0%})" for c, v in prof["categories"].items()),
                       flush=True)
             runs.append(run)
-            sp = f"x{run['speedup']:.2f} vs {base}" if run["speedup"] else ""
             print(f"{run['workload']} {mode}: {ms:.1f} ms/micro-batch, {run['tok_s']:,.0f} tok/s, "
-                  f"{run['tflops']:.0f} TFLOP/s {sp}", flush=True)
+                  f"{run['tflops']:.0f} TFLOP/s", flush=True)
         del x, pos, grad
     return runs
 
 
 # ----------------------------------------------------------------------------------- results
-
-
-def save_train_results(new_runs: list[dict], out_dir: Path, device: str | None = None) -> Path:
-    """OUT/train.json: runs already there (same device) that were not re-measured, then new_runs."""
-    device = device or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    old = read_results(Path(out_dir) / "train.json")
-    kept = old["runs"] if old and old.get("device") == device else []
-    runs = merge_runs(kept, new_runs, lambda r: (r.get("workload"), r.get("mode")))
-    return write_results("train", runs, Path(out_dir), device=device)
 
 
 LINEAR_COLS = ["workload", "mode", "ms", "tflops", "speedup", "rel_err"]
@@ -395,13 +391,13 @@ def main(argv=None):
     if args.what in ("stack", "all"):
         runs = bench_stack(args.layers, args.tokens, args.seq_len, args.modes, args.warmup, args.iters,
                            profile_dir=out if args.profile else None,
-                           on_mode=lambda done: save_train_results(done, out),  # a timeout loses one mode at most
+                           on_mode=lambda done: update_results("train", done, out),  # a timeout loses one mode at most
                            accums=args.accum)
         print(f"wrote {out / 'train.json'}")
         print(markdown_table(runs, STACK_COLS))
     if args.what in ("linear", "all"):
         runs = bench_linear()
-        print(f"wrote {save_train_results(runs, out)}")
+        print(f"wrote {update_results('train', runs, out)}")
         print(markdown_table(runs, LINEAR_COLS))
 
 
