@@ -16,7 +16,6 @@ mode: its quantizers autotune 45 configs per new shape, minutes here.)
 """
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 

@@ -582,9 +582,10 @@ def run_parent(args) -> int:
     jobs = []
     for model in models:
         for mode in args.modes or DEFAULT_MODES:
-            stem = logs / f"rollout{suffix}_{model}_{mode}"
-            jobs.append(Job(f"{model}/{mode}", worker_argv(args, model, mode, stem.with_suffix(".jsonl"), deadline),
-                            stem.with_suffix(".log"), stem.with_suffix(".jsonl"), info={"model": model, "mode": mode}))
+            stem = f"rollout{suffix}_{model}_{mode}"  # (model names hold dots: no with_suffix)
+            log, records = logs / f"{stem}.log", logs / f"{stem}.jsonl"
+            jobs.append(Job(f"{model}/{mode}", worker_argv(args, model, mode, records, deadline), log, records,
+                            info={"model": model, "mode": mode}))
     gpus = visible_gpus(args.gpus)
     print(f"[rollout] {len(jobs)} runs ({', '.join(j.label for j in jobs)}) on GPU slots {gpus}; "
           f"workloads {', '.join(w.name for w in args.workloads)}; "
