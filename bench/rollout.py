@@ -8,45 +8,31 @@
     python bench/rollout.py --modes fp8kv --set rollout.block_size=128  # a config override, every mode
     python bench/rollout.py --merge a/rollout.json b/rollout.json --out bench/results   # combine calls
 
-What runs: the engine the trainer uses (rollout.VLLMEngine: in-process vLLM 0.26, dummy load, then
-`update_weights(export_weights(...))`; CUDA graphs; fp8 = block W8A8 linears (cutlass), fp8kv = + FP8
-KV cache and FA3 FP8 attention with q/k/v scales 1.0). The model dir holds only config.json (with
-`architectures`) + the repo's char tokenizer; prompts are random token ids below the model vocab;
-`rollout.ignore_eos=true` makes every sample exactly gen_len tokens; nothing is detokenized. The
-trainer-side model (HF, bf16, random normal(0, 0.02) init, ~16 GB on the GPU) exists only to be
-exported: refit_s = median wall time of `engine.update_weights(export_weights(model, ...))`,
-export (FP8 quantization) included. Sampling: T=1, top_p=1, n=1, seeded.
+What runs: the trainer's engine (rollout.VLLMEngine: in-process vLLM 0.26, dummy load, CUDA
+graphs, then `update_weights(export_weights(...))`) on a dir of config.json + the repo's char
+tokenizer; fp8 = block W8A8 linears (cutlass), fp8kv = + FP8 KV cache and FA3 FP8 attention
+(q/k/v scales 1.0). Prompts are random token ids; `rollout.ignore_eos=true` makes every sample
+exactly gen_len tokens; T=1, top_p=1, n=1, seeded. The trainer-side model (HF bf16, normal(0, 0.02),
+~16 GB) exists only to be exported: refit_s = median wall time of update_weights(export_weights(...)),
+FP8 quantization included. Per run: out_tok_s = generated tokens / generate() wall time (after a
+small warm-up generate), startup_s (vllm.LLM construction), the KV capacity vLLM computed
+(kv_capacity_tokens = num_gpu_blocks * block_size; kv_max_concurrency: sequences of max_model_len
+that fit; seqs_fit = capacity // (prompt_len + gen_len)), gpu_memory_utilization ('auto': 0.80,
+lowered so that the trainer model + 10 GiB stay outside vLLM's share: ~0.68 on an H100).
 
-Per run: out_tok_s = generated tokens / generate() wall time (after one small warm-up generate),
-startup_s (vllm.LLM construction: load, profile, torch.compile, CUDA graphs), the KV-cache capacity
-vLLM computed (kv_capacity_tokens = cache_config.num_gpu_blocks * block_size; kv_max_concurrency =
-cache_config.kv_cache_max_concurrency, i.e. sequences of max_model_len that fit; seqs_fit = capacity
-// (prompt_len + gen_len)), refit_s, gpu_memory_utilization. One process per (model, mode): vLLM
-allows one engine per process. The parent spawns `--worker` children through bench/runner.py
-(one per GPU at a time: all visible GPUs run in parallel), streams their `[bench]` lines, keeps each
-child's full log in OUT/logs/, and rewrites OUT/rollout.json after every child (a failed or killed
-child loses only its own results). Runs already in OUT/rollout.json from the same device are kept
-unless re-measured. Speed-ups are vs bf16 of the same model and workload.
-
-gpu_memory_utilization 'auto': 0.80, lowered so that the trainer model + 10 GiB stay outside vLLM's
-share (H200 141 GB: 0.80; H100 80 GB: ~0.68). The engine starts before the trainer model exists
-(the engine only needs its module shapes: the same model on the meta device).
+One child per (model, mode) (vLLM: one engine per process), through bench/runner.py: one per
+visible GPU at a time, their `[bench]` lines streamed, full logs in OUT/logs/, OUT/rollout.json
+rewritten after every child (runs of the same device already there are kept unless re-measured).
+--time-limit S starts no child that cannot finish and kills running ones at S (scripts/gpu_check.sh:
+540). Default modes bf16, fp8kv, fp8: the full recipe before the ablation, in case the limit cuts
+the last. A default run takes ~3 min per mode on an H200. Workloads: PxL->G or PxL:G (P prompts of
+L tokens, G generated).
 
 --capacity-only (default model Qwen3-8B): engine start with enforce_eager, no weights, no
-generation; records the capacity per mode. NeMo RL reports for Qwen3-8B BF16 249,952 tokens,
-FP8 linears 299,344 (x1.20), FP8 linears + KV 598,672 (x2.40), at a gpu_memory_utilization we do
-not know. KV memory = util * total - weights - activation peak - non-torch memory, so a different
-util shifts every mode's KV bytes by the same amount; kv_tokens_at_nemo_budget applies the shift
-that makes our BF16 capacity equal NeMo's to every mode (ratios comparable with theirs).
-Writes OUT/rollout_capacity.json.
-
-Default sizes (H200, estimates): a process spends ~20 s importing, 60-120 s in engine start, ~30 s
-building the trainer model and refitting, then 512x256->1024 (~30 s at 16-20k tok/s) and
-64x1024->4096 (~20-40 s): ~3 min per mode, ~9 min for the default 3 modes on one GPU, ~3-4 min on
-3+ GPUs. --time-limit S stops launching children that cannot finish and kills running ones at S,
-then writes what it has (scripts/gpu_check.sh uses 540). Modes run bf16, fp8kv, fp8 by default (the
-full recipe before the ablation, in case the limit cuts the last one). Workloads: PxL->G (P prompts
-of L tokens, G generated) or PxL:G (no quoting needed in a shell).
+generation -> OUT/rollout_capacity.json. NeMo RL reports for Qwen3-8B BF16 249,952 tokens, FP8
+linears 299,344 (x1.20), + FP8 KV 598,672 (x2.40) at an unknown gpu_memory_utilization. KV memory =
+util * total - weights - activation peak - non-torch memory, so another util shifts every mode's KV
+bytes equally; kv_tokens_at_nemo_budget applies the shift that makes our BF16 capacity NeMo's.
 """
 
 import argparse
@@ -63,17 +49,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.runner import (RESULTS, Job, add_ratio, emit, markdown_table, merge_files, parse_choices,  # noqa: E402
-                          read_records, read_results, run_jobs, say, update_results, visible_gpus)
+from bench.runner import (RESULTS, Job, add_ratio, cuda_kernels, emit, kernel_category, markdown_table,  # noqa: E402
+                          merge_files, parse_choices, read_records, read_results, run_jobs, say, update_results,
+                          visible_gpus)
 
 GiB = 1024**3
 MODES = {  # bench mode -> config overrides (fp8.rollout, fp8.kv_cache)
     "bf16": ["fp8.rollout=false", "fp8.kv_cache=false"],
     "fp8": ["fp8.rollout=true", "fp8.kv_cache=false"],
     "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
-    # vLLM's Triton block-FP8 GEMM instead of cutlass (the decode-step question: which one reads the
-    # FP8 weights at bandwidth for a few hundred tokens)
-    "fp8_triton": ["fp8.rollout=true", "fp8.kv_cache=false", "fp8.linear_backend=triton"],
+    # vLLM's Triton block-FP8 GEMM instead of cutlass (decode: which one reads the FP8 weights at bandwidth)
     "fp8kv_triton": ["fp8.rollout=true", "fp8.kv_cache=true", "fp8.linear_backend=triton"],
 }
 DEFAULT_MODES = ["bf16", "fp8kv", "fp8"]
@@ -397,11 +382,11 @@ def run_row(model_name: str, w: Workload, args, base: dict, *label: str) -> dict
 
 
 KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match wins)
-    ("attention", re.compile(r"flash|fmha|attn|attention|paged", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|_mm_|scaled_mm|w8a8", re.I)),
-    ("act_quant", re.compile(r"quant|fp8", re.I)),
-    ("norm/rope", re.compile(r"norm|rotary|rope", re.I)),
-    ("sampling", re.compile(r"sampl|softmax|topk|top_k|argmax|gumbel|exponential", re.I)),
+    ("attention", r"flash|fmha|attn|attention|paged"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|matmul|_mm_|scaled_mm|w8a8"),
+    ("act_quant", r"quant|fp8"),
+    ("norm/rope", r"norm|rotary|rope"),
+    ("sampling", r"sampl|softmax|topk|top_k|argmax|gumbel|exponential"),
 )
 
 
@@ -410,25 +395,20 @@ def set_tag(overrides: list[str]) -> str:
     return "".join("_" + re.sub(r"\W", "", o) for o in overrides)
 
 
-def kernel_kind(name: str) -> str:
-    return next((kind for kind, pat in KERNEL_KINDS if pat.search(name)), "other")
-
-
 def kernel_table(prof, steps: int, top: int = 30) -> tuple[dict, str]:
     """({kind: ms per decode step}, text): device time of a profiled decode run by kernel kind, then
     the top kernels, each per decode step."""
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    kernels = sorted(cuda_kernels(prof), key=lambda k: -k[1])
     kinds: dict[str, float] = {}
-    for e in kernels:
-        kind = kernel_kind(e.key)
-        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3 / steps
+    for name, ms, _ in kernels:
+        kind = kernel_category(name, KERNEL_KINDS)
+        kinds[kind] = kinds.get(kind, 0.0) + ms / steps
     total = sum(kinds.values()) or 1.0  # (no kernel seen: an empty table)
     lines = [f"{'kind':<12} {'ms/step':>9} {'share':>7}"]
     lines += [f"{k:<12} {v:9.3f} {v / total:7.1%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
     lines += ["", f"{'ms/step':>9} {'calls/step':>10} {'kind':<10} kernel"]
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
-        lines.append(f"{e.self_device_time_total / 1e3 / steps:9.3f} {e.count / steps:10.1f} "
-                     f"{kernel_kind(e.key):<10} {e.key[:150]}")
+    lines += [f"{ms / steps:9.3f} {calls / steps:10.1f} {kernel_category(name, KERNEL_KINDS):<10} {name[:150]}"
+              for name, ms, calls in kernels[:top]]
     return {k: round(v, 3) for k, v in kinds.items()}, "\n".join(lines) + "\n"
 
 

@@ -35,6 +35,7 @@ name their rows by those keys; the document around them is the same.
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -77,6 +78,17 @@ def cuda_time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+def cuda_kernels(prof) -> list[tuple[str, float, int]]:
+    """(name, self device time in ms, calls) of each CUDA kernel a torch.profiler run recorded."""
+    return [(e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+
+
+def kernel_category(name: str, table, default: str = "other") -> str:
+    """The first category of table ((category, regex), ...) whose pattern occurs in name (any case)."""
+    return next((cat for cat, pattern in table if re.search(pattern, name, re.I)), default)
 
 
 # ----------------------------------------------------------------------------------- modes and ratios

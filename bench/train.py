@@ -5,57 +5,39 @@
     python bench/train.py all               # stack, then linear (autotuning is shared: ~ the cost of one)
     python bench/train.py stack --layers 8 --tokens 16384 --seq-len 4096 --modes bf16,fp8
 
-`linear`: forward + backward of one bias-free linear, M tokens x K in -> N out, at the four
-Llama-3.1-8B projection shapes (q/o 4096->4096, k/v 4096->1024, gate/up 4096->14336,
-down 14336->4096) and 8192 / 16384 tokens. FP8 = torchao Float8BlockwiseLinear (1x128
-activation tiles, 128x128 weight blocks, quantization included in the timing, as in
-training).
+`linear`: forward + backward of one bias-free linear (M tokens x K -> N) at the four Llama-3.1-8B
+projection shapes and 8192 / 16384 tokens; fp8 = torchao Float8BlockwiseLinear (1x128 activation
+tiles, 128x128 weight blocks, quantization timed, as in training).
 
-`stack`: --layers (default 4) Llama-3.1-8B decoder layers (transformers LlamaModel: hidden 4096,
-intermediate 14336, 32 heads, 8 KV heads, rope theta 500000; a 128-entry embedding that is never
-used; SDPA attention: flash-attn is not on the GPU host), bf16 parameters, train mode. One
-iteration = zero_grad + --accum (default 1) x [forward of a packed micro-batch of --tokens (8192,
-16384) hidden states (requires_grad, as if from an embedding) + backward of a random output
-gradient] + fused AdamW step. A GRPO step accumulates many micro-batches per optimizer step
-(bench/step_8b_long_h100.yaml: 64); --accum 4 shows what the per-step costs (AdamW, and with
-fp8.cache_weights the weight quantization) weigh there. A micro-batch is tokens / seq_len causal
-rows of --seq-len (default 2048; 0 = one row): packed documents of that length, without a varlen
-kernel; the token count (a multiple of 128, which torchao's wgrad needs) is what the linears see.
-Modes:
+`stack`: --layers Llama-3.1-8B decoder layers (transformers LlamaModel, SDPA attention, a 128-entry
+embedding that is never used), bf16 parameters, train mode. One iteration = zero_grad + --accum x
+[forward of a micro-batch of --tokens hidden states (requires_grad, as if from an embedding) +
+backward of a random output gradient] + fused AdamW step. A micro-batch is tokens / seq_len causal
+rows of --seq-len (0 = one row): packed documents without a varlen kernel. A GRPO step accumulates
+many micro-batches per optimizer step (bench/step_8b_long_h100.yaml: 64): --accum 4 shows what the
+per-step costs (AdamW, and with fp8.cache_weights the weight quantization) weigh there. Modes, each
+a set of FP8Config overrides (STACK_MODES), built and timed one after another in this process:
   bf16         nn.Linear everywhere
-  fp8          fp8.linear.convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8,
-               q/k/v and gate/up as one GEMM each (fp8.fuse_projections, as vLLM computes them), the
-               MLP's silu*mul inside the FP8 quantization of down_proj's input (fp8.fuse_swiglu)
-  fp8_unfused  fp8 with fuse_projections=False: one GEMM (and one quantization of the input) per linear
-  fp8_kv_bf16  (not in the default set) fp8 with FP8Config.keep_bf16 = ['*.k_proj', '*.v_proj']; the shared skip-list (fp8_plan)
-               keeps q_proj in BF16 with them (vLLM fuses q/k/v into one qkv_proj that is all FP8 or
-               all BF16), so attention's input projections are BF16, o_proj and the MLP FP8
-  fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
-  fp8_two_pass (not in the default set, ablation) fp8 with torchao's separate 1x128 and 128x1 activation
-               quantizers (two reads of x and of grad_out) instead of fp8/kernels.py's quant_dual (one),
-               without fuse_swiglu
-  fp8_cached   (not in the default set) fp8 with fp8.cache_weights: each weight quantized once per
-               optimizer step instead of in every micro-batch's forward and again in its backward
-  fp8_cached_noswiglu  (ablation) fp8_cached with fp8.fuse_swiglu=False: HF's MLP forward, so silu*mul
-               and its backward write BF16 tensors that the FP8 quantization then reads back
-  <mode>_compile  <mode> with every decoder layer torch.compile'd (inductor, static shapes, as
-               torchtitan compiles per block): norms, RoPE and residual adds fused into few Triton
-               kernels; our FP8 autograd Functions are traced (one graph, 4 FP8 GEMMs per layer), the
-               quantizers and GEMMs are opaque custom ops in it.
-               Its speedup is against bf16_compile; speedup_eager against bf16.
-Reported: ms per micro-batch (iteration time / accum; median of --iters after --warmup, CUDA
-events), tok_s, tflops (6 x linear params x tokens + 6 x seq_len^2 x hidden x rows x layers for
-causal attention, fwd + bwd), speedup vs bf16 (vs bf16_compile for a compiled mode;
-speedup_eager: vs bf16 for every mode),
-peak memory, rel_err of the stack's output vs bf16 (same weights, before any step); with --profile
-also gpu_busy = kernel time / wall time (well below 1: launch-bound, what compiling fixes).
+  fp8          convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8, q/k/v
+               and gate/up one GEMM each (fuse_projections), silu*mul inside the FP8 quantization of
+               down_proj's input (fuse_swiglu)
+  fp8_unfused  fp8 with fuse_projections=False: one GEMM (and one input quantization) per linear
+  fp8_two_pass (ablation) torchao's separate 1x128 and 128x1 quantizers (two reads of x and of
+               grad_out) instead of fp8/kernels.py's quant_dual (one), without fuse_swiglu
+  fp8_cached   fp8.cache_weights: each weight quantized once per optimizer step, not in every
+               micro-batch's forward and backward
+  fp8_cached_noswiglu  (ablation) fp8_cached with fuse_swiglu=False (HF's MLP forward)
+  <mode>_compile  every decoder layer torch.compile'd (inductor, static shapes, per block as
+               torchtitan does); the FP8 autograd Functions are traced, quantizers and GEMMs are
+               opaque custom ops. speedup is against bf16_compile, speedup_eager against bf16.
+Reported per micro-batch: ms (iteration / accum; median of --iters after --warmup, CUDA events),
+tok_s, tflops (6 x linear params x tokens + 6 x seq_len^2 x hidden x rows x layers, causal
+attention), speedup, peak memory, rel_err of the output vs bf16 (same weights, before any step);
+with --profile the GPU time per kernel category and gpu_busy = kernel time / wall time.
 
-Both write OUT/train.json (default bench/results): runs of the other subcommand already in that
-file from the same GPU model are kept, re-measured ones replaced; and print a markdown table.
-Before torchao is imported, fp8.linear.keep_triton_autotuning() sets TRITON_CACHE_AUTOTUNING=1
-and TRITON_CACHE_DIR (unless already set), so Triton (3.6, triton/knobs.py `autotuning.cache`)
-stores autotune results on disk and later processes on the same host skip the ~17 s per kernel
-and shape; within one process (`all`) the in-memory cache already shares them.
+Both write OUT/train.json (runs of the same GPU already there are kept unless re-measured) and
+print a table. fp8.linear.keep_triton_autotuning() keeps Triton's autotune results on disk, so a
+later process on the same host skips the ~17 s per kernel and shape.
 """
 
 import argparse
@@ -68,8 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8.linear import keep_triton_autotuning  # noqa: E402
 
 keep_triton_autotuning()  # before torchao's @triton.autotune kernels are defined
-from bench.runner import (RESULTS, add_ratio, cuda_time_ms, markdown_table, parse_choices,  # noqa: E402
-                          run_inline, update_results, write_json)
+from bench.runner import (RESULTS, add_ratio, cuda_kernels, cuda_time_ms, kernel_category,  # noqa: E402
+                          markdown_table, parse_choices, run_inline, update_results, write_json)
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (4096, 1024),
           "gate/up_proj": (4096, 14336), "down_proj": (14336, 4096)}
@@ -78,8 +60,6 @@ STACK_MODES = {  # mode -> FP8Config overrides; '<mode>_compile' compiles the la
     "bf16": [],
     "fp8": FP8,
     "fp8_unfused": [*FP8, "fp8.fuse_projections=false"],
-    "fp8_kv_bf16": [*FP8, "fp8.keep_bf16=['*.k_proj', '*.v_proj']"],
-    "fp8_mlp": [*FP8, "fp8.keep_bf16=['*.self_attn.*']"],
     "fp8_two_pass": [*FP8, "fp8.fuse_swiglu=false"],  # + use_two_pass_quant
     "fp8_cached": [*FP8, "fp8.cache_weights=true"],
     "fp8_cached_noswiglu": [*FP8, "fp8.cache_weights=true", "fp8.fuse_swiglu=false"],
@@ -88,13 +68,13 @@ STACK_MODES |= {f"{m}_compile": v for m, v in STACK_MODES.items()}
 COMPILED = "_compile"
 DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_unfused", "bf16_compile", "fp8_compile"]
 # Kernel name -> category for --profile (first match wins; checked against lower-cased names).
-KERNEL_CATEGORIES = [
-    ("fp8 quantize", ("fp8_blockwise", "quant")),
-    ("attention", ("flash", "fmha", "attention", "attn")),
-    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "scaled_mm", "sm90_", "splitk")),
-    ("optimizer", ("adam", "multi_tensor")),
-    ("copy/cat", ("copy", "cat", "memcpy", "memset", "fill")),
-]
+KERNEL_CATEGORIES = (
+    ("fp8 quantize", r"fp8_blockwise|quant"),
+    ("attention", r"flash|fmha|attention|attn"),
+    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|scaled_mm|sm90_|splitk"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("copy/cat", r"copy|cat|memcpy|memset|fill"),
+)
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                   head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072)
 
@@ -238,21 +218,19 @@ def stack_flops(hf_cfg, tokens: int, seq_len: int) -> float:
     return 6 * linear_params * tokens + 6 * seq_len**2 * h * (tokens // seq_len) * L
 
 
-def kernel_category(name: str) -> str:
-    low = name.lower()
-    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "elementwise/norm/other")
+def summarize_kernels(kernels: list[tuple], iters: int, top: int = 40) -> dict:
+    """[(kernel name, total ms, ...)] over `iters` iterations -> ms/iter per category and the top kernels."""
+    def category(name):
+        return kernel_category(name, KERNEL_CATEGORIES, "elementwise/norm/other")
 
-
-def summarize_kernels(kernels: list[tuple[str, float]], iters: int, top: int = 40) -> dict:
-    """[(kernel name, total ms)] over `iters` iterations -> ms/iter per category and the top kernels."""
-    total = sum(ms for _, ms in kernels) or 1.0
+    total = sum(k[1] for k in kernels) or 1.0
     cats: dict[str, float] = {}
-    for name, ms in kernels:
-        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
+    for name, ms, *_ in kernels:
+        cats[category(name)] = cats.get(category(name), 0.0) + ms
     ranked = sorted(kernels, key=lambda k: -k[1])[:top]
     return {"gpu_ms_per_iter": total / iters,
             "categories": {c: {"ms": ms / iters, "share": ms / total} for c, ms in sorted(cats.items(), key=lambda c: -c[1])},
-            "top_kernels": [{"name": n[:120], "category": kernel_category(n), "ms": ms / iters} for n, ms in ranked]}
+            "top_kernels": [{"name": k[0][:120], "category": category(k[0]), "ms": k[1] / iters} for k in ranked]}
 
 
 def profile_kernels(fn, iters: int = 2, per_call: int = 1) -> dict:
@@ -265,9 +243,7 @@ def profile_kernels(fn, iters: int = 2, per_call: int = 1) -> dict:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
-    return summarize_kernels(kernels, iters * per_call)
+    return summarize_kernels(cuda_kernels(prof), iters * per_call)
 
 
 def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, modes=DEFAULT_STACK_MODES,

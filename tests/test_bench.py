@@ -100,7 +100,7 @@ def test_decode_profile_kernel_kinds():
         "_topk_log_softmax_kernel": "sampling",
         "void at::native::elementwise_kernel<128, 2, ...>": "other",
     }
-    assert {n: br.kernel_kind(n) for n in names} == names
+    assert {n: runner.kernel_category(n, br.KERNEL_KINDS) for n in names} == names
 
 
 # ----------------------------------------------------------------------------------- models and configs
@@ -372,20 +372,22 @@ def test_dry_run_end_to_end(tmp_path):
 TINY = dict(hidden_size=256, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
 
 
-def test_stack_fp8_plan_per_mode():
+def test_stack_modes_are_fp8_config_overrides():
     cfg = bt.stack_config(2, **TINY)
     assert cfg._attn_implementation == "sdpa" and cfg.num_hidden_layers == 2 and cfg.vocab_size == 128
     full = bt.stack_config(4)
     assert (full.hidden_size, full.intermediate_size, full.num_key_value_heads) == (4096, 14336, 8)
-    want = {"bf16": [], "fp8": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-            "fp8_kv_bf16": ["o_proj", "gate_proj", "up_proj", "down_proj"],  # q goes with k/v (vLLM's qkv_proj)
-            "fp8_mlp": ["gate_proj", "up_proj", "down_proj"],
-            "fp8_cached": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-    for mode, leaves in want.items():
+    c = bt.fp8_config(bt.STACK_MODES["fp8_cached_noswiglu_compile"])
+    assert c.train and c.cache_weights and not c.fuse_swiglu and c.fuse_projections
+    assert not bt.fp8_config(bt.STACK_MODES["bf16"]).train and not bt.fp8_config(["fp8.fuse_projections=false"]).fuse_projections
+    with pytest.raises(ValueError, match="fp8.<field> only"):
+        bt.fp8_config(["train.lr=1"])
+    linears = sorted(f"layers.{i}.{block}.{leaf}" for i in range(2) for block, leaves in
+                     [("self_attn", ["q_proj", "k_proj", "v_proj", "o_proj"]), ("mlp", ["gate_proj", "up_proj", "down_proj"])]
+                     for leaf in leaves)
+    for mode, want in {"bf16": [], "fp8": linears, "fp8_unfused": linears}.items():
         model, converted = bt.build_stack(cfg, mode, "cpu")
-        parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
-        assert sorted(converted) == sorted(f"layers.{i}.{parent.get(leaf, 'mlp')}.{leaf}" for i in range(2)
-                                           for leaf in leaves)
+        assert sorted(converted) == want
         assert next(model.parameters()).dtype == torch.bfloat16 and model.training
     with pytest.raises(ValueError):
         bt.build_stack(cfg, "fp4", "cpu")
@@ -402,13 +404,13 @@ def test_stack_bench_runs_on_cpu(monkeypatch):
         calls.append(1)
         return 2.0
 
-    runs = bt.bench_stack(1, tokens=[256], seq_len=128, modes=["bf16", "fp8_kv_bf16"], device="cpu", timer=timer,
+    runs = bt.bench_stack(1, tokens=[256], seq_len=128, modes=["bf16", "fp8"], device="cpu", timer=timer,
                           accums=[1, 4])
     assert len(calls) == 4 and [(r["mode"], r["accum"]) for r in runs] == [
-        ("bf16", 1), ("bf16", 4), ("fp8_kv_bf16", 1), ("fp8_kv_bf16", 4)]
+        ("bf16", 1), ("bf16", 4), ("fp8", 1), ("fp8", 4)]
     bf16, _, fp8, fp8_accum = runs
     assert bf16["rel_err"] == 0.0 and 0 < fp8["rel_err"] < 0.05 and fp8["speedup"] == 1.0
-    assert (fp8["fp8_linears"], fp8["bf16_linears"]) == (4, 3) and fp8["tokens"] == 256 and fp8["seq_len"] == 128
+    assert (fp8["fp8_linears"], fp8["bf16_linears"]) == (7, 0) and fp8["tokens"] == 256 and fp8["seq_len"] == 128
     assert fp8["workload"] == "stack 1x Llama-3.1-8B layers 256 tok (2x128)"
     # 4 micro-batches per optimizer step: the iteration's 2 ms is 0.5 ms per micro-batch, its own workload
     assert fp8_accum["ms"] == 0.5 and fp8_accum["tok_s"] == 256 / 0.5e-3 and fp8_accum["speedup"] == 1.0
@@ -455,8 +457,8 @@ def test_stack_inputs_and_flops():
         bt.stack_inputs(cfg, 8192 + 64, 0, "cpu")
     linear = 4 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # 4 layers' linear params (218 M each)
     assert bt.stack_flops(cfg, 16384, 2048) == 6 * linear * 16384 + 6 * 2048**2 * 4096 * 8 * 4
-    args = bt.build_parser().parse_args(["stack", "--tokens", "8192,16384", "--modes", "bf16,fp8_kv_bf16"])
-    assert args.tokens == [8192, 16384] and args.modes == ["bf16", "fp8_kv_bf16"] and args.layers == 4
+    args = bt.build_parser().parse_args(["stack", "--tokens", "8192,16384", "--modes", "bf16,fp8_compile"])
+    assert args.tokens == [8192, 16384] and args.modes == ["bf16", "fp8_compile"] and args.layers == 4
     assert bt.build_parser().parse_args(["all"]).modes == ["bf16", "fp8", "fp8_unfused", "bf16_compile", "fp8_compile"]
     with pytest.raises(SystemExit):
         bt.build_parser().parse_args(["stack", "--modes", "fp4"])
