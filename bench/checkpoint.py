@@ -5,31 +5,28 @@ sharded DCP (checkpoint.py). Time, peak host RSS and checkpoint size -> OUT/chec
     python bench/checkpoint.py --layers 4 --out $OUT            # fewer layers (disk, time)
     python bench/checkpoint.py --tiny --out /tmp/ckpt_bench     # CPU smoke run (tests/test_bench.py)
 
-What is measured: a random-init LlamaForCausalLM at Llama-3.1-8B's shape (hidden 4096, intermediate
-14336, 32 heads, 8 KV heads, head_dim 128, vocab 128256) with --layers decoder layers instead of 32,
-fp32 master weights, FSDP2 over a 1-rank process group (parameters are DTensors, as under torchrun),
-AdamW whose moments one step has materialised. A fresh subprocess per (format, op), so that
-ru_maxrss (peak RSS) is that op's alone:
+What is measured: a random-init LlamaForCausalLM at Llama-3.1-8B's shape with --layers decoder
+layers instead of 32, fp32 master weights, FSDP2 over a 1-rank process group (DTensor parameters,
+as under torchrun), AdamW whose moments one step has materialised. One child process per op
+(bench/runner.py), so that ru_maxrss (peak RSS) is that op's alone:
 
-    full save   get_state_dict(full_state_dict, cpu_offload): the whole model and optimizer state in
-                this process's CPU memory (what rank 0 held before DCP), torch.save to one file, fsync
+    full save   get_state_dict(full_state_dict, cpu_offload) (the whole state in this process's CPU
+                memory), torch.save to one file, fsync
     full load   torch.load of that file + set_state_dict(full_state_dict)
-    dcp save    checkpoint.save_checkpoint: dcp.save of the shards (GPU -> CPU a few MB at a time),
-                meta.pt, fsync, atomic rename
+    dcp save    checkpoint.save_checkpoint: dcp.save of the shards, meta.pt, fsync, atomic rename
     dcp load    checkpoint.load_latest: meta.pt, dcp.load into the shards, set_state_dict
 
-Before a load the written files are dropped from the page cache (posix_fadvise DONTNEED after
-fsync), so loads read the disk, and the model's weights and moments are zeroed: `restored` says the
-load brought back every value (sums per tensor). Each row: seconds, GB on disk, peak RSS and RSS
-before the op (GiB), peak GPU memory. The 32-layer (8B) figures are arithmetic: bytes grow by `layer_gb` per
-decoder layer (fp32 weights + two fp32 Adam moments: 12 bytes per parameter), and the full format's
-peak RSS by about as much; at 32 layers that state is 8.03e9 x 12 B = 96 GB.
+Before a load the files are dropped from the page cache (posix_fadvise DONTNEED after fsync), so
+loads read the disk, and the weights and moments are zeroed: `restored` says the load brought back
+every value. Each row: seconds, GB on disk, peak RSS and RSS before the op (GiB), peak GPU memory.
+32-layer (8B) figures are arithmetic: bytes grow by `layer_gb` per layer (12 bytes per parameter:
+fp32 weight + two Adam moments; 8.03e9 x 12 B = 96 GB at 32 layers), the full format's peak RSS
+about as much.
 
---layers auto (default): the most layers, up to 8 (2.80B parameters, 33.6 GB of state), whose
-weights + gradients + Adam moments (16 B per parameter) fit 85% of the GPU's memory, whose checkpoint
-fits 80% of the free disk under --dir (one checkpoint exists at a time; the dir is removed at the
-end) and whose full state fits 60% of the host's memory. More (e.g. --layers 16: 54.5 GB) where the
-disk and the time allow.
+--layers auto: the most layers, up to 8 (2.80B parameters, 33.6 GB of state), whose weights,
+gradients and moments (16 B per parameter) fit 85% of the GPU's memory, whose checkpoint fits 80%
+of the free disk under --dir (one checkpoint at a time; removed at the end) and whose full state
+fits 60% of the host's memory.
 """
 
 import argparse

@@ -290,7 +290,7 @@ def run_worker(args) -> int:
                     gpu_total_gib=round(total / GiB, 1), trainer_gib=round(param_bytes(model) / GiB, 2),
                     kv_bytes_per_token=kv_bytes_per_token(hf_cfg, cfg.fp8.kv_cache))
         say(f"{model_name} {mode}: {param_bytes(model) / 1e9:.2f} GB bf16 model, gpu_memory_utilization "
-             f"{gpu_mem}, max_model_len {cfg.rollout.max_model_len}, enforce_eager {cfg.rollout.enforce_eager}")
+            f"{gpu_mem}, max_model_len {cfg.rollout.max_model_len}, enforce_eager {cfg.rollout.enforce_eager}")
         if args.dry_run:
             engine = _DryEngine(cfg, args)
         else:
@@ -300,10 +300,10 @@ def run_worker(args) -> int:
         cap = engine_capacity(engine) if not args.dry_run else engine.capacity()
         base.update(cap, startup_s=round(engine.startup_s, 2), process_ready_s=round(time.perf_counter() - t_proc, 2))
         say(f"engine up: vllm.LLM {engine.startup_s:.1f} s (process {base['process_ready_s']:.1f} s); KV cache "
-             f"{cap['kv_capacity_tokens']:,} tokens ({cap['num_gpu_blocks']:,} blocks x {cap['block_size']}, "
-             f"{cap['kv_cache_gib']} GiB {cap['kv_cache_dtype']}), max concurrency "
-             f"{cap['kv_max_concurrency'] or 0:.1f} at max_model_len {cap['max_model_len']}; vLLM weights "
-             f"{cap['weights_gib']} GiB")
+            f"{cap['kv_capacity_tokens']:,} tokens ({cap['num_gpu_blocks']:,} blocks x {cap['block_size']}, "
+            f"{cap['kv_cache_gib']} GiB {cap['kv_cache_dtype']}), max concurrency "
+            f"{cap['kv_max_concurrency'] or 0:.1f} at max_model_len {cap['max_model_len']}; vLLM weights "
+            f"{cap['weights_gib']} GiB")
         if args.capacity_only:
             emit(args.result_file, {"kind": "run", "workload": f"{model_name} capacity", **base})
             return 0
@@ -348,7 +348,7 @@ def run_worker(args) -> int:
             if args.deadline and time.time() > args.deadline - 20:
                 say(f"{w.name}: skipped (time limit)")
                 emit(args.result_file, {"kind": "error", **base, "workload": row["workload"],
-                                         "error": "skipped: --time-limit reached before this workload"})
+                                        "error": "skipped: --time-limit reached before this workload"})
                 continue
             prompts = random_prompts(w, hf_cfg.vocab_size, args.seed + k)
             t0 = time.perf_counter()
@@ -363,14 +363,14 @@ def run_worker(args) -> int:
             if not row["fixed_length"]:
                 say(f"WARNING {w.name}: {len(samples)} samples, lengths {min(lens)}..{max(lens)} (ignore_eos?)")
             say(f"{w.name}: {gen:,} tokens in {dt:.1f} s = {gen / dt:,.0f} out tok/s "
-                 f"(KV fits {row['seqs_fit']} of these sequences)")
+                f"(KV fits {row['seqs_fit']} of these sequences)")
             emit(args.result_file, row)
         return 0
     except Exception as e:  # recorded for the parent; the traceback goes to the log
         traceback.print_exc()
         emit(args.result_file, {"kind": "error", **base, "workload": f"{model_name} *",
-                                 "error": f"{type(e).__name__}: {str(e)[:2000]}",
-                                 "traceback": traceback.format_exc()[-4000:]})
+                                "error": f"{type(e).__name__}: {str(e)[:2000]}",
+                                "traceback": traceback.format_exc()[-4000:]})
         return 1
 
 
@@ -442,7 +442,7 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     path.write_text(f"{row['workload']} {base['mode']}: {n} decode steps at batch {w.prompts}, "
                     f"{row['decode_step_ms']:.2f} ms per step unprofiled\n\n{text}")
     say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
-         f"({row['out_tok_s']:,.0f} tok/s); kernels per step {row['kernel_ms_per_step']}")
+        f"({row['out_tok_s']:,.0f} tok/s); kernels per step {row['kernel_ms_per_step']}")
     return row
 
 

@@ -61,16 +61,15 @@ def cuda_time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     Without CUDA (a CPU smoke run of a benchmark): time.perf_counter."""
     for _ in range(warmup):
         fn()
-    if not torch.cuda.is_available():
-        times = []
-        for _ in range(iters):
+    times, cuda = [], torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+    for _ in range(iters):
+        if not cuda:
             t0 = time.perf_counter()
             fn()
             times.append(1e3 * (time.perf_counter() - t0))
-        return sorted(times)[len(times) // 2]
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
+            continue
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -251,7 +250,8 @@ def run_jobs(jobs: list[Job], on_done, *, gpus=(None,), deadline: float | None =
             if pending and free and now - last_launch >= stagger_s:
                 if deadline and deadline - now < min_left:
                     for job in pending:
-                        print(f"[{tag}] {job.label}: not started, {deadline - now:.0f} s left < {min_left} s", flush=True)
+                        print(f"[{tag}] {job.label}: not started, {deadline - now:.0f} s left < {min_left} s",
+                              flush=True)
                         job.status = "not started"
                         failed += 1
                         on_done(job)
@@ -308,11 +308,6 @@ def run_jobs(jobs: list[Job], on_done, *, gpus=(None,), deadline: float | None =
 # ----------------------------------------------------------------------------------- results files
 
 
-def versions() -> dict:
-    return {"python": sys.version.split()[0],
-            **{p: _version(p) for p in VERSIONED}}
-
-
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
@@ -327,7 +322,8 @@ def write_results(name: str, runs: list[dict], out_dir: Path = RESULTS, device: 
     if device is None:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     doc = {"device": device, "date": date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
-           "versions": versions(), "runs": runs, **extra}
+           "versions": {"python": sys.version.split()[0], **{p: _version(p) for p in VERSIONED}},
+           "runs": runs, **extra}
     return write_json(Path(out_dir) / f"{name}.json", doc)
 
 

@@ -8,18 +8,18 @@
     python bench/step.py --modes bf16,fp8kv_lp train.compile=inductor   # trainer layers torch.compile'd
     python bench/step.py --modes fp8kv_lp log.profile_step=1 log.profile_rollout=false   # + OUT/profile_<mode>_*.txt
 
-Each mode runs the real trainer (train_grpo.py, so nothing here can drift from the recipe) in
-its own process (vLLM allows one engine per process) on bench/step_8b.yaml: a random-weight
-Llama-3.1-8B-shape model, vLLM colocated with sleep mode, fixed-length generation. Modes:
-  bf16   BF16 trainer, BF16 rollout
-  fp8    torchao block-FP8 trainer linears, vLLM block-FP8 W8A8 rollout (refit every step)
-  fp8kv  fp8 + FP8 KV cache and FP8 attention in vLLM, q/k/v scales recalibrated every step
-         (a separate forward over fp8.calib_samples rows after the update)
+Each mode is train_grpo.py itself (nothing here can drift from the recipe) with the mode's config
+overrides, one child process per mode through bench/runner.py (vLLM: one engine per process), on
+bench/step_8b.yaml: a random-weight Llama-3.1-8B-shape model, vLLM colocated with sleep mode,
+fixed-length generation. Modes:
+  bf16      BF16 trainer, BF16 rollout
+  fp8       torchao block-FP8 trainer linears, vLLM block-FP8 W8A8 rollout (refit every step)
+  fp8kv     fp8 + FP8 KV cache and FP8 attention in vLLM, q/k/v scales recalibrated every step
+            (a separate forward over fp8.calib_samples rows after the update)
   fp8kv_lp  fp8kv with fp8.calib_pass=logprobs (amax captured in the old_logp forward: no extra pass)
-Step 0 (Triton autotune, CUDA-graph capture) is reported separately (the trainers keep torchao's
-autotuning on disk, fp8.linear.keep_triton_autotuning, so a later process on the same host skips it); the figures are medians
-over steps 1..N-1 of the trainer's own time/* metrics. Writes bench/results/step.json
-(schema: bench/runner.py) after every mode, and prints a markdown table.
+Figures are medians over steps 1..N-1 of the trainer's own time/* metrics; step 0 (Triton autotune,
+kept on disk for later processes; CUDA-graph capture) is first_step_s. OUT/step.json (default
+bench/results) is rewritten after every mode; trainer logs in OUT/step_<mode>.log.
 """
 
 import argparse

@@ -10,8 +10,8 @@ the length the FP8 trainer rounds to (rows x L a multiple of 128). Timed per mic
 masked sum + backward (the policy update, without the optimizer step). Variants:
   bf16 unpadded  rows of exactly prompt + response tokens (what the BF16 step feeds when every
                  sample has the same length: no padding, no mask)
-  <mode> masked  the padded batch with its attention mask passed to the model (the trainer before
-                 2026-11-23: HF builds a [rows, 1, L, L] mask, SDPA runs a masked kernel)
+  <mode> masked  the padded batch with its attention mask passed to the model (HF builds a
+                 [rows, 1, L, L] mask, SDPA runs a masked kernel: what token_logprobs avoids)
   <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
 Modes: bf16, then fp8 (fp8.linear.convert_to_fp8_training of the same model; torchao on Hopper),
 then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
