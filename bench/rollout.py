@@ -566,7 +566,7 @@ def run_parent(args) -> int:
             log, records = logs / f"{stem}.log", logs / f"{stem}.jsonl"
             jobs.append(Job(f"{model}/{mode}", worker_argv(args, model, mode, records, deadline), log, records,
                             info={"model": model, "mode": mode}))
-    gpus = visible_gpus(args.gpus)
+    gpus = visible_gpus()  # one child per GPU at a time
     print(f"[rollout] {len(jobs)} runs ({', '.join(j.label for j in jobs)}) on GPU slots {gpus}; "
           f"workloads {', '.join(w.name for w in args.workloads)}; "
           f"{'capacity only (enforce_eager); ' if args.capacity_only else ''}"
@@ -631,7 +631,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds: start no child after (limit - min job time), kill children at the limit (0 = none)")
     p.add_argument("--min-job-s", type=float, default=None,
                    help="do not start a child with less time left (default 120, 45 with --capacity-only)")
-    p.add_argument("--gpus", default="auto", help="GPU ids for children, one child per GPU at a time ('auto' = all)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge results files into OUT and print the table")
     # internal: the child side, and the CPU test hooks of the orchestration
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

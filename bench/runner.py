@@ -183,11 +183,9 @@ class Job:
         return self.log.read_text(errors="replace").splitlines()[-lines:] if self.log.is_file() else []
 
 
-def visible_gpus(spec: str) -> list[str | None]:
-    """GPU ids for the children's CUDA_VISIBLE_DEVICES; [None] = one slot, environment unchanged.
-    'auto': CUDA_VISIBLE_DEVICES's, else every GPU torch counts (NVML: no CUDA context here)."""
-    if spec != "auto":
-        return [g.strip() for g in spec.split(",") if g.strip()] or [None]
+def visible_gpus() -> list[str | None]:
+    """GPU ids for the children's CUDA_VISIBLE_DEVICES: this process's CUDA_VISIBLE_DEVICES, else every
+    GPU torch counts (NVML: no CUDA context here); [None] = one slot, environment unchanged."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
         return [g.strip() for g in env.split(",") if g.strip()] or [None]
@@ -240,7 +238,7 @@ def run_jobs(jobs: list[Job], on_done, *, gpus=(None,), deadline: float | None =
     killed at it; job.timeout kills one child. stagger_s between launches (vLLM's port races at
     init); lines of the child's log that hold `stream` are echoed as they come; a failed child's
     last log_tail lines are printed."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    env = {**os.environ, **({"PYTHONUNBUFFERED": "1"} if stream else {}),  # streamed lines as they come
            "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p),
            **(env or {})}
     pending, running, free, failed, last_launch = list(jobs), [], list(gpus), 0, 0.0

@@ -330,10 +330,6 @@ def parse_ints(text: str) -> list[int]:
     return out
 
 
-def parse_stack_modes(text: str) -> list[str]:
-    return parse_choices(text, STACK_MODES)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -344,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=2048, help="stack: row length (0 = one row of --tokens)")
     p.add_argument("--accum", type=parse_ints, default=[1],
                    help="stack: micro-batches per optimizer step, comma list (default 1)")
-    p.add_argument("--modes", type=parse_stack_modes, default=DEFAULT_STACK_MODES,
+    p.add_argument("--modes", type=lambda text: parse_choices(text, STACK_MODES), default=DEFAULT_STACK_MODES,
                    help=f"stack: comma list of {list(STACK_MODES)}")
     p.add_argument("--warmup", type=int, default=3, help="stack: untimed iterations (autotuning happens here)")
     p.add_argument("--iters", type=int, default=10, help="stack: timed iterations")

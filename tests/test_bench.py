@@ -331,7 +331,8 @@ def test_parent_streams_keeps_partial_results_and_kills_at_limit(tmp_path, monke
 
     monkeypatch.setattr(br, "worker_argv", fake_argv)
     runner.write_results("rollout", [{"workload": "m 2x2->2", "mode": "bf16", "out_tok_s": 5.0}], tmp_path, "FakeGPU")
-    args = br.build_parser().parse_args(["--out", str(tmp_path), "--gpus", "0,1,2", "--time-limit", "6",
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")  # three GPU slots: the children run side by side
+    args = br.build_parser().parse_args(["--out", str(tmp_path), "--time-limit", "6",
                                          "--min-job-s", "0", "--stagger-s", "0", "--poll-s", "0.1"])
     assert br.run_parent(args) == 1  # failures -> non-zero exit
     out = capsys.readouterr().out
