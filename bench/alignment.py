@@ -92,9 +92,10 @@ def main():
 
     def on_done(job):  # a failed mode is a row with its error; the others still run
         runs.extend(read_records(job.records) or [{"engine": job.label, "error": f"{job.status}, exit {job.rc}"}])
+        write_results("alignment", runs, Path(args.out))
 
     failed = run_jobs(jobs, on_done, poll_s=0.5, tag="alignment")  # one vLLM engine per process
-    print(f"wrote {write_results('alignment', runs, Path(args.out))}")
+    print(f"wrote {Path(args.out) / 'alignment.json'}")
     print(markdown_table(runs, ["engine", "trainer", "token_mult_prob_error", "kl", "max_abs_diff"]))
     sys.exit(1 if failed else 0)
 
