@@ -7,19 +7,18 @@ with q/k/v scales 1.0; fp8kv_calibrated = scales from fp8/calibrate.py), a rando
 Llama-shaped model (seeded: every process builds the same weights) is pushed into vLLM through
 fp8/export.py, samples 64 random prompts x 4 completions of 128 tokens at T=1, and the
 trainer scores them in BF16 and in torchao block FP8. Writes bench/results/alignment.json
-(token_mult_prob_error and kl per engine/trainer pair).
+(token_mult_prob_error and kl per engine/trainer pair); child logs in OUT/logs/.
 """
 
 import argparse
 import copy
-import json
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.runner import RESULTS, Job, emit, markdown_table, read_records, run_jobs, say, write_results  # noqa: E402
 
 MODES = {"bf16": [], "fp8": ["fp8.rollout=true"], "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
          "fp8kv_calibrated": ["fp8.rollout=true", "fp8.kv_cache=true"]}
@@ -65,35 +64,38 @@ def measure(mode: str, prompts: int, n: int, new_tokens: int) -> list[dict]:
         logp = logprob_pass(trainer, input_ids, attention_mask, 1.0, micro_batch=32)
         m = mismatch_metrics(logp, rollout_logp, mask)
         rows.append({"engine": mode, "trainer": name, **m, "refit_s": engine.last_refit_s})
-        print(f"engine {mode:17s} trainer {name:5s} token_mult_prob_error {m['token_mult_prob_error']:.4f} "
-              f"kl {m['kl']:.2e}", flush=True)
+        say(f"engine {mode:17s} trainer {name:5s} token_mult_prob_error {m['token_mult_prob_error']:.4f} "
+            f"kl {m['kl']:.2e}")
     return rows
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=list(MODES), help="run one mode in this process (internal)")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)  # the child: one mode
+    p.add_argument("--records", help=argparse.SUPPRESS)
     args = p.parse_args()
-    sizes = ["--prompts", str(args.prompts), "--n", str(args.n), "--new-tokens", str(args.new_tokens)]
     if args.mode:
-        rows = measure(args.mode, args.prompts, args.n, args.new_tokens)
-        Path(args.out, f"alignment_{args.mode}.part.json").write_text(json.dumps(rows))
+        for row in measure(args.mode, args.prompts, args.n, args.new_tokens):
+            emit(args.records, row)
         return
-    from bench.common import markdown_table, write_results
-
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    logs = Path(args.out) / "logs"
+    sizes = ["--prompts", str(args.prompts), "--n", str(args.n), "--new-tokens", str(args.new_tokens)]
+    jobs = [Job(mode, [sys.executable, __file__, "--mode", mode, "--records", str(logs / f"alignment_{mode}.jsonl"),
+                       *sizes], logs / f"alignment_{mode}.log", logs / f"alignment_{mode}.jsonl") for mode in MODES]
     runs = []
-    for mode in MODES:  # one vLLM engine per process
-        subprocess.run([sys.executable, __file__, "--mode", mode, "--out", args.out, *sizes], check=True)
-        part = Path(args.out, f"alignment_{mode}.part.json")
-        runs += json.loads(part.read_text())
-        part.unlink()
-    print(f"wrote {write_results('alignment', runs, Path(args.out))}")
+
+    def on_done(job):  # a failed mode is a row with its error; the others still run
+        runs.extend(read_records(job.records) or [{"engine": job.label, "error": f"{job.status}, exit {job.rc}"}])
+        write_results("alignment", runs, Path(args.out))
+
+    failed = run_jobs(jobs, on_done, poll_s=0.5, tag="alignment")  # one vLLM engine per process
+    print(f"wrote {Path(args.out) / 'alignment.json'}")
     print(markdown_table(runs, ["engine", "trainer", "token_mult_prob_error", "kl", "max_abs_diff"]))
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

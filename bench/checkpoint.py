@@ -5,31 +5,28 @@ sharded DCP (checkpoint.py). Time, peak host RSS and checkpoint size -> OUT/chec
     python bench/checkpoint.py --layers 4 --out $OUT            # fewer layers (disk, time)
     python bench/checkpoint.py --tiny --out /tmp/ckpt_bench     # CPU smoke run (tests/test_bench.py)
 
-What is measured: a random-init LlamaForCausalLM at Llama-3.1-8B's shape (hidden 4096, intermediate
-14336, 32 heads, 8 KV heads, head_dim 128, vocab 128256) with --layers decoder layers instead of 32,
-fp32 master weights, FSDP2 over a 1-rank process group (parameters are DTensors, as under torchrun),
-AdamW whose moments one step has materialised. A fresh subprocess per (format, op), so that
-ru_maxrss (peak RSS) is that op's alone:
+What is measured: a random-init LlamaForCausalLM at Llama-3.1-8B's shape with --layers decoder
+layers instead of 32, fp32 master weights, FSDP2 over a 1-rank process group (DTensor parameters,
+as under torchrun), AdamW whose moments one step has materialised. One child process per op
+(bench/runner.py), so that ru_maxrss (peak RSS) is that op's alone:
 
-    full save   get_state_dict(full_state_dict, cpu_offload): the whole model and optimizer state in
-                this process's CPU memory (what rank 0 held before DCP), torch.save to one file, fsync
+    full save   get_state_dict(full_state_dict, cpu_offload) (the whole state in this process's CPU
+                memory), torch.save to one file, fsync
     full load   torch.load of that file + set_state_dict(full_state_dict)
-    dcp save    checkpoint.save_checkpoint: dcp.save of the shards (GPU -> CPU a few MB at a time),
-                meta.pt, fsync, atomic rename
+    dcp save    checkpoint.save_checkpoint: dcp.save of the shards, meta.pt, fsync, atomic rename
     dcp load    checkpoint.load_latest: meta.pt, dcp.load into the shards, set_state_dict
 
-Before a load the written files are dropped from the page cache (posix_fadvise DONTNEED after
-fsync), so loads read the disk, and the model's weights and moments are zeroed: `restored` says the
-load brought back every value (sums per tensor). Each row: seconds, GB on disk, peak RSS and RSS
-before the op (GiB), peak GPU memory. The 32-layer (8B) figures are arithmetic: bytes grow by `layer_gb` per
-decoder layer (fp32 weights + two fp32 Adam moments: 12 bytes per parameter), and the full format's
-peak RSS by about as much; at 32 layers that state is 8.03e9 x 12 B = 96 GB.
+Before a load the files are dropped from the page cache (posix_fadvise DONTNEED after fsync), so
+loads read the disk, and the weights and moments are zeroed: `restored` says the load brought back
+every value. Each row: seconds, GB on disk, peak RSS and RSS before the op (GiB), peak GPU memory.
+32-layer (8B) figures are arithmetic: bytes grow by `layer_gb` per layer (12 bytes per parameter:
+fp32 weight + two Adam moments; 8.03e9 x 12 B = 96 GB at 32 layers), the full format's peak RSS
+about as much.
 
---layers auto (default): the most layers, up to 8 (2.80B parameters, 33.6 GB of state), whose
-weights + gradients + Adam moments (16 B per parameter) fit 85% of the GPU's memory, whose checkpoint
-fits 80% of the free disk under --dir (one checkpoint exists at a time; the dir is removed at the
-end) and whose full state fits 60% of the host's memory. More (e.g. --layers 16: 54.5 GB) where the
-disk and the time allow.
+--layers auto: the most layers, up to 8 (2.80B parameters, 33.6 GB of state), whose weights,
+gradients and moments (16 B per parameter) fit 85% of the GPU's memory, whose checkpoint fits 80%
+of the free disk under --dir (one checkpoint at a time; removed at the end) and whose full state
+fits 60% of the host's memory.
 """
 
 import argparse
@@ -38,7 +35,6 @@ import os
 import resource
 import shutil
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +44,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import RESULTS, write_results  # noqa: E402
+from bench.runner import RESULTS, Job, emit, read_records, run_jobs, write_results  # noqa: E402
 
 L8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
            vocab_size=128256)
@@ -205,12 +201,13 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--worker", choices=OPS, help=argparse.SUPPRESS)
     p.add_argument("--ckpt-dir", help=argparse.SUPPRESS)
+    p.add_argument("--records", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     shape = TINY if args.tiny else L8B
     if args.worker:
         device = torch.device("cuda", 0) if args.device == "cuda" else torch.device(args.device)  # set_device needs the index
         row = worker(args.worker, shape, int(args.layers), Path(args.ckpt_dir), device)
-        print("ROW " + json.dumps(row), flush=True)
+        emit(args.records, row)
         return row
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     layers = auto_layers(shape, Path(args.dir), args.device) if args.layers == "auto" else int(args.layers)
@@ -219,19 +216,24 @@ def main(argv=None):
     print(f"{layers} layers: {(rest + layers * layer) / 1e9:.2f}B parameters, "
           f"{(rest + layers * layer) * BYTES_PER_PARAM / 1e9:.1f} GB of fp32 weights + Adam moments", flush=True)
     ckpt_dir, runs = Path(tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)), []
-    try:
-        for op in OPS:
-            cmd = [sys.executable, __file__, "--worker", op, "--layers", str(layers), "--ckpt-dir", str(ckpt_dir),
-                   "--device", args.device] + (["--tiny"] if args.tiny else [])
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            rows = [line[4:] for line in r.stdout.splitlines() if line.startswith("ROW ")]
-            if r.returncode or not rows:
-                sys.exit(f"error: {op} failed (exit {r.returncode}):\n{r.stderr[-3000:]}")
-            runs.append({"workload": f"llama31_8b_shape_{layers}_layers" if not args.tiny else "tiny",
-                         **json.loads(rows[-1])})
-            print(json.dumps(runs[-1]), flush=True)
-            if op == "full-load":  # one checkpoint on disk at a time
-                shutil.rmtree(ckpt_dir / "full")
+    logs = ckpt_dir / "logs"  # (printed when an op fails; removed with the checkpoints)
+
+    def job(op):
+        argv = [sys.executable, __file__, "--worker", op, "--layers", str(layers), "--ckpt-dir", str(ckpt_dir),
+                "--device", args.device, "--records", str(logs / f"{op}.jsonl")] + (["--tiny"] if args.tiny else [])
+        return Job(op, argv, logs / f"{op}.log", logs / f"{op}.jsonl")
+
+    def on_done(job):
+        rows = read_records(job.records)
+        if job.status != "ok" or not rows:  # every later op needs this one's checkpoint
+            raise SystemExit(f"error: {job.label} failed (exit {job.rc}); its log is above")
+        runs.append({"workload": f"llama31_8b_shape_{layers}_layers" if not args.tiny else "tiny", **rows[-1]})
+        print(json.dumps(runs[-1]), flush=True)
+        if job.label == "full-load":  # one checkpoint on disk at a time
+            shutil.rmtree(ckpt_dir / "full")
+
+    try:  # a fresh process per op: ru_maxrss is that op's peak alone
+        run_jobs([job(op) for op in OPS], on_done, poll_s=0.2, stream=None, tag="checkpoint")
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     path = write_results("checkpoint", runs, Path(args.out), device=device, layers=layers, fs=fs_type(Path(args.dir)),

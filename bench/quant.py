@@ -16,18 +16,17 @@ mode: its quantizers autotune 45 configs per new shape, minutes here.)
 """
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
+from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
 
 LAYER_K = [4096, 4096, 4096, 14336, 6144, 4096, 28672, 4096]  # x: qkv, o, gate/up, down; grads: qkv, o, gate/up, down
 # (row splits, num_warps): one program per tile; + (stages, programs per SM): a persistent, pipelined grid
-# (a full sweep of those, H100: never better for quant_dual, 1.8-6x a copy; quant_h100_persistent.json)
+# (a full sweep of those on an H100: never better for quant_dual, 1.8-6x a copy)
 CONFIGS = [(1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (2, 4, 2, 2), (1, 8, 3, 1)]
 SWIGLU_CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (1, 8, 2, 1), (1, 8, 2, 2), (1, 16, 2, 1)]
 

@@ -8,55 +8,38 @@
     python bench/rollout.py --modes fp8kv --set rollout.block_size=128  # a config override, every mode
     python bench/rollout.py --merge a/rollout.json b/rollout.json --out bench/results   # combine calls
 
-What runs: the engine the trainer uses (rollout.VLLMEngine: in-process vLLM 0.26, dummy load, then
-`update_weights(export_weights(...))`; CUDA graphs; fp8 = block W8A8 linears (cutlass), fp8kv = + FP8
-KV cache and FA3 FP8 attention with q/k/v scales 1.0). The model dir holds only config.json (with
-`architectures`) + the repo's char tokenizer; prompts are random token ids below the model vocab;
-`rollout.ignore_eos=true` makes every sample exactly gen_len tokens; nothing is detokenized. The
-trainer-side model (HF, bf16, random normal(0, 0.02) init, ~16 GB on the GPU) exists only to be
-exported: refit_s = median wall time of `engine.update_weights(export_weights(model, ...))`,
-export (FP8 quantization) included. Sampling: T=1, top_p=1, n=1, seeded.
+What runs: the trainer's engine (rollout.VLLMEngine: in-process vLLM 0.26, dummy load, CUDA
+graphs, then `update_weights(export_weights(...))`) on a dir of config.json + the repo's char
+tokenizer; fp8 = block W8A8 linears (cutlass), fp8kv = + FP8 KV cache and FA3 FP8 attention
+(q/k/v scales 1.0). Prompts are random token ids; `rollout.ignore_eos=true` makes every sample
+exactly gen_len tokens; T=1, top_p=1, n=1, seeded. The trainer-side model (HF bf16, normal(0, 0.02),
+~16 GB) exists only to be exported: refit_s = median wall time of update_weights(export_weights(...)),
+FP8 quantization included. Per run: out_tok_s = generated tokens / generate() wall time (after a
+small warm-up generate), startup_s (vllm.LLM construction), the KV capacity vLLM computed
+(kv_capacity_tokens = num_gpu_blocks * block_size; kv_max_concurrency: sequences of max_model_len
+that fit; seqs_fit = capacity // (prompt_len + gen_len)), gpu_memory_utilization ('auto': 0.80,
+lowered so that the trainer model + 10 GiB stay outside vLLM's share: ~0.68 on an H100).
 
-Per run: out_tok_s = generated tokens / generate() wall time (after one small warm-up generate),
-startup_s (vllm.LLM construction: load, profile, torch.compile, CUDA graphs), the KV-cache capacity
-vLLM computed (kv_capacity_tokens = cache_config.num_gpu_blocks * block_size; kv_max_concurrency =
-cache_config.kv_cache_max_concurrency, i.e. sequences of max_model_len that fit; seqs_fit = capacity
-// (prompt_len + gen_len)), refit_s, gpu_memory_utilization. One process per (model, mode): vLLM
-allows one engine per process. The parent spawns `--worker` children (one
-per GPU at a time: all visible GPUs run in parallel), streams their `[bench]` lines, keeps each
-child's full log in OUT/logs/, and rewrites OUT/rollout.json after every child (a failed or killed
-child loses only its own results). Runs already in OUT/rollout.json from the same device are kept
-unless re-measured. Speed-ups are vs bf16 of the same model and workload.
-
-gpu_memory_utilization 'auto': 0.80, lowered so that the trainer model + 10 GiB stay outside vLLM's
-share (H200 141 GB: 0.80; H100 80 GB: ~0.68). The engine starts before the trainer model exists
-(the engine only needs its module shapes: the same model on the meta device).
+One child per (model, mode) (vLLM: one engine per process), through bench/runner.py: one per
+visible GPU at a time, their `[bench]` lines streamed, full logs in OUT/logs/, OUT/rollout.json
+rewritten after every child (runs of the same device already there are kept unless re-measured).
+--time-limit S starts no child that cannot finish and kills running ones at S (scripts/gpu_check.sh:
+540). Default modes bf16, fp8kv, fp8: the full recipe before the ablation, in case the limit cuts
+the last. A default run takes ~3 min per mode on an H200. Workloads: PxL->G or PxL:G (P prompts of
+L tokens, G generated).
 
 --capacity-only (default model Qwen3-8B): engine start with enforce_eager, no weights, no
-generation; records the capacity per mode. NeMo RL reports for Qwen3-8B BF16 249,952 tokens,
-FP8 linears 299,344 (x1.20), FP8 linears + KV 598,672 (x2.40), at a gpu_memory_utilization we do
-not know. KV memory = util * total - weights - activation peak - non-torch memory, so a different
-util shifts every mode's KV bytes by the same amount; kv_tokens_at_nemo_budget applies the shift
-that makes our BF16 capacity equal NeMo's to every mode (ratios comparable with theirs).
-Writes OUT/rollout_capacity.json.
-
-Default sizes (H200, estimates): a process spends ~20 s importing, 60-120 s in engine start, ~30 s
-building the trainer model and refitting, then 512x256->1024 (~30 s at 16-20k tok/s) and
-64x1024->4096 (~20-40 s): ~3 min per mode, ~9 min for the default 3 modes on one GPU, ~3-4 min on
-3+ GPUs. --time-limit S stops launching children that cannot finish and kills running ones at S,
-then writes what it has (scripts/gpu_check.sh uses 540). Modes run bf16, fp8kv, fp8 by default (the
-full recipe before the ablation, in case the limit cuts the last one). Workloads: PxL->G (P prompts
-of L tokens, G generated) or PxL:G (no quoting needed in a shell).
+generation -> OUT/rollout_capacity.json. NeMo RL reports for Qwen3-8B BF16 249,952 tokens, FP8
+linears 299,344 (x1.20), + FP8 KV 598,672 (x2.40) at an unknown gpu_memory_utilization. KV memory =
+util * total - weights - activation peak - non-torch memory, so another util shifts every mode's KV
+bytes equally; kv_tokens_at_nemo_budget applies the shift that makes our BF16 capacity NeMo's.
 """
 
 import argparse
-import json
 import math
 import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -66,17 +49,16 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.common import (RESULTS, markdown_table, merge_runs, parse_choices, read_results,  # noqa: E402
-                          write_results)
+from bench.runner import (RESULTS, Job, add_ratio, cuda_kernels, emit, kernel_category, markdown_table,  # noqa: E402
+                          merge_files, parse_choices, read_records, read_results, run_jobs, say, update_results,
+                          visible_gpus)
 
 GiB = 1024**3
 MODES = {  # bench mode -> config overrides (fp8.rollout, fp8.kv_cache)
     "bf16": ["fp8.rollout=false", "fp8.kv_cache=false"],
     "fp8": ["fp8.rollout=true", "fp8.kv_cache=false"],
     "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
-    # vLLM's Triton block-FP8 GEMM instead of cutlass (the decode-step question: which one reads the
-    # FP8 weights at bandwidth for a few hundred tokens)
-    "fp8_triton": ["fp8.rollout=true", "fp8.kv_cache=false", "fp8.linear_backend=triton"],
+    # vLLM's Triton block-FP8 GEMM instead of cutlass (decode: which one reads the FP8 weights at bandwidth)
     "fp8kv_triton": ["fp8.rollout=true", "fp8.kv_cache=true", "fp8.linear_backend=triton"],
 }
 DEFAULT_MODES = ["bf16", "fp8kv", "fp8"]
@@ -146,10 +128,6 @@ def parse_models(text: str) -> list[str]:
             raise argparse.ArgumentTypeError(f"model {t!r} is not one of {sorted(MODELS) + sorted(ALIASES)}")
         out.append(name)
     return out
-
-
-def parse_modes(text: str) -> list[str]:
-    return parse_choices(text, MODES)
 
 
 def parse_gpu_mem(text: str) -> str:
@@ -282,16 +260,6 @@ def materialize(model, device, seed: int = 0):
     return model
 
 
-def _emit(path: str, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-
-
-def _say(msg: str) -> None:
-    print(f"[bench] {msg}", flush=True)
-
-
 def run_worker(args) -> int:
     """One (model, mode): engine, capacity, refits, warm-up, the workloads. Appends one JSON line per
     result to args.result_file as soon as it has it."""
@@ -321,8 +289,8 @@ def run_worker(args) -> int:
         base.update(device=device_name, gpu_memory_utilization=gpu_mem, enforce_eager=cfg.rollout.enforce_eager,
                     gpu_total_gib=round(total / GiB, 1), trainer_gib=round(param_bytes(model) / GiB, 2),
                     kv_bytes_per_token=kv_bytes_per_token(hf_cfg, cfg.fp8.kv_cache))
-        _say(f"{model_name} {mode}: {param_bytes(model) / 1e9:.2f} GB bf16 model, gpu_memory_utilization "
-             f"{gpu_mem}, max_model_len {cfg.rollout.max_model_len}, enforce_eager {cfg.rollout.enforce_eager}")
+        say(f"{model_name} {mode}: {param_bytes(model) / 1e9:.2f} GB bf16 model, gpu_memory_utilization "
+            f"{gpu_mem}, max_model_len {cfg.rollout.max_model_len}, enforce_eager {cfg.rollout.enforce_eager}")
         if args.dry_run:
             engine = _DryEngine(cfg, args)
         else:
@@ -331,13 +299,13 @@ def run_worker(args) -> int:
             engine = VLLMEngine(cfg, model, tokenizer, torch.device("cuda"), model_dir=str(model_dir))
         cap = engine_capacity(engine) if not args.dry_run else engine.capacity()
         base.update(cap, startup_s=round(engine.startup_s, 2), process_ready_s=round(time.perf_counter() - t_proc, 2))
-        _say(f"engine up: vllm.LLM {engine.startup_s:.1f} s (process {base['process_ready_s']:.1f} s); KV cache "
-             f"{cap['kv_capacity_tokens']:,} tokens ({cap['num_gpu_blocks']:,} blocks x {cap['block_size']}, "
-             f"{cap['kv_cache_gib']} GiB {cap['kv_cache_dtype']}), max concurrency "
-             f"{cap['kv_max_concurrency'] or 0:.1f} at max_model_len {cap['max_model_len']}; vLLM weights "
-             f"{cap['weights_gib']} GiB")
+        say(f"engine up: vllm.LLM {engine.startup_s:.1f} s (process {base['process_ready_s']:.1f} s); KV cache "
+            f"{cap['kv_capacity_tokens']:,} tokens ({cap['num_gpu_blocks']:,} blocks x {cap['block_size']}, "
+            f"{cap['kv_cache_gib']} GiB {cap['kv_cache_dtype']}), max concurrency "
+            f"{cap['kv_max_concurrency'] or 0:.1f} at max_model_len {cap['max_model_len']}; vLLM weights "
+            f"{cap['weights_gib']} GiB")
         if args.capacity_only:
-            _emit(args.result_file, {"kind": "run", "workload": f"{model_name} capacity", **base})
+            emit(args.result_file, {"kind": "run", "workload": f"{model_name} capacity", **base})
             return 0
 
         # ---- trainer model and refit (the first update_weights is also what makes generate legal)
@@ -359,7 +327,7 @@ def run_worker(args) -> int:
                 torch.cuda.synchronize()
             refit.append(time.perf_counter() - t0)
             reload.append(engine.last_refit_s)
-            _say(f"refit {i + 1}/{args.refits}: {refit[-1]:.2f} s (engine reload {reload[-1]:.2f} s)")
+            say(f"refit {i + 1}/{args.refits}: {refit[-1]:.2f} s (engine reload {reload[-1]:.2f} s)")
         base.update(refit_s=round(statistics.median(refit), 3), refit_all_s=[round(t, 3) for t in refit],
                     refit_reload_s=round(statistics.median(reload), 3))
         if not args.dry_run:
@@ -369,18 +337,18 @@ def run_worker(args) -> int:
         t0 = time.perf_counter()
         engine.generate(random_prompts(warm, hf_cfg.vocab_size, args.seed + 999), n=1, temperature=1.0,
                         top_p=1.0, max_new_tokens=warm.gen_len, seed=args.seed)
-        _say(f"warm-up {warm.name}: {time.perf_counter() - t0:.1f} s")
+        say(f"warm-up {warm.name}: {time.perf_counter() - t0:.1f} s")
 
         if args.decode_steps:
             for k, w in enumerate(workloads):
-                _emit(args.result_file, decode_row(engine, w, args, base, model_name, hf_cfg.vocab_size, k))
+                emit(args.result_file, decode_row(engine, w, args, base, model_name, hf_cfg.vocab_size, k))
             return 0
         for k, w in enumerate(workloads):
             row = run_row(model_name, w, args, base)
             if args.deadline and time.time() > args.deadline - 20:
-                _say(f"{w.name}: skipped (time limit)")
-                _emit(args.result_file, {"kind": "error", **base, "workload": row["workload"],
-                                         "error": "skipped: --time-limit reached before this workload"})
+                say(f"{w.name}: skipped (time limit)")
+                emit(args.result_file, {"kind": "error", **base, "workload": row["workload"],
+                                        "error": "skipped: --time-limit reached before this workload"})
                 continue
             prompts = random_prompts(w, hf_cfg.vocab_size, args.seed + k)
             t0 = time.perf_counter()
@@ -393,16 +361,16 @@ def run_worker(args) -> int:
                        total_tok_s=round((gen + w.prompts * w.prompt_len) / dt, 1),
                        fixed_length=len(samples) == w.prompts and all(n == w.gen_len for n in lens))
             if not row["fixed_length"]:
-                _say(f"WARNING {w.name}: {len(samples)} samples, lengths {min(lens)}..{max(lens)} (ignore_eos?)")
-            _say(f"{w.name}: {gen:,} tokens in {dt:.1f} s = {gen / dt:,.0f} out tok/s "
-                 f"(KV fits {row['seqs_fit']} of these sequences)")
-            _emit(args.result_file, row)
+                say(f"WARNING {w.name}: {len(samples)} samples, lengths {min(lens)}..{max(lens)} (ignore_eos?)")
+            say(f"{w.name}: {gen:,} tokens in {dt:.1f} s = {gen / dt:,.0f} out tok/s "
+                f"(KV fits {row['seqs_fit']} of these sequences)")
+            emit(args.result_file, row)
         return 0
     except Exception as e:  # recorded for the parent; the traceback goes to the log
         traceback.print_exc()
-        _emit(args.result_file, {"kind": "error", **base, "workload": f"{model_name} *",
-                                 "error": f"{type(e).__name__}: {str(e)[:2000]}",
-                                 "traceback": traceback.format_exc()[-4000:]})
+        emit(args.result_file, {"kind": "error", **base, "workload": f"{model_name} *",
+                                "error": f"{type(e).__name__}: {str(e)[:2000]}",
+                                "traceback": traceback.format_exc()[-4000:]})
         return 1
 
 
@@ -414,11 +382,11 @@ def run_row(model_name: str, w: Workload, args, base: dict, *label: str) -> dict
 
 
 KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match wins)
-    ("attention", re.compile(r"flash|fmha|attn|attention|paged", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|_mm_|scaled_mm|w8a8", re.I)),
-    ("act_quant", re.compile(r"quant|fp8", re.I)),
-    ("norm/rope", re.compile(r"norm|rotary|rope", re.I)),
-    ("sampling", re.compile(r"sampl|softmax|topk|top_k|argmax|gumbel|exponential", re.I)),
+    ("attention", r"flash|fmha|attn|attention|paged"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|matmul|_mm_|scaled_mm|w8a8"),
+    ("act_quant", r"quant|fp8"),
+    ("norm/rope", r"norm|rotary|rope"),
+    ("sampling", r"sampl|softmax|topk|top_k|argmax|gumbel|exponential"),
 )
 
 
@@ -427,25 +395,20 @@ def set_tag(overrides: list[str]) -> str:
     return "".join("_" + re.sub(r"\W", "", o) for o in overrides)
 
 
-def kernel_kind(name: str) -> str:
-    return next((kind for kind, pat in KERNEL_KINDS if pat.search(name)), "other")
-
-
 def kernel_table(prof, steps: int, top: int = 30) -> tuple[dict, str]:
     """({kind: ms per decode step}, text): device time of a profiled decode run by kernel kind, then
     the top kernels, each per decode step."""
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    kernels = sorted(cuda_kernels(prof), key=lambda k: -k[1])
     kinds: dict[str, float] = {}
-    for e in kernels:
-        kind = kernel_kind(e.key)
-        kinds[kind] = kinds.get(kind, 0.0) + e.self_device_time_total / 1e3 / steps
+    for name, ms, _ in kernels:
+        kind = kernel_category(name, KERNEL_KINDS)
+        kinds[kind] = kinds.get(kind, 0.0) + ms / steps
     total = sum(kinds.values()) or 1.0  # (no kernel seen: an empty table)
     lines = [f"{'kind':<12} {'ms/step':>9} {'share':>7}"]
     lines += [f"{k:<12} {v:9.3f} {v / total:7.1%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
     lines += ["", f"{'ms/step':>9} {'calls/step':>10} {'kind':<10} kernel"]
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
-        lines.append(f"{e.self_device_time_total / 1e3 / steps:9.3f} {e.count / steps:10.1f} "
-                     f"{kernel_kind(e.key):<10} {e.key[:150]}")
+    lines += [f"{ms / steps:9.3f} {calls / steps:10.1f} {kernel_category(name, KERNEL_KINDS):<10} {name[:150]}"
+              for name, ms, calls in kernels[:top]]
     return {k: round(v, 3) for k, v in kinds.items()}, "\n".join(lines) + "\n"
 
 
@@ -478,8 +441,8 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     path = Path(args.result_file).parent / f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(args.set)}.txt"
     path.write_text(f"{row['workload']} {base['mode']}: {n} decode steps at batch {w.prompts}, "
                     f"{row['decode_step_ms']:.2f} ms per step unprofiled\n\n{text}")
-    _say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
-         f"({row['out_tok_s']:,.0f} tok/s); kernels per step {row['kernel_ms_per_step']}")
+    say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
+        f"({row['out_tok_s']:,.0f} tok/s); kernels per step {row['kernel_ms_per_step']}")
     return row
 
 
@@ -493,7 +456,6 @@ class _DryEngine:
         self.startup_s, self.last_refit_s = 0.01, 0.001
         if args.dry_run_fail == args.modes[0]:
             raise RuntimeError(f"dry-run failure requested for mode {args.modes[0]}")
-        time.sleep(args.dry_run_sleep if args.dry_run_sleep_mode in ("", args.modes[0]) else 0.0)
 
     def capacity(self) -> dict:
         tokens = {"bf16": 100000, "fp8": 120000, "fp8kv": 240000}[self.args.modes[0]]
@@ -520,39 +482,31 @@ class _DryEngine:
 
 
 def derive(runs: list[dict]) -> list[dict]:
-    """Add cross-run figures in place: speedup (out_tok_s vs bf16 of the same workload), kv_ratio_vs_bf16,
-    and for Qwen3-8B the capacities projected to NeMo RL's budget (see the module doc)."""
-    bf16 = {r["workload"]: r for r in runs if r.get("mode") == "bf16"}
-    for r in runs:
-        b = bf16.get(r["workload"])
-        r["speedup"] = (round(r["out_tok_s"] / b["out_tok_s"], 3)
-                        if b and r.get("out_tok_s") and b.get("out_tok_s") else None)
-        r["kv_ratio_vs_bf16"] = (round(r["kv_capacity_tokens"] / b["kv_capacity_tokens"], 3)
-                                 if b and r.get("kv_capacity_tokens") and b.get("kv_capacity_tokens") else None)
-        if (r.get("model") == "qwen3-8b" and r.get("mode") in NEMO_QWEN3_8B_KV_TOKENS
-                and str(r.get("workload", "")).endswith(" capacity")):
-            nemo = NEMO_QWEN3_8B_KV_TOKENS
-            r["nemo_kv_tokens"] = nemo[r["mode"]]
-            r["nemo_kv_ratio_vs_bf16"] = round(nemo[r["mode"]] / nemo["bf16"], 3)
-            if b and all(x.get(k) for x in (r, b) for k in ("kv_cache_bytes", "kv_bytes_per_token")):
-                shift = nemo["bf16"] * b["kv_bytes_per_token"] - b["kv_cache_bytes"]  # bytes added to the budget
-                base_tokens = (b["kv_cache_bytes"] + shift) // b["kv_bytes_per_token"]
-                r["kv_tokens_at_nemo_budget"] = int((r["kv_cache_bytes"] + shift) // r["kv_bytes_per_token"])
-                r["kv_ratio_at_nemo_budget"] = round(r["kv_tokens_at_nemo_budget"] / base_tokens, 3)
-    return runs
-
-
-def _run_key(r: dict) -> tuple:
-    return r.get("workload"), r.get("mode")
-
-
-def _order(runs: list[dict]) -> list[dict]:
-    """Workloads in order of first appearance, modes bf16, fp8, fp8kv within each."""
+    """Workloads in order of first appearance, modes in MODES order within each; cross-run figures
+    added in place: speedup (out_tok_s vs bf16 of the same workload), kv_ratio_vs_bf16, and for
+    Qwen3-8B the capacities projected to NeMo RL's budget (see the module doc)."""
     mode_rank = {m: i for i, m in enumerate(MODES)}
     first: dict = {}
     for r in runs:
         first.setdefault(r.get("workload", ""), len(first))
-    return sorted(runs, key=lambda r: (first[r.get("workload", "")], mode_rank.get(r.get("mode"), 99)))
+    runs = sorted(runs, key=lambda r: (first[r.get("workload", "")], mode_rank.get(r.get("mode"), 99)))
+    add_ratio(runs, "speedup", "out_tok_s", digits=3)
+    add_ratio(runs, "kv_ratio_vs_bf16", "kv_capacity_tokens", digits=3)
+    bf16 = {r["workload"]: r for r in runs if r.get("mode") == "bf16"}
+    nemo = NEMO_QWEN3_8B_KV_TOKENS
+    for r in runs:
+        if not (r.get("model") == "qwen3-8b" and r.get("mode") in nemo
+                and str(r.get("workload", "")).endswith(" capacity")):
+            continue
+        b = bf16.get(r["workload"])
+        r["nemo_kv_tokens"] = nemo[r["mode"]]
+        r["nemo_kv_ratio_vs_bf16"] = round(nemo[r["mode"]] / nemo["bf16"], 3)
+        if b and all(x.get(k) for x in (r, b) for k in ("kv_cache_bytes", "kv_bytes_per_token")):
+            shift = nemo["bf16"] * b["kv_bytes_per_token"] - b["kv_cache_bytes"]  # bytes added to the budget
+            base_tokens = (b["kv_cache_bytes"] + shift) // b["kv_bytes_per_token"]
+            r["kv_tokens_at_nemo_budget"] = int((r["kv_cache_bytes"] + shift) // r["kv_bytes_per_token"])
+            r["kv_ratio_at_nemo_budget"] = round(r["kv_tokens_at_nemo_budget"] / base_tokens, 3)
+    return runs
 
 
 THROUGHPUT_COLS = ["workload", "mode", "out_tok_s", "speedup", "startup_s", "refit_s", "kv_capacity_tokens",
@@ -563,8 +517,7 @@ CAPACITY_COLS = ["workload", "mode", "kv_capacity_tokens", "kv_ratio_vs_bf16", "
 
 
 def report(runs: list[dict], capacity: bool) -> str:
-    """Markdown table + one speed-up line per (workload, mode) vs bf16."""
-    runs = _order(runs)
+    """Markdown table + one speed-up line per (workload, mode) vs bf16 (runs as derive returns them)."""
     text = markdown_table(runs, CAPACITY_COLS if capacity else THROUGHPUT_COLS)
     lines = []
     for r in runs:
@@ -577,56 +530,6 @@ def report(runs: list[dict], capacity: bool) -> str:
         elif not capacity and r.get("speedup"):
             lines.append(f"{r['workload']} {r['mode']}: x{r['speedup']:.2f} output tok/s vs bf16")
     return text + ("\n\n" + "\n".join(lines) if lines else "")
-
-
-class Results:
-    """The results document of this invocation: runs of the children merged into what OUT already held
-    (same device only), rewritten after every child."""
-
-    def __init__(self, out_dir: Path, name: str):
-        self.out_dir, self.name = Path(out_dir), name
-        self.existing = read_results(self.out_dir / f"{name}.json")
-        self.runs: list[dict] = []
-        self.errors: list[dict] = []
-        self.device: str | None = None
-
-    def add(self, records: list[dict]) -> None:
-        for r in records:
-            if r.get("device") and self.device in (None, "unknown"):
-                self.device = r["device"]
-            (self.runs if r.get("kind") == "run" else self.errors).append(r)
-
-    def _device(self) -> str:
-        # no child reported a device yet (all failed early): keep the file's, so its runs survive
-        return self.device or (self.existing or {}).get("device") or "unknown"
-
-    def all_runs(self) -> list[dict]:
-        old = []
-        if self.existing and self.existing.get("device") == self._device():
-            old = list(self.existing["runs"])
-        runs = merge_runs(old, [{k: v for k, v in r.items() if k != "kind"} for r in self.runs], _run_key)
-        return derive(_order(runs))
-
-    def write(self) -> Path:
-        extra = {"errors": [{k: r.get(k) for k in ("workload", "mode", "error")} for r in self.errors]}
-        return write_results(self.name, self.all_runs(), self.out_dir, device=self._device(),
-                             **(extra if self.errors else {}))
-
-
-def visible_gpus(spec: str) -> list[str | None]:
-    """GPU ids for the children's CUDA_VISIBLE_DEVICES; [None] = one slot, environment unchanged."""
-    if spec != "auto":
-        return [g.strip() for g in spec.split(",") if g.strip()] or [None]
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g.strip() for g in env.split(",") if g.strip()] or [None]
-    try:
-        import torch
-
-        n = torch.cuda.device_count()  # NVML count: no CUDA context in the parent
-    except Exception:
-        n = 0
-    return [str(i) for i in range(n)] or [None]
 
 
 def worker_argv(args, model: str, mode: str, result_file: Path, deadline: float | None) -> list[str]:
@@ -642,184 +545,65 @@ def worker_argv(args, model: str, mode: str, result_file: Path, deadline: float 
     if deadline:
         argv += ["--deadline", f"{deadline:.1f}"]
     if args.dry_run:
-        argv += ["--dry-run", "--dry-run-fail", args.dry_run_fail, "--dry-run-sleep", str(args.dry_run_sleep),
-                 "--dry-run-sleep-mode", args.dry_run_sleep_mode]
+        argv += ["--dry-run", "--dry-run-fail", args.dry_run_fail]
     return argv
 
 
-def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM then SIGKILL to the child's process group (the child and what it spawned, e.g. compile workers)."""
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=wait)
-            if sig == signal.SIGKILL:
-                return
-        except subprocess.TimeoutExpired:
-            continue
-
-
-@dataclass
-class _Job:
-    model: str
-    mode: str
-    label: str
-    log: Path
-    result: Path
-    proc: subprocess.Popen | None = None
-    gpu: str | None = None
-    started: float = 0.0
-    offset: int = 0
-    partial: str = ""
-    killed: bool = False
-
-
-def _tail(job: _Job) -> None:
-    """Print the child's new `[bench]` lines."""
-    try:
-        with open(job.log, "rb") as f:
-            f.seek(job.offset)
-            data = f.read()
-    except OSError:
-        return
-    job.offset += len(data)
-    text = job.partial + data.decode(errors="replace")
-    lines = text.split("\n")
-    job.partial = lines.pop()
-    for line in lines:
-        if "[bench]" in line:
-            print(f"[{job.label} +{time.time() - job.started:.0f}s] {line.split('[bench]', 1)[1].strip()}", flush=True)
-
-
-def _read_records(path: Path) -> list[dict]:
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass  # a line cut by a kill
-    return out
-
-
 def run_parent(args) -> int:
+    """One child per (model, mode) through bench.runner.run_jobs, all visible GPUs at once; OUT/<name>.json
+    rewritten after every child, keeping the file's runs of the same device that are not re-measured."""
     t0 = time.time()
     deadline = t0 + args.time_limit if args.time_limit else None
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
     name = "rollout_capacity" if args.capacity_only else "rollout"
     models = args.models or (["qwen3-8b"] if args.capacity_only else ["llama3.1-8b"])
-    modes = args.modes or DEFAULT_MODES
     suffix = "_capacity" if args.capacity_only else set_tag(args.set)
-    pending = []
+    jobs = []
     for model in models:
-        for mode in modes:
-            stem = f"rollout{suffix}_{model}_{mode}"
-            (logs / f"{stem}.jsonl").unlink(missing_ok=True)
-            pending.append(_Job(model, mode, f"{model}/{mode}", logs / f"{stem}.log", logs / f"{stem}.jsonl"))
-    gpus = visible_gpus(args.gpus)
-    min_left = args.min_job_s if args.min_job_s is not None else (45 if args.capacity_only else 120)
-    results = Results(out, name)
-    print(f"[rollout] {len(pending)} runs ({', '.join(j.label for j in pending)}) on GPU slots {gpus}; "
+        for mode in args.modes or DEFAULT_MODES:
+            stem = f"rollout{suffix}_{model}_{mode}"  # (model names hold dots: no with_suffix)
+            log, records = logs / f"{stem}.log", logs / f"{stem}.jsonl"
+            jobs.append(Job(f"{model}/{mode}", worker_argv(args, model, mode, records, deadline), log, records,
+                            info={"model": model, "mode": mode}))
+    gpus = visible_gpus()  # one child per GPU at a time
+    print(f"[rollout] {len(jobs)} runs ({', '.join(j.label for j in jobs)}) on GPU slots {gpus}; "
           f"workloads {', '.join(w.name for w in args.workloads)}; "
           f"{'capacity only (enforce_eager); ' if args.capacity_only else ''}"
           f"time limit {args.time_limit or 'none'} s; child logs in {logs}", flush=True)
-    env_base = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-                "PYTHONPATH": os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH", "")] if p)}
-    free, running, failed = list(gpus), [], 0
-    last_launch = 0.0
-    while pending or running:
-        now = time.time()
-        if pending and free and now - last_launch >= args.stagger_s:  # staggered: no port races at init
-            if deadline and deadline - now < min_left:
-                for job in pending:
-                    print(f"[rollout] {job.label}: not started, {deadline - now:.0f} s left < {min_left} s", flush=True)
-                    results.add([{"kind": "error", "model": job.model, "mode": job.mode, "workload": f"{job.model} *",
-                                  "error": "not started: --time-limit"}])
-                    failed += 1
-                pending = []
-            else:
-                job, gpu = pending.pop(0), free.pop(0)
-                env = dict(env_base)
-                if gpu is not None:
-                    env["CUDA_VISIBLE_DEVICES"] = gpu
-                with open(job.log, "w") as logf:
-                    job.proc = subprocess.Popen(worker_argv(args, job.model, job.mode, job.result, deadline),
-                                                stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                                start_new_session=True)
-                job.started, job.gpu = time.time(), gpu
-                last_launch = job.started
-                running.append(job)
-                print(f"[rollout] {job.label}: started on GPU {gpu if gpu is not None else '(default)'} "
-                      f"(pid {job.proc.pid}, log {job.log})", flush=True)
-        for job in list(running):
-            _tail(job)
-            rc = job.proc.poll()
-            if rc is None and deadline and time.time() > deadline:
-                print(f"[rollout] {job.label}: killed at the time limit", flush=True)
-                job.killed = True
-                _kill_group(job.proc)
-                rc = job.proc.wait()
-            if rc is None:
-                continue
-            _kill_group(job.proc, grace=2.0)  # leftovers of an exited child (no-op if none)
-            _tail(job)
-            running.remove(job)
-            free.append(job.gpu)
-            records = _read_records(job.result)
-            ok = [r for r in records if r.get("kind") == "run"]
-            if rc != 0 or job.killed:
-                failed += 1
-                if not any(r.get("kind") == "error" for r in records):
-                    records.append({"kind": "error", "model": job.model, "mode": job.mode,
-                                    "workload": f"{job.model} *",
-                                    "error": "killed at --time-limit" if job.killed else f"exit code {rc}"})
-                tail = job.log.read_text(errors="replace").splitlines()[-args.log_tail:] if job.log.is_file() else []
-                print(f"[rollout] {job.label}: FAILED (exit {rc}) after {time.time() - job.started:.0f} s, "
-                      f"{len(ok)} result(s) kept; last log lines:\n    " + "\n    ".join(tail), flush=True)
-            else:
-                print(f"[rollout] {job.label}: done in {time.time() - job.started:.0f} s, {len(ok)} result(s)",
-                      flush=True)
-            results.add(records)
-            path = results.write()
-            print(f"[rollout] wrote {path} ({len(results.runs)} new runs so far)", flush=True)
-        if running or pending:
-            time.sleep(args.poll_s)
-    path = results.write()
-    runs = [r for r in results.all_runs()]
+    existing = read_results(out / f"{name}.json")
+    runs, errors, device = [], [], None
+
+    def on_done(job: Job) -> None:
+        nonlocal device
+        records = read_records(job.records)
+        if job.status != "ok" and not any(r.get("kind") == "error" for r in records):
+            why = {"not started": "not started: --time-limit", "killed at the time limit": "killed at --time-limit"}
+            records.append({"kind": "error", **job.info, "workload": f"{job.info['model']} *",
+                            "error": why.get(job.status, f"exit code {job.rc}")})
+        for r in records:
+            if r.get("device") and device in (None, "unknown"):
+                device = r["device"]
+            (runs if r.get("kind") == "run" else errors).append({k: v for k, v in r.items() if k != "kind"})
+        print(f"[rollout] wrote {write()} ({len(runs)} new runs so far)", flush=True)
+
+    def write() -> Path:
+        # no child reported a device yet (all failed early): keep the file's, so its runs survive
+        dev = device or (existing or {}).get("device") or "unknown"
+        extra = {"errors": [{k: e.get(k) for k in ("workload", "mode", "error")} for e in errors]} if errors else {}
+        return update_results(name, runs, out, device=dev, derive=derive, **extra)
+
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": os.environ.get("HF_HUB_OFFLINE", "1"),
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    min_left = args.min_job_s if args.min_job_s is not None else (45 if args.capacity_only else 120)
+    failed = run_jobs(jobs, on_done, gpus=gpus, deadline=deadline, min_left=min_left, stagger_s=args.stagger_s,
+                      poll_s=args.poll_s, env=env, cwd=REPO, tag="rollout")
+    path = write()
     print(f"\nwrote {path} after {time.time() - t0:.0f} s\n")
-    print(report(runs, args.capacity_only))
-    if results.errors:
-        print("\nerrors:\n" + "\n".join(f"  {e.get('workload')} {e.get('mode')}: {e.get('error')}"
-                                        for e in results.errors))
+    print(report(read_results(path)["runs"], args.capacity_only))
+    if errors:
+        print("\nerrors:\n" + "\n".join(f"  {e.get('workload')} {e.get('mode')}: {e.get('error')}" for e in errors))
     return 1 if failed else 0
-
-
-def run_merge(args) -> int:
-    docs = []
-    for f in args.merge:
-        doc = read_results(Path(f))
-        if doc is None:
-            sys.exit(f"--merge: {f} is not a results file (missing, unreadable or without 'runs')")
-        docs.append(doc)
-    devices = {d["device"] for d in docs}
-    if len(devices) > 1:
-        print(f"warning: merging results of different devices {sorted(devices)}; keeping the first's name")
-    runs: list[dict] = []
-    for d in docs:
-        runs = merge_runs(runs, d["runs"], _run_key)
-    name = Path(args.merge[0]).stem
-    capacity = all(str(r.get("workload", "")).endswith(" capacity") for r in runs)
-    path = write_results(name, derive(_order(runs)), Path(args.out), device=docs[0]["device"])
-    print(f"wrote {path}")
-    print(report(runs, capacity))
-    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -828,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", type=parse_models, default=None,
                    help="comma list of llama3.1-8b (llama), qwen3-8b (qwen3); "
                         "default llama, qwen3 with --capacity-only")
-    p.add_argument("--modes", type=parse_modes, default=None,
+    p.add_argument("--modes", type=lambda text: parse_choices(text, MODES), default=None,
                    help=f"comma list of {list(MODES)}, run in this order (default {','.join(DEFAULT_MODES)})")
     p.add_argument("--workloads", type=parse_workloads, default=parse_workloads(DEFAULT_WORKLOADS),
                    help=f"comma list of PxL->G or PxL:G (default {DEFAULT_WORKLOADS})")
@@ -847,17 +631,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds: start no child after (limit - min job time), kill children at the limit (0 = none)")
     p.add_argument("--min-job-s", type=float, default=None,
                    help="do not start a child with less time left (default 120, 45 with --capacity-only)")
-    p.add_argument("--gpus", default="auto", help="GPU ids for children, one child per GPU at a time ('auto' = all)")
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge results files into OUT and print the table")
-    p.add_argument("--log-tail", type=int, default=40, help="log lines printed when a child fails")
     # internal: the child side, and the CPU test hooks of the orchestration
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result-file", help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dry-run-fail", default="", help=argparse.SUPPRESS)
-    p.add_argument("--dry-run-sleep", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--dry-run-sleep-mode", default="", help=argparse.SUPPRESS)
     p.add_argument("--stagger-s", type=float, default=5.0, help=argparse.SUPPRESS)
     p.add_argument("--poll-s", type=float, default=1.0, help=argparse.SUPPRESS)
     return p
@@ -868,8 +648,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.refits < 1:
         p.error("--refits must be >= 1")
-    if args.merge:
-        return run_merge(args)
+    if args.merge:  # several calls' files: one file, named after the first
+        path, runs = merge_files(args.merge, Path(args.merge[0]).stem, Path(args.out), derive)
+        print(f"wrote {path}\n{report(runs, all(str(r.get('workload', '')).endswith(' capacity') for r in runs))}")
+        return 0
     if args.set:  # a typo fails here, once, not in every child
         from config import ConfigError
 

@@ -8,32 +8,30 @@
     python bench/step.py --modes bf16,fp8kv_lp train.compile=inductor   # trainer layers torch.compile'd
     python bench/step.py --modes fp8kv_lp log.profile_step=1 log.profile_rollout=false   # + OUT/profile_<mode>_*.txt
 
-Each mode runs the real trainer (train_grpo.py, so nothing here can drift from the recipe) in
-its own process (vLLM allows one engine per process) on bench/step_8b.yaml: a random-weight
-Llama-3.1-8B-shape model, vLLM colocated with sleep mode, fixed-length generation. Modes:
-  bf16   BF16 trainer, BF16 rollout
-  fp8    torchao block-FP8 trainer linears, vLLM block-FP8 W8A8 rollout (refit every step)
-  fp8kv  fp8 + FP8 KV cache and FP8 attention in vLLM, q/k/v scales recalibrated every step
-         (a separate forward over fp8.calib_samples rows after the update)
+Each mode is train_grpo.py itself (nothing here can drift from the recipe) with the mode's config
+overrides, one child process per mode through bench/runner.py (vLLM: one engine per process), on
+bench/step_8b.yaml: a random-weight Llama-3.1-8B-shape model, vLLM colocated with sleep mode,
+fixed-length generation. Modes:
+  bf16      BF16 trainer, BF16 rollout
+  fp8       torchao block-FP8 trainer linears, vLLM block-FP8 W8A8 rollout (refit every step)
+  fp8kv     fp8 + FP8 KV cache and FP8 attention in vLLM, q/k/v scales recalibrated every step
+            (a separate forward over fp8.calib_samples rows after the update)
   fp8kv_lp  fp8kv with fp8.calib_pass=logprobs (amax captured in the old_logp forward: no extra pass)
-Step 0 (Triton autotune, CUDA-graph capture) is reported separately (the trainers keep torchao's
-autotuning on disk, fp8.linear.keep_triton_autotuning, so a later process on the same host skips it); the figures are medians
-over steps 1..N-1 of the trainer's own time/* metrics. Writes bench/results/step.json
-(schema: docs/design.md) after every mode, and prints a markdown table.
+Figures are medians over steps 1..N-1 of the trainer's own time/* metrics; step 0 (Triton autotune,
+kept on disk for later processes; CUDA-graph capture) is first_step_s. OUT/step.json (default
+bench/results) is rewritten after every mode; trainer logs in OUT/step_<mode>.log.
 """
 
 import argparse
 import json
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import RESULTS, markdown_table, read_results, write_results  # noqa: E402
+from bench.runner import RESULTS, Job, add_ratio, markdown_table, merge_files, run_jobs, write_results  # noqa: E402
 
 MODES = {
     "bf16": ["fp8.train=false", "fp8.rollout=false", "fp8.kv_cache=false"],
@@ -73,44 +71,49 @@ def first_step_times(metrics: list[dict]) -> dict:
     return {f"first_{k.removeprefix('time/')}_s": v for k, v in (metrics or [{}])[0].items() if k.startswith("time/")}
 
 
-def add_speedups(runs: list[dict]) -> None:
-    base = {r["workload"]: r["step_s"] for r in runs if r["mode"] == "bf16" and "step_s" in r}
-    for r in runs:
-        if "step_s" in r and r["workload"] in base:
-            r["speedup"] = base[r["workload"]] / r["step_s"]
+def add_speedups(runs: list[dict]) -> list[dict]:
+    return add_ratio(runs, "speedup", "step_s", lower_is_better=True)
 
 
-def run_mode(mode: str, args, overrides: list[str], runs_dir: Path, log_dir: Path) -> dict:
+def mode_job(mode: str, args, out: Path) -> Job:
+    """The trainer process of one mode: train_grpo.py with the mode's overrides, its own run dir."""
     name = f"step_{mode}"
-    cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--config", args.config, *MODES[mode],
-           f"train.steps={args.steps}", f"train.out_dir={runs_dir}", f"train.run_name={name}", *overrides]
-    log = log_dir / f"{name}.log"
-    shutil.rmtree(runs_dir / name, ignore_errors=True)  # this bench's scratch; train_grpo.py refuses a used run dir
-    print(f"[{mode}] {' '.join(cmd[1:])}\n[{mode}] log: {log}", flush=True)
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    wall = time.perf_counter() - t0
-    for table in sorted((runs_dir / name / "profile").glob("*.txt")):  # log.profile_step's operator tables
-        shutil.copy(table, log_dir / f"profile_{mode}_{table.name}")  # (the .json traces stay: too big to ship)
-    path = runs_dir / name / "metrics.jsonl"
+    run_dir = Path(args.runs) / name
+    shutil.rmtree(run_dir, ignore_errors=True)  # this bench's scratch; train_grpo.py refuses a used run dir
+    argv = [sys.executable, str(ROOT / "train_grpo.py"), "--config", args.config, *MODES[mode],
+            f"train.steps={args.steps}", f"train.out_dir={args.runs}", f"train.run_name={name}", *args.overrides]
+    print(f"[{mode}] {' '.join(argv[1:])}", flush=True)
+    return Job(mode, argv, out / f"{name}.log", timeout=args.timeout, info={"run_dir": run_dir})
+
+
+def mode_row(job: Job, workload: str, out: Path) -> dict:
+    """The mode's row from its trainer's metrics.jsonl; its profile tables (log.profile_step) copied to OUT."""
+    mode, run_dir = job.label, job.info["run_dir"]
+    for table in sorted((run_dir / "profile").glob("*.txt")):  # (the .json traces stay: too big to ship)
+        shutil.copy(table, out / f"profile_{mode}_{table.name}")
+    path = run_dir / "metrics.jsonl"
     metrics = [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
-    workload = f"{args.workload} ({args.config})"
+    rc = "timeout" if job.status == "timeout" else job.rc
     try:
         row = summarize(metrics, mode, workload)
     except ValueError as e:
-        tail = log.read_text().splitlines()[-15:]
-        print(f"[{mode}] FAILED (exit {rc}): {e}\n" + "\n".join(tail), flush=True)
-        row = {"workload": workload, "mode": mode, "error": f"exit {rc}: {e}", "wall_s": wall}
+        print(f"[{mode}] FAILED (exit {rc}): {e}", flush=True)
+        row = {"workload": workload, "mode": mode, "error": f"exit {rc}: {e}", "wall_s": job.wall_s}
         return row | first_step_times(metrics)  # cut off after the warm-up step: keep where its time went
-    row["wall_s"] = wall
+    row["wall_s"] = job.wall_s
     print(f"[{mode}] step {row['step_s']:.2f} s (rollout {row['rollout_s']:.2f}, logprobs {row['logprobs_s']:.2f}, "
           f"train {row['train_s']:.2f}, recal {row['recalibrate_s']:.3f}, refit {row['refit_s']:.3f}); "
-          f"wall {wall:.0f} s", flush=True)
+          f"wall {job.wall_s:.0f} s", flush=True)
     return row
+
+
+def workload_label(cfg, config_path: str) -> str:
+    text = (f"{cfg.rollout.prompts_per_step}x{cfg.rollout.n} samples, <= {cfg.data.max_prompt_tokens}"
+            f"->{cfg.rollout.max_new_tokens} tokens, {cfg.model.tiny.num_layers} layers, micro-batch "
+            f"{cfg.train.micro_batch_size}")
+    if cfg.train.compile != "none":  # compiled and eager runs are different workloads: ratios within each
+        text += f", compile {cfg.train.compile}"
+    return f"{text} ({config_path})"
 
 
 def main():
@@ -127,14 +130,7 @@ def main():
     args = p.parse_args()
     out = Path(args.out) if args.out else RESULTS
     if args.merge:
-        docs = [read_results(Path(f)) for f in args.merge]
-        if None in docs:
-            sys.exit(f"--merge: not a results file: {[f for f, d in zip(args.merge, docs) if d is None]}")
-        if len({d["device"] for d in docs}) > 1:
-            sys.exit(f"--merge: files from different devices {sorted({d['device'] for d in docs})}: ratios need one")
-        runs = [r for d in docs for r in d["runs"]]
-        add_speedups(runs)
-        write_results("step", runs, out_dir=out, device=docs[0]["device"], merged=list(args.merge))
+        _, runs = merge_files(args.merge, "step", out, add_speedups)
         print(markdown_table(runs, TABLE))
         return
     modes = args.modes.split(",")
@@ -145,17 +141,16 @@ def main():
     from config import load_config
 
     cfg = load_config(args.config, [*MODES[modes[0]], *args.overrides])  # fail fast on typos
-    args.workload = (f"{cfg.rollout.prompts_per_step}x{cfg.rollout.n} samples, <= {cfg.data.max_prompt_tokens}"
-                     f"->{cfg.rollout.max_new_tokens} tokens, {cfg.model.tiny.num_layers} layers, micro-batch "
-                     f"{cfg.train.micro_batch_size}")
-    if cfg.train.compile != "none":  # compiled and eager runs are different workloads: ratios within each
-        args.workload += f", compile {cfg.train.compile}"
+    workload = workload_label(cfg, args.config)
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for mode in modes:
-        runs.append(run_mode(mode, args, args.overrides, Path(args.runs), out))
-        add_speedups(runs)
-        write_results("step", runs, out_dir=out)
+
+    def on_done(job: Job) -> None:
+        runs.append(mode_row(job, workload, out))
+        write_results("step", add_speedups(runs), out_dir=out)
+
+    # one mode at a time, each on the whole GPU (vLLM colocated with the trainer)
+    run_jobs([mode_job(m, args, out) for m in modes], on_done, poll_s=0.2, stream=None, tag="step")
     print(markdown_table(runs, TABLE))
 
 

@@ -5,62 +5,43 @@
     python bench/train.py all               # stack, then linear (autotuning is shared: ~ the cost of one)
     python bench/train.py stack --layers 8 --tokens 16384 --seq-len 4096 --modes bf16,fp8
 
-`linear`: forward + backward of one bias-free linear, M tokens x K in -> N out, at the four
-Llama-3.1-8B projection shapes (q/o 4096->4096, k/v 4096->1024, gate/up 4096->14336,
-down 14336->4096) and 8192 / 16384 tokens. FP8 = torchao Float8BlockwiseLinear (1x128
-activation tiles, 128x128 weight blocks, quantization included in the timing, as in
-training).
+`linear`: forward + backward of one bias-free linear (M tokens x K -> N) at the four Llama-3.1-8B
+projection shapes and 8192 / 16384 tokens; fp8 = torchao Float8BlockwiseLinear (1x128 activation
+tiles, 128x128 weight blocks, quantization timed, as in training).
 
-`stack`: --layers (default 4) Llama-3.1-8B decoder layers (transformers LlamaModel: hidden 4096,
-intermediate 14336, 32 heads, 8 KV heads, rope theta 500000; a 128-entry embedding that is never
-used; SDPA attention: flash-attn is not on the GPU host), bf16 parameters, train mode. One
-iteration = zero_grad + --accum (default 1) x [forward of a packed micro-batch of --tokens (8192,
-16384) hidden states (requires_grad, as if from an embedding) + backward of a random output
-gradient] + fused AdamW step. A GRPO step accumulates many micro-batches per optimizer step
-(bench/step_8b_long_h100.yaml: 64); --accum 4 shows what the per-step costs (AdamW, and with
-fp8.cache_weights the weight quantization) weigh there. A micro-batch is tokens / seq_len causal
-rows of --seq-len (default 2048; 0 = one row): packed documents of that length, without a varlen
-kernel; the token count (a multiple of 128, which torchao's wgrad needs) is what the linears see.
-Modes:
+`stack`: --layers Llama-3.1-8B decoder layers (transformers LlamaModel, SDPA attention, a 128-entry
+embedding that is never used), bf16 parameters, train mode. One iteration = zero_grad + --accum x
+[forward of a micro-batch of --tokens hidden states (requires_grad, as if from an embedding) +
+backward of a random output gradient] + fused AdamW step. A micro-batch is tokens / seq_len causal
+rows of --seq-len (0 = one row): packed documents without a varlen kernel. A GRPO step accumulates
+many micro-batches per optimizer step (bench/step_8b_long_h100.yaml: 64): --accum 4 shows what the
+per-step costs (AdamW, and with fp8.cache_weights the weight quantization) weigh there. Modes, each
+a set of FP8Config overrides (STACK_MODES), built and timed one after another in this process:
   bf16         nn.Linear everywhere
-  fp8          fp8.linear.convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8,
-               q/k/v and gate/up as one GEMM each (fp8.fuse_projections, as vLLM computes them), the
-               MLP's silu*mul inside the FP8 quantization of down_proj's input (fp8.fuse_swiglu)
-  fp8_unfused  fp8 with fuse_projections=False: one GEMM (and one quantization of the input) per linear
-  fp8_kv_bf16  (not in the default set) fp8 with FP8Config.keep_bf16 = ['*.k_proj', '*.v_proj']; the shared skip-list (fp8_plan)
-               keeps q_proj in BF16 with them (vLLM fuses q/k/v into one qkv_proj that is all FP8 or
-               all BF16), so attention's input projections are BF16, o_proj and the MLP FP8
-  fp8_mlp      (not in the default set) keep_bf16 = ['*.self_attn.*']: only the MLP in FP8
-  fp8_two_pass (not in the default set, ablation) fp8 with torchao's separate 1x128 and 128x1 activation
-               quantizers (two reads of x and of grad_out) instead of fp8/fast/kernels.py's quant_dual (one),
-               without fuse_swiglu
-  fp8_cached   (not in the default set) fp8 with fp8.cache_weights: each weight quantized once per
-               optimizer step instead of in every micro-batch's forward and again in its backward
-  fp8_cached_noswiglu  (ablation) fp8_cached with fp8.fuse_swiglu=False: HF's MLP forward, so silu*mul
-               and its backward write BF16 tensors that the FP8 quantization then reads back
-  <mode>_compile  <mode> with every decoder layer torch.compile'd (inductor, static shapes, as
-               torchtitan compiles per block): norms, RoPE and residual adds fused into few Triton
-               kernels; our FP8 autograd Functions are traced (one graph, 4 FP8 GEMMs per layer), the
-               quantizers and GEMMs are opaque custom ops in it.
-               Its speedup is against bf16_compile; speedup_eager against bf16.
-Reported: ms per micro-batch (iteration time / accum; median of --iters after --warmup, CUDA
-events), tok_s, tflops (6 x linear params x tokens + 6 x seq_len^2 x hidden x rows x layers for
-causal attention, fwd + bwd), speedup vs bf16 (vs bf16_compile for a compiled mode;
-speedup_eager: vs bf16 for every mode),
-peak memory, rel_err of the stack's output vs bf16 (same weights, before any step); with --profile
-also gpu_busy = kernel time / wall time (well below 1: launch-bound, what compiling fixes).
+  fp8          convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8, q/k/v
+               and gate/up one GEMM each (fuse_projections), silu*mul inside the FP8 quantization of
+               down_proj's input (fuse_swiglu)
+  fp8_unfused  fp8 with fuse_projections=False: one GEMM (and one input quantization) per linear
+  fp8_two_pass (ablation) torchao's separate 1x128 and 128x1 quantizers (two reads of x and of
+               grad_out) instead of fp8/fast/kernels.py's quant_dual (one), without fuse_swiglu
+  fp8_cached   fp8.cache_weights: each weight quantized once per optimizer step, not in every
+               micro-batch's forward and backward
+  fp8_cached_noswiglu  (ablation) fp8_cached with fuse_swiglu=False (HF's MLP forward)
+  <mode>_compile  every decoder layer torch.compile'd (inductor, static shapes, per block as
+               torchtitan does); the FP8 autograd Functions are traced, quantizers and GEMMs are
+               opaque custom ops. speedup is against bf16_compile, speedup_eager against bf16.
+Reported per micro-batch: ms (iteration / accum; median of --iters after --warmup, CUDA events),
+tok_s, tflops (6 x linear params x tokens + 6 x seq_len^2 x hidden x rows x layers, causal
+attention), speedup, peak memory, rel_err of the output vs bf16 (same weights, before any step);
+with --profile the GPU time per kernel category and gpu_busy = kernel time / wall time.
 
-Both write OUT/train.json (default bench/results): runs of the other subcommand already in that
-file from the same GPU model are kept, re-measured ones replaced; and print a markdown table.
-Before torchao is imported, fp8.linear.keep_triton_autotuning() sets TRITON_CACHE_AUTOTUNING=1
-and TRITON_CACHE_DIR (unless already set), so Triton (3.6, triton/knobs.py `autotuning.cache`)
-stores autotune results on disk and later processes on the same host skip the ~17 s per kernel
-and shape; within one process (`all`) the in-memory cache already shares them.
+Both write OUT/train.json (runs of the same GPU already there are kept unless re-measured) and
+print a table. fp8.linear.keep_triton_autotuning() keeps Triton's autotune results on disk, so a
+later process on the same host skips the ~17 s per kernel and shape.
 """
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -69,32 +50,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fp8.linear import keep_triton_autotuning  # noqa: E402
 
 keep_triton_autotuning()  # before torchao's @triton.autotune kernels are defined
-from bench.common import (RESULTS, cuda_time_ms, markdown_table, merge_runs, parse_choices,  # noqa: E402
-                          read_results, write_json, write_results)
+from bench.runner import (RESULTS, add_ratio, cuda_kernels, cuda_time_ms, kernel_category,  # noqa: E402
+                          markdown_table, parse_choices, run_inline, update_results, write_json)
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (4096, 1024),
           "gate/up_proj": (4096, 14336), "down_proj": (14336, 4096)}
-STACK_MODES = {  # mode -> FP8Config overrides (None = no conversion); '<mode>_compile' compiles the layers
-    "bf16": None,
-    "fp8": {},
-    "fp8_unfused": {"fuse_projections": False},
-    "fp8_kv_bf16": {"keep_bf16": ["*.k_proj", "*.v_proj"]},
-    "fp8_mlp": {"keep_bf16": ["*.self_attn.*"]},
-    "fp8_two_pass": {"fuse_swiglu": False},  # + use_two_pass_quant
-    "fp8_cached": {"cache_weights": True},
-    "fp8_cached_noswiglu": {"cache_weights": True, "fuse_swiglu": False},
+FP8 = ["fp8.train=true"]
+STACK_MODES = {  # mode -> FP8Config overrides; '<mode>_compile' compiles the layers
+    "bf16": [],
+    "fp8": FP8,
+    "fp8_unfused": [*FP8, "fp8.fuse_projections=false"],
+    "fp8_two_pass": [*FP8, "fp8.fuse_swiglu=false"],  # + use_two_pass_quant
+    "fp8_cached": [*FP8, "fp8.cache_weights=true"],
+    "fp8_cached_noswiglu": [*FP8, "fp8.cache_weights=true", "fp8.fuse_swiglu=false"],
 }
 STACK_MODES |= {f"{m}_compile": v for m, v in STACK_MODES.items()}
 COMPILED = "_compile"
 DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_unfused", "bf16_compile", "fp8_compile"]
 # Kernel name -> category for --profile (first match wins; checked against lower-cased names).
-KERNEL_CATEGORIES = [
-    ("fp8 quantize", ("fp8_blockwise", "quant")),
-    ("attention", ("flash", "fmha", "attention", "attn")),
-    ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "scaled_mm", "sm90_", "splitk")),
-    ("optimizer", ("adam", "multi_tensor")),
-    ("copy/cat", ("copy", "cat", "memcpy", "memset", "fill")),
-]
+KERNEL_CATEGORIES = (
+    ("fp8 quantize", r"fp8_blockwise|quant"),
+    ("attention", r"flash|fmha|attention|attn"),
+    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|scaled_mm|sm90_|splitk"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("copy/cat", r"copy|cat|memcpy|memset|fill"),
+)
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                   head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072)
 
@@ -119,7 +99,7 @@ def bench_linear(tokens=(8192, 16384)) -> list[dict]:
             with torch.no_grad():
                 ref, out = bf16(x), fp8(x)
                 runs[-1]["rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm())
-            runs[-1]["speedup"] = runs[-2]["ms"] / runs[-1]["ms"]
+            add_ratio(runs, "speedup", "ms", lower_is_better=True)
             print(f"{row['workload']}: bf16 {runs[-2]['ms']:.3f} ms  fp8 {runs[-1]['ms']:.3f} ms  "
                   f"x{runs[-1]['speedup']:.2f}", flush=True)
     return runs
@@ -138,22 +118,33 @@ def stack_config(layers: int, **overrides):
     return cfg
 
 
+def fp8_config(overrides: list[str]):
+    """FP8Config() with `fp8.key=value` overrides (read as the config CLI reads them)."""
+    from config import FP8Config, parse_override
+
+    fields = {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        if len(keys) != 2 or keys[0] != "fp8":
+            raise ValueError(f"{text!r}: a stack mode overrides fp8.<field> only")
+        fields[keys[1]] = value
+    return FP8Config(**fields)
+
+
 def build_stack(hf_cfg, mode: str, device, seed: int = 0):
     """(LlamaModel in bf16, train mode, on device; converted linear names). Same seed, same weights."""
     from transformers import LlamaModel
 
-    from config import FP8Config
     from fp8.linear import convert_to_fp8_training
 
     if mode not in STACK_MODES:
         raise ValueError(f"stack mode {mode!r} not in {list(STACK_MODES)}")
+    fp8 = fp8_config(STACK_MODES[mode])
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaModel(hf_cfg)
     model = model.to(torch.bfloat16).train()
-    converted = []
-    if STACK_MODES[mode] is not None:
-        converted = convert_to_fp8_training(model, FP8Config(train=True, **STACK_MODES[mode]))
+    converted = convert_to_fp8_training(model, fp8) if fp8.train else []
     if mode.startswith("fp8_two_pass"):
         use_two_pass_quant(model)
     if mode.endswith(COMPILED):
@@ -227,21 +218,19 @@ def stack_flops(hf_cfg, tokens: int, seq_len: int) -> float:
     return 6 * linear_params * tokens + 6 * seq_len**2 * h * (tokens // seq_len) * L
 
 
-def kernel_category(name: str) -> str:
-    low = name.lower()
-    return next((cat for cat, keys in KERNEL_CATEGORIES if any(k in low for k in keys)), "elementwise/norm/other")
+def summarize_kernels(kernels: list[tuple], iters: int, top: int = 40) -> dict:
+    """[(kernel name, total ms, ...)] over `iters` iterations -> ms/iter per category and the top kernels."""
+    def category(name):
+        return kernel_category(name, KERNEL_CATEGORIES, "elementwise/norm/other")
 
-
-def summarize_kernels(kernels: list[tuple[str, float]], iters: int, top: int = 40) -> dict:
-    """[(kernel name, total ms)] over `iters` iterations -> ms/iter per category and the top kernels."""
-    total = sum(ms for _, ms in kernels) or 1.0
+    total = sum(k[1] for k in kernels) or 1.0
     cats: dict[str, float] = {}
-    for name, ms in kernels:
-        cats[kernel_category(name)] = cats.get(kernel_category(name), 0.0) + ms
+    for name, ms, *_ in kernels:
+        cats[category(name)] = cats.get(category(name), 0.0) + ms
     ranked = sorted(kernels, key=lambda k: -k[1])[:top]
     return {"gpu_ms_per_iter": total / iters,
             "categories": {c: {"ms": ms / iters, "share": ms / total} for c, ms in sorted(cats.items(), key=lambda c: -c[1])},
-            "top_kernels": [{"name": n[:120], "category": kernel_category(n), "ms": ms / iters} for n, ms in ranked]}
+            "top_kernels": [{"name": k[0][:120], "category": category(k[0]), "ms": k[1] / iters} for k in ranked]}
 
 
 def profile_kernels(fn, iters: int = 2, per_call: int = 1) -> dict:
@@ -254,41 +243,39 @@ def profile_kernels(fn, iters: int = 2, per_call: int = 1) -> dict:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    kernels = [(e.key, e.self_device_time_total / 1e3) for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
-    return summarize_kernels(kernels, iters * per_call)
+    return summarize_kernels(cuda_kernels(prof), iters * per_call)
 
 
 def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, modes=DEFAULT_STACK_MODES,
                 warmup: int = 3, iters: int = 10, device="cuda", timer=None, profile_dir: Path | None = None,
                 on_mode=None, accums=(1,)) -> list[dict]:
-    """Each mode's runs (one per token count); on_mode(runs so far) after each mode (e.g. to save)."""
+    """Each mode's runs (one per token count and accum), modes in this process one after another
+    (bench.runner.run_inline: a failing mode is an error row); on_mode(runs so far) after each mode."""
     timer = timer or (lambda fn: cuda_time_ms(fn, warmup=warmup, iters=iters))
     hf_cfg = stack_config(layers)
-    runs, ref, bf16_ms = [], {}, {}
-    for mode in modes:
-        try:
-            runs += _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref,
-                                      bf16_ms)
-        except Exception as e:  # e.g. a compile failure: record it, measure the other modes
-            traceback.print_exc()
-            runs.append({"workload": f"stack {layers}x Llama-3.1-8B layers", "mode": mode,
-                         "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    ref = {}  # tokens -> bf16's output: every mode's rel_err is against it
+
+    def measure(mode):
+        return _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref)
+
+    def done(runs):
         if device != "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+        add_ratio(runs, "speedup", "ms", lower_is_better=True,
+                  base=lambda mode: "bf16" + COMPILED * str(mode).endswith(COMPILED))  # compiled vs compiled
+        add_ratio(runs, "speedup_eager", "ms", lower_is_better=True)
         if on_mode is not None:
             on_mode(runs)
-    return runs
+
+    return run_inline(modes, measure, f"stack {layers}x Llama-3.1-8B layers", on_mode=done)
 
 
-def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref,
-                      bf16_ms) -> list[dict]:
-    """bench_stack for one mode; fills ref (bf16 outputs) and bf16_ms (bf16 timings) for later modes."""
+def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, timer, profile_dir, ref) -> list[dict]:
+    """bench_stack for one mode; fills ref (bf16 outputs) for later modes."""
     runs = []
     model, converted = build_stack(hf_cfg, mode, device)
     opt = make_optimizer(model)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
-    base = "bf16" + COMPILED * mode.endswith(COMPILED)
     for t in tokens:
         x, pos, grad = stack_inputs(hf_cfg, t, seq_len, device)
         with torch.no_grad():  # before any optimizer step: the same weights in every mode
@@ -301,15 +288,10 @@ def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, tim
         for a in accums:
             if device != "cpu" and torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            step_ms = timer(lambda: stack_step(model, opt, x, pos, grad, a))
-            ms = step_ms / a  # per micro-batch
-            if mode in ("bf16", "bf16" + COMPILED):
-                bf16_ms[mode, t, a] = ms
+            ms = timer(lambda: stack_step(model, opt, x, pos, grad, a)) / a  # per micro-batch
             per_step = f", {a} micro-batches per optimizer step" if a > 1 else ""
             run = {"workload": f"stack {layers}x Llama-3.1-8B layers {t} tok ({rows}x{seq_len or t}){per_step}",
                    "mode": mode, "ms": ms, "tok_s": t / ms * 1e3, "tflops": stack_flops(hf_cfg, t, seq_len) / ms / 1e9,
-                   "speedup": bf16_ms[base, t, a] / ms if (base, t, a) in bf16_ms else None,
-                   "speedup_eager": bf16_ms["bf16", t, a] / ms if ("bf16", t, a) in bf16_ms else None,
                    "rel_err": rel, "layers": layers, "tokens": t, "seq_len": seq_len or t, "accum": a,
                    "fp8_linears": len(converted), "bf16_linears": n_linear - len(converted)}
             if device != "cpu" and torch.cuda.is_available():
@@ -324,23 +306,13 @@ def _bench_stack_mode(mode, hf_cfg, layers, tokens, seq_len, accums, device, tim
                       + ", ".join(f"{c} {v['ms']:.1f} ({v['share']:.0%})" for c, v in prof["categories"].items()),
                       flush=True)
             runs.append(run)
-            sp = f"x{run['speedup']:.2f} vs {base}" if run["speedup"] else ""
             print(f"{run['workload']} {mode}: {ms:.1f} ms/micro-batch, {run['tok_s']:,.0f} tok/s, "
-                  f"{run['tflops']:.0f} TFLOP/s {sp}", flush=True)
+                  f"{run['tflops']:.0f} TFLOP/s", flush=True)
         del x, pos, grad
     return runs
 
 
 # ----------------------------------------------------------------------------------- results
-
-
-def save_train_results(new_runs: list[dict], out_dir: Path, device: str | None = None) -> Path:
-    """OUT/train.json: runs already there (same device) that were not re-measured, then new_runs."""
-    device = device or (torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
-    old = read_results(Path(out_dir) / "train.json")
-    kept = old["runs"] if old and old.get("device") == device else []
-    runs = merge_runs(kept, new_runs, lambda r: (r.get("workload"), r.get("mode")))
-    return write_results("train", runs, Path(out_dir), device=device)
 
 
 LINEAR_COLS = ["workload", "mode", "ms", "tflops", "speedup", "rel_err"]
@@ -358,10 +330,6 @@ def parse_ints(text: str) -> list[int]:
     return out
 
 
-def parse_stack_modes(text: str) -> list[str]:
-    return parse_choices(text, STACK_MODES)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -372,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=2048, help="stack: row length (0 = one row of --tokens)")
     p.add_argument("--accum", type=parse_ints, default=[1],
                    help="stack: micro-batches per optimizer step, comma list (default 1)")
-    p.add_argument("--modes", type=parse_stack_modes, default=DEFAULT_STACK_MODES,
+    p.add_argument("--modes", type=lambda text: parse_choices(text, STACK_MODES), default=DEFAULT_STACK_MODES,
                    help=f"stack: comma list of {list(STACK_MODES)}")
     p.add_argument("--warmup", type=int, default=3, help="stack: untimed iterations (autotuning happens here)")
     p.add_argument("--iters", type=int, default=10, help="stack: timed iterations")
@@ -395,13 +363,13 @@ def main(argv=None):
     if args.what in ("stack", "all"):
         runs = bench_stack(args.layers, args.tokens, args.seq_len, args.modes, args.warmup, args.iters,
                            profile_dir=out if args.profile else None,
-                           on_mode=lambda done: save_train_results(done, out),  # a timeout loses one mode at most
+                           on_mode=lambda done: update_results("train", done, out),  # a timeout loses one mode at most
                            accums=args.accum)
         print(f"wrote {out / 'train.json'}")
         print(markdown_table(runs, STACK_COLS))
     if args.what in ("linear", "all"):
         runs = bench_linear()
-        print(f"wrote {save_train_results(runs, out)}")
+        print(f"wrote {update_results('train', runs, out)}")
         print(markdown_table(runs, LINEAR_COLS))
 
 

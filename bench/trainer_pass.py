@@ -10,8 +10,8 @@ the length the FP8 trainer rounds to (rows x L a multiple of 128). Timed per mic
 masked sum + backward (the policy update, without the optimizer step). Variants:
   bf16 unpadded  rows of exactly prompt + response tokens (what the BF16 step feeds when every
                  sample has the same length: no padding, no mask)
-  <mode> masked  the padded batch with its attention mask passed to the model (the trainer before
-                 2026-11-23: HF builds a [rows, 1, L, L] mask, SDPA runs a masked kernel)
+  <mode> masked  the padded batch with its attention mask passed to the model (HF builds a
+                 [rows, 1, L, L] mask, SDPA runs a masked kernel: what token_logprobs avoids)
   <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
 Modes: bf16, then fp8 (fp8.linear.convert_to_fp8_training of the same model; torchao on Hopper),
 then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
@@ -30,9 +30,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RESULTS, cuda_time_ms, write_results  # noqa: E402
+from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write_results  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
+MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp8 converts it, fp8_cached adds caches
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, iters: int) -> dict:
@@ -58,7 +59,8 @@ def main():
     p.add_argument("--rows", type=int, help="rows per micro-batch (default: the config's train.micro_batch_size)")
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--response", type=int, help="default: the config's rollout.max_new_tokens")
-    p.add_argument("--modes", default="bf16,fp8")
+    p.add_argument("--modes", type=lambda text: parse_choices(text, MODES), default=["bf16", "fp8"],
+                   help=f"comma list of {list(MODES)}")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--compile", action="store_true", help="compile the decoder layers (train.compile=inductor)")
@@ -90,10 +92,10 @@ def main():
     workload = f"{rows} rows x {args.prompt}+{n_resp} tokens (padded to {L['padded']}), {Path(args.config).name}"
     print(f"[trainer_pass] {workload}", flush=True)
 
-    runs = []
     if args.compile:
         compile_layers(model, "inductor")
-    for mode in args.modes.split(","):
+
+    def measure(mode) -> list[dict]:
         torch._dynamo.reset()  # fp8 replaces the linears: a fresh graph
         if mode in ("fp8", "fp8_cached") and not any(is_fp8_linear(m) for m in model.modules()):
             cfg.fp8.train = True
@@ -101,12 +103,11 @@ def main():
         if mode == "fp8_cached":
             print(f"[trainer_pass] fp8_cached: {attach_weight_caches(model)} weight caches", flush=True)
             refresh_weight_caches(model)  # before a compiled forward, which cannot fill them
-        elif mode not in ("bf16", "fp8"):
-            sys.exit(f"--modes: unknown mode {mode!r} (bf16, fp8, fp8_cached)")
         variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
         variants += [("padded", True, "masked"), ("padded", False, "")]
         if args.compile:
             variants = [("padded", False, "compiled")]
+        runs = []
         for batch, masked, label in variants:
             memory_metrics(device)  # this variant's peak starts here
             r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
@@ -116,7 +117,10 @@ def main():
             print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
                   flush=True)
             runs.append(r)
-    print(f"wrote {write_results('trainer_pass', runs, Path(args.out))}")
+        return runs
+
+    run_inline(args.modes, measure, workload, on_mode=lambda runs: write_results("trainer_pass", runs, Path(args.out)))
+    print(f"wrote {Path(args.out) / 'trainer_pass.json'}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
+from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 

@@ -27,7 +27,7 @@
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
 # 8B step shapes, H100: ~190 s of a first FP8 step) and leaves all autotuning results in
 # $OUT/triton_autotune.tgz (refresh the shipped file from it when shapes or the bundle change).
-# Child logs of the rollout parts: $OUT/logs/. $OUT/smi.csv: nvidia-smi's utilization/clock/power log.
+# Child logs of the rollout and align parts: $OUT/logs/. $OUT/smi.csv: nvidia-smi's utilization/clock/power log.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PY=${PY:-python3}

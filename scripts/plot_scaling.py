@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.common import read_results  # noqa: E402
+from bench.runner import read_results  # noqa: E402
 from bench.step import PARTS, summarize  # noqa: E402
 
 DATA = ROOT / "docs" / "results_data" / "multi_gpu"

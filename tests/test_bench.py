@@ -1,10 +1,11 @@
-"""The CPU-testable parts of bench/rollout.py and bench/train.py (the GPU runs them for real).
+"""The CPU-testable parts of the benchmarks (the GPU runs them for real).
 
-rollout: workload/model/mode parsing, the 8B configs and model dirs (checked by vLLM's own
-EngineArgs/ModelConfig, as tests/test_vllm_args.py does), the worker's records (--dry-run engine),
-the parent's orchestration (spawn, stream, partial writes, a failing and a timed-out child), the
-derived figures and the table. train: the stack's FP8 plan per mode, one CPU step, FLOPs, inputs,
-results merging, the Triton autotune-cache knob.
+runner: the results file (schema, atomic write, same-device merge). rollout: workload/model/mode
+parsing, the 8B configs and model dirs (checked by vLLM's own EngineArgs/ModelConfig, as
+tests/test_vllm_args.py does), the worker's records (--dry-run engine), the child processes through
+the runner (spawn, stream, partial writes, a failing and a timed-out child), the derived figures
+and the table. train: the stack's FP8 plan per mode, one CPU step, FLOPs, inputs, a failing mode.
+trainer_pass and checkpoint: CPU smoke runs of the real CLI.
 """
 
 import importlib
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import common
+from bench import runner
 from bench import rollout as br
 from bench import train as bt
 
@@ -45,9 +46,9 @@ def test_workloads_parse():
         with pytest.raises(Exception):
             br.parse_workloads(bad)
     assert br.parse_models("llama,qwen3-8b,QWEN3") == ["llama3.1-8b", "qwen3-8b", "qwen3-8b"]
-    assert br.parse_modes("bf16,fp8kv") == ["bf16", "fp8kv"]
-    for fn, bad in [(br.parse_models, "mistral"), (br.parse_modes, "fp4"), (br.parse_gpu_mem, "1.5"),
-                    (br.parse_gpu_mem, "x")]:
+    assert runner.parse_choices("bf16,fp8kv", br.MODES) == ["bf16", "fp8kv"]
+    for fn, bad in [(br.parse_models, "mistral"), (lambda t: runner.parse_choices(t, br.MODES), "fp4"),
+                    (br.parse_gpu_mem, "1.5"), (br.parse_gpu_mem, "x")]:
         with pytest.raises(Exception):
             fn(bad)
     assert br.parse_gpu_mem("auto") == "auto" and br.parse_gpu_mem("0.7") == "0.7"
@@ -99,7 +100,7 @@ def test_decode_profile_kernel_kinds():
         "_topk_log_softmax_kernel": "sampling",
         "void at::native::elementwise_kernel<128, 2, ...>": "other",
     }
-    assert {n: br.kernel_kind(n) for n in names} == names
+    assert {n: runner.kernel_category(n, br.KERNEL_KINDS) for n in names} == names
 
 
 # ----------------------------------------------------------------------------------- models and configs
@@ -117,23 +118,18 @@ def models(tmp_path_factory):
 
 
 def test_8b_shapes(models):
-    cfg, model, _ = models["llama3.1-8b"]
-    assert type(model).__name__ == "LlamaForCausalLM" and next(model.parameters()).is_meta
-    assert abs(br.param_bytes(model) / 2 - 8.03e9) < 0.01e9  # Llama-3.1-8B: 8.03 B parameters
-    assert model.model.layers[0].mlp.gate_proj.weight.shape == (14336, 4096)
-    assert model.model.layers[0].self_attn.k_proj.weight.shape == (1024, 4096)
-    assert len(model.model.layers) == 32 and model.lm_head.weight.shape == (128256, 4096)
-    assert cfg.rope_parameters["rope_theta"] == 500000.0 and cfg.rope_parameters["rope_type"] == "llama3"
-    cfg, model, _ = models["qwen3-8b"]
-    assert type(model).__name__ == "Qwen3ForCausalLM"
-    assert abs(br.param_bytes(model) / 2 - 8.19e9) < 0.01e9  # Qwen3-8B: 8.19 B parameters
-    attn = model.model.layers[0].self_attn
-    assert attn.q_proj.weight.shape == (4096, 4096) and attn.k_proj.weight.shape == (1024, 4096)
-    assert attn.q_norm.weight.shape == (128,) and attn.k_norm.weight.shape == (128,)  # qk-norm
-    assert len(model.model.layers) == 36 and model.lm_head.weight.shape == (151936, 4096)
-    assert model.model.layers[0].mlp.down_proj.weight.shape == (4096, 12288)
-    assert br.kv_bytes_per_token(cfg, False) == 2 * 36 * 8 * 128 * 2 == 147456
-    assert br.kv_bytes_per_token(cfg, True) == 73728
+    """Parameter counts of the real checkpoints (8.03 B, 8.19 B), Qwen3's qk-norm, KV bytes per token."""
+    for name, cls, params, layers, vocab in [("llama3.1-8b", "LlamaForCausalLM", 8.03e9, 32, 128256),
+                                             ("qwen3-8b", "Qwen3ForCausalLM", 8.19e9, 36, 151936)]:
+        cfg, model, _ = models[name]
+        assert type(model).__name__ == cls and next(model.parameters()).is_meta
+        assert abs(br.param_bytes(model) / 2 - params) < 0.01e9
+        assert len(model.model.layers) == layers and model.lm_head.weight.shape == (vocab, 4096)
+        assert model.model.layers[0].self_attn.k_proj.weight.shape == (1024, 4096)
+    assert models["qwen3-8b"][1].model.layers[0].self_attn.k_norm.weight.shape == (128,)
+    assert models["llama3.1-8b"][0].rope_parameters["rope_type"] == "llama3"
+    qwen = models["qwen3-8b"][0]
+    assert br.kv_bytes_per_token(qwen, False) == 2 * 36 * 8 * 128 * 2 == 2 * br.kv_bytes_per_token(qwen, True)
     assert br.kv_bytes_per_token(models["llama3.1-8b"][0], False) == 131072
 
 
@@ -226,7 +222,7 @@ def _worker_args(tmp_path, mode, *extra):
 
 def test_worker_records(tmp_path):
     assert br.run_worker(_worker_args(tmp_path, "fp8kv")) == 0
-    recs = br._read_records(tmp_path / "fp8kv.jsonl")
+    recs = runner.read_records(tmp_path / "fp8kv.jsonl")
     assert [r["workload"] for r in recs] == ["qwen3-8b 8x16->32", "qwen3-8b 4x8->64"]
     for r in recs:
         assert r["kind"] == "run" and r["mode"] == "fp8kv" and r["fixed_length"]
@@ -235,10 +231,10 @@ def test_worker_records(tmp_path):
         assert r["gpu_memory_utilization"] == 0.8 and r["max_model_len"] == 72 and r["kv_bytes_per_token"] == 73728
         assert len(r["refit_all_s"]) == 3
     assert br.run_worker(_worker_args(tmp_path, "bf16", "--capacity-only")) == 0
-    (cap,) = br._read_records(tmp_path / "bf16.jsonl")
+    (cap,) = runner.read_records(tmp_path / "bf16.jsonl")
     assert cap["workload"] == "qwen3-8b capacity" and cap["enforce_eager"] and "out_tok_s" not in cap
     assert br.run_worker(_worker_args(tmp_path, "fp8", "--dry-run-fail", "fp8")) == 1
-    (err,) = br._read_records(tmp_path / "fp8.jsonl")
+    (err,) = runner.read_records(tmp_path / "fp8.jsonl")
     assert err["kind"] == "error" and "dry-run failure" in err["error"] and err["mode"] == "fp8"
 
 
@@ -258,7 +254,7 @@ def test_derive_speedups_and_nemo_projection():
     runs += [_run("llama3.1-8b 8x16->32", "bf16", out_tok_s=100.0, kv_capacity_tokens=1000),
              _run("llama3.1-8b 8x16->32", "fp8", out_tok_s=120.0, kv_capacity_tokens=1100),
              _run("llama3.1-8b 4x8->64", "fp8kv", out_tok_s=50.0)]  # no bf16 run: no speed-up
-    out = {(r["workload"], r["mode"]): r for r in br.derive(br._order(runs))}
+    out = {(r["workload"], r["mode"]): r for r in br.derive(runs)}
     assert out[("llama3.1-8b 8x16->32", "fp8")]["speedup"] == 1.2
     assert out[("llama3.1-8b 8x16->32", "fp8")]["kv_ratio_vs_bf16"] == 1.1
     assert out[("llama3.1-8b 8x16->32", "bf16")]["speedup"] == 1.0
@@ -271,7 +267,8 @@ def test_derive_speedups_and_nemo_projection():
     assert k["kv_tokens_at_nemo_budget"] == int((66.5 * gib + shift) // 73728)
     assert f["nemo_kv_ratio_vs_bf16"] == round(299344 / 249952, 3) and k["nemo_kv_ratio_vs_bf16"] == 2.395
     assert abs(k["kv_ratio_at_nemo_budget"] - 2 * f["kv_ratio_at_nemo_budget"]) < 0.002
-    assert [r["mode"] for r in br._order(runs)][:3] == ["bf16", "fp8", "fp8kv"]
+    runs = br.derive(runs)
+    assert [r["mode"] for r in runs][:3] == ["bf16", "fp8", "fp8kv"]
     text = br.report(runs, capacity=True)
     assert text.startswith("| workload | mode | kv_capacity_tokens") and "fp8kv: KV capacity x" in text
     text = br.report(runs, capacity=False)
@@ -279,38 +276,31 @@ def test_derive_speedups_and_nemo_projection():
 
 
 def test_results_files(tmp_path):
-    path = common.write_results("rollout", [{"workload": "w", "mode": "bf16", "out_tok_s": 16400.4}], tmp_path,
+    """The schema of bench/runner.py; update_results keeps the file's other runs of the same device,
+    replaces re-measured ones and drops other devices'; --merge combines files and re-derives ratios."""
+    path = runner.write_results("train", [{"workload": "linear", "mode": "bf16", "ms": 16400.4}], tmp_path,
                                 device="GPU A", errors=[{"mode": "fp8"}])
     doc = json.loads(path.read_text())
-    assert set(doc) == {"device", "date", "command", "runs", "errors"} and doc["device"] == "GPU A"
-    assert common.read_results(path)["runs"][0]["out_tok_s"] == 16400.4
-    assert not list(tmp_path.glob("*.tmp"))
+    assert set(doc) == {"device", "date", "command", "versions", "runs", "errors"} and doc["device"] == "GPU A"
+    assert doc["versions"]["torch"] == torch.__version__.split("+")[0] and doc["versions"]["python"]
+    assert runner.read_results(path)["runs"][0]["ms"] == 16400.4 and not list(tmp_path.glob("*.tmp"))
     (tmp_path / "bad.json").write_text("{")
-    assert common.read_results(tmp_path / "bad.json") is None and common.read_results(tmp_path / "no.json") is None
-    assert common.markdown_table([{"a": 16400.4, "b": 0.01234, "c": None, "d": 3}], list("abcd")).splitlines()[-1] \
+    assert runner.read_results(tmp_path / "bad.json") is None and runner.read_results(tmp_path / "no.json") is None
+    assert runner.markdown_table([{"a": 16400.4, "b": 0.01234, "c": None, "d": 3}], list("abcd")).splitlines()[-1] \
         == "| 16400 | 0.0123 |  | 3 |"
-    # the parent keeps the file's other runs (same device), replaces re-measured ones, drops other devices'
-    old = [{"workload": "w", "mode": "bf16", "out_tok_s": 1.0}, {"workload": "w", "mode": "fp8", "out_tok_s": 2.0}]
-    common.write_results("rollout", old, tmp_path, device="GPU A")
-    res = br.Results(tmp_path, "rollout")
-    res.add([{"kind": "run", "workload": "w", "mode": "fp8", "out_tok_s": 3.0, "device": "GPU A"},
-             {"kind": "error", "workload": "w", "mode": "fp8kv", "error": "boom"}])
-    doc = json.loads(res.write().read_text())
-    assert [(r["mode"], r["out_tok_s"], r["speedup"]) for r in doc["runs"]] == [("bf16", 1.0, 1.0), ("fp8", 3.0, 3.0)]
-    assert doc["errors"] == [{"workload": "w", "mode": "fp8kv", "error": "boom"}]
-    assert all("kind" not in r for r in doc["runs"])
-    res = br.Results(tmp_path, "rollout")
-    res.add([{"kind": "run", "workload": "w", "mode": "fp8", "out_tok_s": 4.0, "device": "GPU B"}])
-    assert [r["out_tok_s"] for r in res.all_runs()] == [4.0]
-    res = br.Results(tmp_path, "rollout")  # nothing measured: the file's runs survive a rewrite
-    res.add([{"kind": "error", "workload": "w", "mode": "fp8", "error": "died early"}])
-    assert len(json.loads(res.write().read_text())["runs"]) == 2
-    # --merge of two calls' files
-    a = common.write_results("rollout", [{"workload": "w", "mode": "bf16", "out_tok_s": 10.0}], tmp_path / "a", "G")
-    b = common.write_results("rollout", [{"workload": "w", "mode": "fp8kv", "out_tok_s": 15.0}], tmp_path / "b", "G")
+    stack = {"workload": "stack", "mode": "fp8", "ms": 9.0}
+    runner.update_results("train", [stack], tmp_path, device="GPU A")
+    runner.update_results("train", [{**stack, "ms": 8.0}], tmp_path, device="GPU A")
+    runs = runner.read_results(path)["runs"]
+    assert [(r["workload"], r["ms"]) for r in runs] == [("linear", 16400.4), ("stack", 8.0)]
+    runner.update_results("train", [stack], tmp_path, device="GPU B")  # another GPU: the old runs do not mix in
+    assert len(runner.read_results(path)["runs"]) == 1
+    a = runner.write_results("rollout", [{"workload": "w", "mode": "bf16", "out_tok_s": 10.0}], tmp_path / "a", "G")
+    b = runner.write_results("rollout", [{"workload": "w", "mode": "fp8kv", "out_tok_s": 15.0}], tmp_path / "b", "G")
     assert br.main(["--merge", str(a), str(b), "--out", str(tmp_path / "m")]) == 0
     doc = json.loads((tmp_path / "m" / "rollout.json").read_text())
     assert [(r["mode"], r["speedup"]) for r in doc["runs"]] == [("bf16", 1.0), ("fp8kv", 1.5)]
+    assert doc["merged"] == [str(a), str(b)]
 
 
 # ----------------------------------------------------------------------------------- parent orchestration
@@ -334,12 +324,15 @@ FAKE_CHILD = textwrap.dedent("""
 
 def test_parent_streams_keeps_partial_results_and_kills_at_limit(tmp_path, monkeypatch, capsys):
     """Three children in parallel: bf16 succeeds, fp8 writes a result then fails, fp8kv hangs and is killed
-    at --time-limit; the file holds bf16 and fp8 and names both failures."""
+    at --time-limit; the file holds bf16 and fp8 (after the run of an earlier call it already held)
+    and names both failures."""
     def fake_argv(args, model, mode, result_file, deadline):
         return [sys.executable, "-c", FAKE_CHILD, mode, str(result_file)]
 
     monkeypatch.setattr(br, "worker_argv", fake_argv)
-    args = br.build_parser().parse_args(["--out", str(tmp_path), "--gpus", "0,1,2", "--time-limit", "6",
+    runner.write_results("rollout", [{"workload": "m 2x2->2", "mode": "bf16", "out_tok_s": 5.0}], tmp_path, "FakeGPU")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")  # three GPU slots: the children run side by side
+    args = br.build_parser().parse_args(["--out", str(tmp_path), "--time-limit", "6",
                                          "--min-job-s", "0", "--stagger-s", "0", "--poll-s", "0.1"])
     assert br.run_parent(args) == 1  # failures -> non-zero exit
     out = capsys.readouterr().out
@@ -349,7 +342,8 @@ def test_parent_streams_keeps_partial_results_and_kills_at_limit(tmp_path, monke
     assert "llama3.1-8b/fp8kv: killed at the time limit" in out
     doc = json.loads((tmp_path / "rollout.json").read_text())
     assert doc["device"] == "FakeGPU"
-    assert [(r["mode"], r["speedup"]) for r in doc["runs"]] == [("bf16", 1.0), ("fp8", 1.2)]
+    assert [(r["workload"], r["mode"], r["speedup"]) for r in doc["runs"]] == [
+        ("m 2x2->2", "bf16", 1.0), ("m 1x1->1", "bf16", 1.0), ("m 1x1->1", "fp8", 1.2)]
     assert {(e["mode"], e["error"]) for e in doc["errors"]} == {("fp8", "exit code 3"),
                                                                 ("fp8kv", "killed at --time-limit")}
     assert (tmp_path / "logs" / "rollout_llama3.1-8b_bf16.log").is_file()
@@ -374,20 +368,21 @@ def test_dry_run_end_to_end(tmp_path):
 TINY = dict(hidden_size=256, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=128)
 
 
-def test_stack_fp8_plan_per_mode():
+def test_stack_modes_are_fp8_config_overrides():
     cfg = bt.stack_config(2, **TINY)
     assert cfg._attn_implementation == "sdpa" and cfg.num_hidden_layers == 2 and cfg.vocab_size == 128
     full = bt.stack_config(4)
     assert (full.hidden_size, full.intermediate_size, full.num_key_value_heads) == (4096, 14336, 8)
-    want = {"bf16": [], "fp8": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-            "fp8_kv_bf16": ["o_proj", "gate_proj", "up_proj", "down_proj"],  # q goes with k/v (vLLM's qkv_proj)
-            "fp8_mlp": ["gate_proj", "up_proj", "down_proj"],
-            "fp8_cached": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
-    for mode, leaves in want.items():
+    c = bt.fp8_config(bt.STACK_MODES["fp8_cached_noswiglu_compile"])
+    assert c.train and c.cache_weights and not c.fuse_swiglu and c.fuse_projections
+    assert not bt.fp8_config(bt.STACK_MODES["bf16"]).train
+    with pytest.raises(ValueError, match="fp8.<field> only"):
+        bt.fp8_config(["train.lr=1"])
+    linears = sorted(f"layers.{i}.{leaf}" for i in range(2) for leaf in ["self_attn.q_proj", "self_attn.k_proj",
+                     "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"])
+    for mode, want in {"bf16": [], "fp8": linears, "fp8_unfused": linears}.items():
         model, converted = bt.build_stack(cfg, mode, "cpu")
-        parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
-        assert sorted(converted) == sorted(f"layers.{i}.{parent.get(leaf, 'mlp')}.{leaf}" for i in range(2)
-                                           for leaf in leaves)
+        assert sorted(converted) == want
         assert next(model.parameters()).dtype == torch.bfloat16 and model.training
     with pytest.raises(ValueError):
         bt.build_stack(cfg, "fp4", "cpu")
@@ -404,13 +399,13 @@ def test_stack_bench_runs_on_cpu(monkeypatch):
         calls.append(1)
         return 2.0
 
-    runs = bt.bench_stack(1, tokens=[256], seq_len=128, modes=["bf16", "fp8_kv_bf16"], device="cpu", timer=timer,
+    runs = bt.bench_stack(1, tokens=[256], seq_len=128, modes=["bf16", "fp8"], device="cpu", timer=timer,
                           accums=[1, 4])
     assert len(calls) == 4 and [(r["mode"], r["accum"]) for r in runs] == [
-        ("bf16", 1), ("bf16", 4), ("fp8_kv_bf16", 1), ("fp8_kv_bf16", 4)]
+        ("bf16", 1), ("bf16", 4), ("fp8", 1), ("fp8", 4)]
     bf16, _, fp8, fp8_accum = runs
     assert bf16["rel_err"] == 0.0 and 0 < fp8["rel_err"] < 0.05 and fp8["speedup"] == 1.0
-    assert (fp8["fp8_linears"], fp8["bf16_linears"]) == (4, 3) and fp8["tokens"] == 256 and fp8["seq_len"] == 128
+    assert (fp8["fp8_linears"], fp8["bf16_linears"]) == (7, 0) and fp8["tokens"] == 256 and fp8["seq_len"] == 128
     assert fp8["workload"] == "stack 1x Llama-3.1-8B layers 256 tok (2x128)"
     # 4 micro-batches per optimizer step: the iteration's 2 ms is 0.5 ms per micro-batch, its own workload
     assert fp8_accum["ms"] == 0.5 and fp8_accum["tok_s"] == 256 / 0.5e-3 and fp8_accum["speedup"] == 1.0
@@ -457,25 +452,11 @@ def test_stack_inputs_and_flops():
         bt.stack_inputs(cfg, 8192 + 64, 0, "cpu")
     linear = 4 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336)  # 4 layers' linear params (218 M each)
     assert bt.stack_flops(cfg, 16384, 2048) == 6 * linear * 16384 + 6 * 2048**2 * 4096 * 8 * 4
-    args = bt.build_parser().parse_args(["stack", "--tokens", "8192,16384", "--modes", "bf16,fp8_kv_bf16"])
-    assert args.tokens == [8192, 16384] and args.modes == ["bf16", "fp8_kv_bf16"] and args.layers == 4
+    args = bt.build_parser().parse_args(["stack", "--tokens", "8192,16384", "--modes", "bf16,fp8_compile"])
+    assert args.tokens == [8192, 16384] and args.modes == ["bf16", "fp8_compile"] and args.layers == 4
     assert bt.build_parser().parse_args(["all"]).modes == ["bf16", "fp8", "fp8_unfused", "bf16_compile", "fp8_compile"]
     with pytest.raises(SystemExit):
         bt.build_parser().parse_args(["stack", "--modes", "fp4"])
-
-
-def test_train_results_keep_the_other_subcommand(tmp_path):
-    lin = [{"workload": "linear down_proj 8192x14336->4096", "mode": "fp8", "ms": 1.0}]
-    stack = [{"workload": "stack 4x Llama-3.1-8B layers 8192 tok (4x2048)", "mode": "fp8", "ms": 9.0}]
-    bt.save_train_results(lin, tmp_path, device="H200")
-    bt.save_train_results(stack, tmp_path, device="H200")
-    assert [r["workload"].split()[0] for r in json.loads((tmp_path / "train.json").read_text())["runs"]] == \
-        ["linear", "stack"]
-    bt.save_train_results([{**stack[0], "ms": 8.0}], tmp_path, device="H200")
-    runs = json.loads((tmp_path / "train.json").read_text())["runs"]
-    assert len(runs) == 2 and runs[-1]["ms"] == 8.0
-    bt.save_train_results(stack, tmp_path, device="H100")  # another GPU: the old runs do not mix in
-    assert len(json.loads((tmp_path / "train.json").read_text())["runs"]) == 1
 
 
 def test_gpu_check_script_parses():

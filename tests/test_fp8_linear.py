@@ -269,7 +269,7 @@ def test_fused_projections_match_separate_linears(float64_gemms):
 
 
 def test_swiglu_and_its_backward_against_autograd():
-    """swiglu / swiglu_backward (what the fused MLP and fp8/kernels.py compute) == silu(gate) * up and
+    """swiglu / swiglu_backward (what the fused MLP and fp8/fast/kernels.py compute) == silu(gate) * up and
     its autograd gradient (the silu' formula; both in float32); in bf16 rounded once from float32."""
     gu = torch.randn(16, 2 * 40, dtype=torch.float64) * 3
     dh = torch.randn(16, 40, dtype=torch.float64)
