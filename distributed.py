@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+import models
 from config import Config, UserError
 
 
@@ -88,12 +89,13 @@ def init(cfg: Config) -> Dist:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF causal LM (model.model.layers)."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise UserError(f"{type(model).__name__}: no model.model.layers to shard; FSDP2 sharding expects an HF "
-                        "decoder-only causal LM")
-    return list(layers)
+    """The transformer blocks of an HF causal LM (its family's layers, models/: model.model.layers)."""
+    layers = models.decoder_layers(model)
+    if not layers:
+        path = models.family_of(model).layers
+        raise UserError(f"{type(model).__name__}: no {path} to shard; FSDP2 sharding expects an HF "
+                        "decoder-only causal LM (a family in models/ names its decoder layers)")
+    return layers
 
 
 def compile_layers(model: nn.Module, backend: str) -> None:

@@ -1,4 +1,4 @@
-"""Model and tokenizer: a hub id or local HF dir, or a tiny Llama/Qwen3 built from a config.
+"""Model and tokenizer: a hub id or local HF dir, or a tiny model of a family in models/ built from a config.
 
 The tiny model uses a character-level tokenizer the repo builds with `tokenizers` and saves
 as a normal HF tokenizer dir, so tests and the CPU default download nothing and vLLM can
@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from config import ModelConfig, TinyModelConfig, UserError
+from models import family
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]
 
@@ -41,12 +42,14 @@ def check_char_vocab(vocab: str, texts: list[str]) -> None:
 
 
 def build_tiny_model(t: TinyModelConfig, tokenizer, dtype: torch.dtype):
-    """A randomly initialised Llama or Qwen3 with the tiny dims (seeded by the caller), built in
-    `dtype` on the current default device (load_model_and_tokenizer builds it on the target device:
-    an 8B-shape benchmark model initialises on the GPU in seconds)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """A randomly initialised model of family t.arch (models/<arch>.py: its HF config and model class)
+    with the tiny dims (seeded by the caller), built in `dtype` on the current default device
+    (load_model_and_tokenizer builds it on the target device: an 8B-shape benchmark model
+    initialises on the GPU in seconds)."""
+    import transformers
 
-    cls_cfg, cls_model = (LlamaConfig, LlamaForCausalLM) if t.arch == "llama" else (Qwen3Config, Qwen3ForCausalLM)
+    spec = family(t.arch)
+    cls_cfg, cls_model = getattr(transformers, spec.config_class), getattr(transformers, spec.model_class)
     hf_cfg = cls_cfg(vocab_size=max(len(tokenizer), t.vocab_size), hidden_size=t.hidden_size,
                      intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
                      num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim,

@@ -29,11 +29,12 @@ import torch.nn as nn
 from torch import Tensor
 
 from config import Config, FP8Config
-from fp8.calibrate import attention_modules, install
+from fp8.calibrate import install
 from fp8.export import KV_SCALE_NAMES, SCALE_SUFFIX, kv_scale_names
 from fp8.linear import EmulatedFP8Linear, is_fp8_linear
 from fp8.plan import clean_name, fp8_plan, log_summary
 from fp8.quant import BLOCK, E4M3, dequantize_blockwise, fake_quant_per_tensor
+from models import attention_modules
 from rollout import Sample
 
 

@@ -45,6 +45,7 @@ import torch
 from torch import Tensor, nn
 
 from fp8.quant import FP8_MAX
+from models import attention_modules
 
 
 class _State:
@@ -90,11 +91,6 @@ def _wrap(impl: str) -> None:
     AttentionInterface.register(impl, fp8qkv_attention)
 
 
-def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
-    """{layer_idx: self-attention module} (modules with a layer_idx and a k_proj)."""
-    return {m.layer_idx: m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")}
-
-
 def install(model: nn.Module) -> dict[int, nn.Module]:
     """Wrap the model's attention implementation and give its attention modules a state
     (idempotent; also re-wraps if something re-registered the implementation); {layer: module}."""
@@ -104,7 +100,8 @@ def install(model: nn.Module) -> dict[int, nn.Module]:
     _wrap(impl)
     mods = attention_modules(model)
     if not mods:
-        raise ValueError("no attention modules with layer_idx/k_proj found")
+        raise ValueError(f"no attention modules found ({type(model).__name__}: models.family_of(model) names "
+                         "its decoder layers and their attention child)")
     for m in mods.values():
         if getattr(m, "_fp8_qkv", None) is None:
             m._fp8_qkv = _State()

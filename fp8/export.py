@@ -12,7 +12,8 @@ to what torchao's kernels use in the trainer (both are fp8/quant.py). All other 
 yielded as they are (model dtype, no copy). A tied lm_head.weight is skipped, as vLLM's
 LlamaForCausalLM/Qwen3ForCausalLM.load_weights skip it too.
 
-KV scales go out as `model.layers.{i}.self_attn.attn.{q,k,v}_scale`, 0-dim float32 - the names
+KV scales go out as `model.layers.{i}.self_attn.attn.{q,k,v}_scale` (the module names
+models/<family>.py gives: layers, attention, kv_scale_module), 0-dim float32 - the names
 of the KVCacheScaleParameter attributes that vLLM's BaseKVCacheMethod.create_weights puts on its
 Attention module `self_attn.attn` (vllm/model_executor/layers/quantization/kv_cache.py). That
 form is already final: the cache-scale name mapper that AutoWeightsLoader applies
@@ -36,15 +37,15 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from fp8.calibrate import attention_modules
 from fp8.plan import clean_name, fp8_plan
 from fp8.quant import BLOCK, quantize_blockwise
+from models import attention_modules, family_of
 
 if TYPE_CHECKING:
     from config import FP8Config
 
 SCALE_SUFFIX = ".weight_scale_inv"
-KV_SCALE_NAMES = ("q_scale", "k_scale", "v_scale")
+KV_SCALE_NAMES = ("q_scale", "k_scale", "v_scale")  # vLLM Attention's; the module holding them: family_of
 
 
 def _full(t: Tensor) -> Tensor:
@@ -61,9 +62,10 @@ def _tied(model: nn.Module) -> bool:
 
 
 def kv_scale_names(model: nn.Module) -> dict[int, str]:
-    """{layer: '<attention module name>.attn'} e.g. 'model.layers.0.self_attn.attn'."""
+    """{layer: '<attention module name>.<family's kv_scale_module>'} e.g. 'model.layers.0.self_attn.attn'."""
     names = {id(m): clean_name(n) for n, m in model.named_modules()}
-    return {i: f"{names[id(m)]}.attn" for i, m in attention_modules(model).items()}
+    sub = family_of(model).kv_scale_module
+    return {i: f"{names[id(m)]}.{sub}" for i, m in attention_modules(model).items()}
 
 
 def export_weights(model: nn.Module, cfg: FP8Config, fp8: bool,

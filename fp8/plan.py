@@ -7,10 +7,11 @@ it silently biases the ratios, clipping and the mismatch metrics. So `fp8_plan` 
 fp8/linear.py (convert_to_fp8_training), engines/hf.py (convert_to_fp8_rollout) and fp8/export.py alike.
 
 Stays BF16: embeddings and lm_head (logits are what the RL ratio is computed from), MoE routers
-(tiny, decisions are discontinuous), linears with a bias, linears whose dims are not multiples of
-128, names matching FP8Config.keep_bf16, the first keep_first_layers and last keep_last_layers
-decoder layers. vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj and refuses a fused
-layer whose shards differ in precision, so a group is FP8 only if all its members are.
+(tiny, decisions are discontinuous; router names and fused groups are the model family's, models/),
+linears with a bias, linears whose dims are not multiples of 128, names matching
+FP8Config.keep_bf16, the first keep_first_layers and last keep_last_layers decoder layers.
+vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj and refuses a fused layer whose
+shards differ in precision, so a group is FP8 only if all its members are.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from fp8.quant import BLOCK
+from models import GENERIC, FamilySpec, family_of
 
 if TYPE_CHECKING:
     from config import FP8Config
@@ -32,8 +34,6 @@ logger = logging.getLogger(__name__)
 
 # Infixes that wrappers (torch.compile, FSDP1, activation checkpointing, DDP) put into names.
 _WRAPPER_PARTS = {"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
-_ROUTER_PATTERNS = ("*router*", "*.mlp.gate", "*.block_sparse_moe.gate", "*shared_expert_gate")
-FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM's packed modules
 LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
@@ -54,8 +54,10 @@ def num_decoder_layers(model: nn.Module) -> int:
     return max(idx) + 1 if idx else 0
 
 
-def fp8_eligible(name: str, module: nn.Module, cfg: FP8Config, num_layers: int) -> tuple[bool, str]:
-    """Per-module rule: (True, 'fp8') or (False, why it stays BF16).
+def fp8_eligible(name: str, module: nn.Module, cfg: FP8Config, num_layers: int,
+                 family: FamilySpec = GENERIC) -> tuple[bool, str]:
+    """Per-module rule: (True, 'fp8') or (False, why it stays BF16); routers and fused groups are
+    those of `family` (fp8_plan passes the model's).
 
     keep_bf16 patterns also apply through vLLM's fused groups (q/k/v, gate/up: keeping k_proj
     keeps q_proj and v_proj). A sibling kept for its dims or bias can only be seen with the whole
@@ -68,13 +70,13 @@ def fp8_eligible(name: str, module: nn.Module, cfg: FP8Config, num_layers: int) 
         return False, "lm_head"
     if "embed" in leaf:
         return False, "embedding"
-    if any(fnmatch.fnmatchcase(name, p) for p in _ROUTER_PATTERNS):
+    if any(fnmatch.fnmatchcase(name, p) for p in family.router_patterns):
         return False, "MoE router"
     for pat in cfg.keep_bf16:
         if fnmatch.fnmatchcase(name, pat):
             return False, f"keep_bf16 '{pat}'"
     parent = name.rpartition(".")[0]
-    siblings = next((g for g in FUSED_GROUPS if leaf in g), ())  # their dims/bias: see fp8_plan
+    siblings = next((g for g in family.fused_groups if leaf in g), ())  # their dims/bias: see fp8_plan
     for sib in siblings:
         for pat in cfg.keep_bf16 if sib != leaf else ():
             if fnmatch.fnmatchcase(f"{parent}.{sib}", pat):
@@ -98,15 +100,15 @@ def fp8_plan(model: nn.Module, cfg: FP8Config) -> dict[str, tuple[bool, str]]:
     fp8_eligible per module, then a fused group (q/k/v, gate/up of one parent) is FP8 only if
     all its members present in the model are (vLLM loads them into one qkv_proj/gate_up_proj).
     """
-    n_layers = num_decoder_layers(model)
-    base = {clean_name(n): fp8_eligible(n, m, cfg, n_layers)
+    n_layers, family = num_decoder_layers(model), family_of(model)
+    base = {clean_name(n): fp8_eligible(n, m, cfg, n_layers, family)
             for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     plan = dict(base)
     for name, (ok, _) in base.items():
         if not ok or "." not in name:
             continue
         parent, leaf = name.rsplit(".", 1)
-        for group in FUSED_GROUPS:
+        for group in family.fused_groups:
             if leaf in group:
                 for sib in group:
                     s = base.get(f"{parent}.{sib}")

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from fp8.linear import is_fp8_linear
-from fp8.plan import FUSED_GROUPS
+from models import family_of
 
 
 @functools.cache
@@ -80,13 +80,14 @@ class FusedProjections:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Link each parent's q/k/v and gate/up FP8 linears into a FusedProjections; returns the count.
+    """Link each parent's FP8 linears of one fused group of the model's family (models/: q/k/v and
+    gate/up) into a FusedProjections; returns the count.
 
     A group is linked only if all its members are FP8 linears of one class with the same input
     size, weight dtype and device (fp8_plan already makes a group all-FP8 or all-BF16)."""
-    n = 0
+    n, groups = 0, family_of(model).fused_groups
     for parent in model.modules():
-        for leaves in FUSED_GROUPS:
+        for leaves in groups:
             members = [getattr(parent, leaf, None) for leaf in leaves]
             if not all(is_fp8_linear(m) and not isinstance(m, FusedLinear) for m in members):
                 continue

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from fp8.fast.fused import FusedLinear, subclass
 from fp8.linear import EmulatedKernels, is_fp8_linear, member_grads, needs_grad, rows_padded
+from models import family_of
 
 
 def swiglu(gu: Tensor) -> Tensor:
@@ -76,8 +77,10 @@ class FusedSwiGLU:
     """Mixin of a SwiGLU MLP linked by fuse_swiglu: its forward is one _BlockFP8SwiGLU (the MLP's own
     forward inside bf16_reference)."""
 
+    swiglu_names: tuple[str, str, str]  # its gate, up, down children (the family's, set by fuse_swiglu)
+
     def forward(self, x: Tensor) -> Tensor:
-        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        gate, up, down = (getattr(self, n) for n in self.swiglu_names)
         if not (gate.fp8_enabled and up.fp8_enabled and down.fp8_enabled):
             return super().forward(x)
         x2, m = rows_padded(x)
@@ -90,21 +93,24 @@ class FusedSwiGLU:
 
 
 def fuse_swiglu(model: nn.Module) -> int:
-    """fp8.fuse_swiglu: every SwiGLU MLP of `model` - children exactly gate_proj, up_proj, down_proj and a
-    SiLU act_fn, forward down_proj(act_fn(gate_proj(x)) * up_proj(x)) as in Llama, Qwen2/3, Mistral -
-    whose three linears are FP8 of one class with gate/up fused (fuse_projections) becomes a FusedSwiGLU
-    (fused.subclass: names and parameters unchanged). Returns the count."""
+    """fp8.fuse_swiglu: every SwiGLU MLP of `model` - children exactly the family's gate, up, down
+    linears and a SiLU activation (models/: gate_proj, up_proj, down_proj, act_fn), forward
+    down(act(gate(x)) * up(x)) as in Llama, Qwen2/3, Mistral - whose three linears are FP8 of one
+    class with gate/up fused (fuse_projections) becomes a FusedSwiGLU (fused.subclass: names and
+    parameters unchanged). Returns the count."""
+    names = family_of(model).swiglu
     n = 0
-    for mlp in model.modules():
+    for mlp in model.modules() if names else ():
         children = dict(mlp.named_children())
-        if isinstance(mlp, FusedSwiGLU) or set(children) != {"gate_proj", "up_proj", "down_proj", "act_fn"}:
+        if isinstance(mlp, FusedSwiGLU) or set(children) != set(names):
             continue
-        gate, up, down, act = (children[k] for k in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        gate, up, down, act = (children[k] for k in names)
         if not (isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"):
             continue
         if not (is_fp8_linear(down) and isinstance(gate, FusedLinear) and gate.group.members == [gate, up]
                 and isinstance(gate, type(down)) and down.weight.dtype == gate.weight.dtype):
             continue
         subclass(mlp, FusedSwiGLU)
+        mlp.swiglu_names = names[:3]
         n += 1
     return n

@@ -1,0 +1,61 @@
+"""models/: every registered family builds a tiny model on CPU, family_of finds its spec, and the
+module names its spec gives exist in that model (fused groups, SwiGLU children, attention modules,
+decoder layers), so the fp8 plan, fusion, calibration, export and FSDP see what they expect."""
+
+import fnmatch
+
+import pytest
+import torch
+from torch import nn
+
+import distributed
+import models
+from config import TinyModelConfig, UserError
+from fp8.export import kv_scale_names
+from modeling import build_char_tokenizer, build_tiny_model
+
+
+def tiny(arch: str) -> nn.Module:
+    torch.manual_seed(0)
+    t = TinyModelConfig(arch=arch, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
+                        num_kv_heads=1, head_dim=64)
+    return build_tiny_model(t, build_char_tokenizer("abc"), torch.float32)
+
+
+@pytest.mark.parametrize("arch", sorted(models.FAMILIES))
+def test_family_names_exist_in_its_tiny_model(arch):
+    spec = models.FAMILIES[arch]
+    model = tiny(arch)
+    assert type(model).__name__ == spec.model_class
+    assert models.family_of(model) is spec and models.family_of(model.config) is spec
+    layers = distributed.decoder_layers(model)
+    assert len(layers) == model.config.num_hidden_layers == 2
+    attn = models.attention_modules(model)
+    assert sorted(attn) == [0, 1]
+    for i, layer in enumerate(layers):
+        assert attn[i] is getattr(layer, spec.attention) and attn[i].layer_idx == i
+        names = {n for n, _ in layer.named_modules()}
+        for group in spec.fused_groups:  # each group is the sibling linears of one parent
+            parents = {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in group}
+            assert len(parents) == 1, (group, parents)
+            parent = layer.get_submodule(parents.pop())
+            assert all(isinstance(getattr(parent, leaf), nn.Linear) for leaf in group), group
+        mlps = [m for m in layer.modules() if set(dict(m.named_children())) == set(spec.swiglu)]
+        assert len(mlps) == 1, spec.swiglu
+        # a dense family: no linear of it is taken for a router
+        assert not [n for n in names for p in spec.router_patterns if fnmatch.fnmatchcase(f"{spec.layers}.{i}.{n}", p)]
+    # the kv-scale modules vLLM creates sit under the attention modules (test_fp8_export checks the names)
+    assert kv_scale_names(model) == {i: f"{spec.layers}.{i}.{spec.attention}.{spec.kv_scale_module}"
+                                     for i in range(2)}
+
+
+def test_unknown_family():
+    """A model of an unregistered type gets the generic HF decoder conventions; building a tiny
+    model of one is a UserError naming the registered families."""
+    assert models.family_of(nn.Linear(2, 2)) is models.GENERIC
+    assert models.family_of("gpt_oss") is models.GENERIC
+    with pytest.raises(UserError, match="not registered .known: llama, qwen3"):
+        models.family("gpt_oss")
+    assert models.decoder_layers(nn.Linear(2, 2)) == []
+    with pytest.raises(UserError, match="no model.layers to shard"):
+        distributed.decoder_layers(nn.Linear(2, 2))
