@@ -25,6 +25,7 @@ import yaml
 
 from losses.advantages import AdvantageConfig
 from losses.grpo import LossConfig
+from models import FAMILIES
 from rewards import REWARDS
 
 
@@ -38,8 +39,9 @@ class ConfigError(UserError):
 
 @dataclass
 class TinyModelConfig:
-    arch: Literal["llama", "qwen3"] = "llama"
-    """Architecture of the model built from scratch when model.name_or_path is 'tiny'."""
+    arch: str = "llama"
+    """Architecture of the model built from scratch when model.name_or_path is 'tiny': a registered
+    model family (models/<family>.py, e.g. "llama", "qwen3")."""
     hidden_size: int = 128
     """Width; keep a multiple of 128 so the block FP8 linears apply."""
     intermediate_size: int = 256
@@ -473,6 +475,8 @@ def validate(cfg: Config) -> None:
     samples = r.n * r.prompts_per_step
     mb = t.mini_batch_size or samples
     rules = [
+        ("model.tiny.arch", m.tiny.arch, m.tiny.arch in FAMILIES,
+         f"one of {', '.join(map(repr, FAMILIES))} (a family file in models/)"),
         ("model.tiny.hidden_size", m.tiny.hidden_size, m.tiny.hidden_size >= 1, ">= 1"),
         ("model.tiny.intermediate_size", m.tiny.intermediate_size, m.tiny.intermediate_size >= 1, ">= 1"),
         ("model.tiny.num_layers", m.tiny.num_layers, m.tiny.num_layers >= 1, ">= 1"),
