@@ -47,7 +47,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
-from plot_runs import load_rows  # noqa: E402
+from plot_runs import load_rows, tail_mean  # noqa: E402
 
 MIN_SEEDS = 4
 MIN_VAL_ACCURACY = 0.7
@@ -60,8 +60,7 @@ MODES = {"fp8": [], "bf16": ["fp8.train=false", "fp8.rollout=false", "fp8.kv_cac
 # ----------------------------------------------------------------------------- the verdict (tested on CPU)
 
 def _tail_mean(rows: list[dict], key: str) -> float | None:
-    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))][-TAIL_STEPS:]
-    return sum(vals) / len(vals) if vals else None
+    return tail_mean(rows, key, TAIL_STEPS)
 
 
 def summarize_run(rows: list[dict], steps: int) -> dict:

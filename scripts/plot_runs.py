@@ -83,6 +83,12 @@ def series(rows: list[dict], key: str) -> dict[int, float]:
     return {int(r["step"]): float(r[key]) for r in rows if isinstance(r.get(key), (int, float))}
 
 
+def tail_mean(rows: list[dict], key: str, n: int = 5) -> float | None:
+    """Mean of a metric over the last n rows that log it (None if none do): how a run ends."""
+    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))][-n:]
+    return sum(vals) / len(vals) if vals else None
+
+
 def smooth(s: dict[int, float], k: int) -> dict[int, float]:
     steps = sorted(s)
     return {st: sum(s[x] for x in steps[max(0, i - k + 1): i + 1]) / len(steps[max(0, i - k + 1): i + 1])
@@ -122,7 +128,7 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> tuple[list[dict], int |
         mism = [_mean(list(series(rows, "mismatch/token_mult_prob_error").values())) for rows in seeds.values()]
         trunc = [_mean(list(series(rows, "is/truncated_frac").values())) for rows in seeds.values()]
         last = [max(v) for v in vals]
-        zero_std = [_mean(list(series(rows, "reward/zero_std_groups").values())[-5:]) for rows in seeds.values()]
+        zero_std = [tail_mean(rows, "reward/zero_std_groups") for rows in seeds.values()]
         table.append({
             "config": config, "seeds": sorted(seeds),
             "steps": (min(last), max(last)) if last else None,
