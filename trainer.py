@@ -333,7 +333,8 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
             idx = order[mini_slice]
             mini_tokens = distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1)
             mini_rows = float(distributed.all_sum(b.loss_mask[idx].amax(1).sum(), d))  # rows that count
-            mini_all_tokens = distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1)  # kept groups or not
+            if entropy_coef > 0:  # the bonus averages over every response token, kept group or not
+                mini_all_tokens = distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1)
             optimizer.zero_grad(set_to_none=True)
             nonfinite_loss = torch.zeros((), device=d.device)
             for micro in micro_batches(len(idx), mb):
