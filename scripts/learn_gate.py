@@ -1,6 +1,6 @@
-"""The learning gate: the quickstart (configs/tiny_gpu.yaml) over seeds, FP8 recipe vs BF16, PASS or FAIL.
+"""The learning gate: the quickstart (configs/quickstart_gpu.yaml) over seeds, FP8 recipe vs BF16, PASS or FAIL.
 
-    python scripts/learn_gate.py --out /tmp/gate                  # one H100: 4 seeds x {fp8, bf16}, < 10 min
+    python scripts/learn_gate.py --out /tmp/gate                  # one GPU: SFT + 4 seeds x {fp8, bf16}, < 10 min
     bash scripts/gpu_check.sh learn                               # the same, logs and results -> $OUT
     python scripts/learn_gate.py --cpu --seeds 0,1 --steps 2      # the machinery on CPU (tiny_cpu; FAILs)
     python scripts/learn_gate.py --check DIR                      # the verdict on runs already in DIR
@@ -18,6 +18,12 @@ Thresholds (fixed; a change to them is a change to the gate, not to a run):
      averaged over the run's last 5 steps, <= 0.5. A group whose samples are all right counts too:
      a policy that answers every prompt one way has stopped exploring, right or wrong.
      reward/unsolved_groups (groups with no right sample) is reported beside it.
+
+The warm start: when the config's model is not built from model.tiny (name_or_path "tiny"), the gate
+first trains it, `scripts/sft.py --out WORK/sft_model --task-config CONFIG` with --sft's arguments (the
+quickstart's recipe by default), next to `sft.py --warm-fp8` (fills Triton's cache for the FP8 runs),
+and every run starts from it; --sft-model DIR reuses a model instead. Its sft_metrics.json is copied
+to --out as learn_sft_metrics.json.
 
 How it runs on one GPU: the 8 runs are concurrent processes, each with a small vLLM share
 (--gpu-share, rollout.sleep_mode=false so no engine frees memory mid-run), started strictly one
@@ -55,6 +61,8 @@ MAX_MEAN_GAP = 0.05
 MAX_ZERO_STD_GROUPS = 0.5
 TAIL_STEPS = 5  # "ends with": the mean over the run's last TAIL_STEPS training steps
 MODES = {"fp8": [], "bf16": ["fp8.train=false", "fp8.rollout=false", "fp8.kv_cache=false"]}
+# the quickstart's warm start (configs/quickstart_gpu.yaml's header says why)
+QUICKSTART_SFT = "--guess 0.7 --mix 3:0.1,4:0.3,5:0.6 --max-steps 600 --stop-acc 0 --minutes 6"
 
 
 # ----------------------------------------------------------------------------- the verdict (tested on CPU)
@@ -232,6 +240,32 @@ def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
     return runs
 
 
+def warm_start(args, work: Path, out: Path, t0: float) -> Path | None:
+    """Train the config's warm start into WORK/sft_model (scripts/sft.py with --sft's arguments) while
+    a second process fills Triton's cache (GPU only). -> the model dir, or None if the SFT failed."""
+    model, sft = work / "sft_model", ROOT / "scripts" / "sft.py"
+    cmd = [sys.executable, str(sft), "--out", str(model), "--task-config", str(args.config), *args.sft.split()]
+    _log("warm start: " + " ".join(cmd[1:]), t0)
+    with open(work / "sft.log", "w") as f:
+        p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+        warm = None if args.cpu else subprocess.Popen([sys.executable, str(sft), "--warm-fp8", *args.sft.split()],
+                                                      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        rc = p.wait()
+        if warm is not None:
+            warm.wait()
+    metrics = model / "sft_metrics.json"
+    if metrics.is_file():
+        (out / "learn_sft_metrics.json").write_bytes(metrics.read_bytes())
+    if rc != 0 or not metrics.is_file():
+        _log(f"warm start FAILED (rc {rc}); last lines of {work / 'sft.log'}:\n"
+             + "\n".join((work / "sft.log").read_text(errors="replace").splitlines()[-15:]), t0)
+        return None
+    m = json.loads(metrics.read_text())
+    _log(f"warm start done: greedy val accuracy {m['val_accuracy']:.3f} ({m.get('val_guess_share', 0):.2f} bare "
+         f"guesses), {m['steps']} steps, {m['total_s']:.0f}s", t0)
+    return model
+
+
 def _device() -> str:
     try:
         return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
@@ -263,6 +297,8 @@ def main(argv=None) -> int:
     p.add_argument("--gpu-share", type=float, default=0.06, help="rollout.gpu_memory_utilization of each run")
     p.add_argument("--stagger-timeout-s", type=float, default=150, help="longest wait for an engine before the next start")
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--sft", default=QUICKSTART_SFT, help=f"scripts/sft.py arguments of the warm start (default: {QUICKSTART_SFT})")
+    p.add_argument("--sft-model", metavar="DIR", help="start every run from this model dir: no warm-start training")
     p.add_argument("--cpu", action="store_true", help="tiny_cpu on CPU, HF engine, 2 runs at a time, no stagger")
     p.add_argument("--check", metavar="DIR", help="no runs: the verdict on DIR/<mode>_s<seed>/metrics.jsonl")
     p.add_argument("--sweep", action="append", metavar="NAME:k=v,k=v", default=[],
@@ -289,7 +325,7 @@ def main(argv=None) -> int:
         print(f"error: --modes {','.join(bad)}: expected a subset of {','.join(MODES)} (and --seeds non-empty)",
               file=sys.stderr)
         return 2
-    args.config = Path(args.config or ROOT / "configs" / ("tiny_cpu.yaml" if args.cpu else "tiny_gpu.yaml")).resolve()
+    args.config = Path(args.config or ROOT / "configs" / ("tiny_cpu.yaml" if args.cpu else "quickstart_gpu.yaml")).resolve()
     if not args.config.is_file():
         print(f"error: --config {args.config}: no such file", file=sys.stderr)
         return 2
@@ -305,11 +341,13 @@ def main(argv=None) -> int:
     from config import UserError, load_config
     try:  # a bad override fails here, once, not in 8 runs
         for mode in args.modes:
-            steps = load_config(args.config, [*args.run_overrides, *args.mode_overrides[mode], *args.extra]).train.steps
+            cfg = load_config(args.config, [*args.run_overrides, *args.mode_overrides[mode], *args.extra])
+            steps = cfg.train.steps
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    needs_warm_start = not args.sft_model and cfg.model.name_or_path != "tiny"
     t0, out = time.time(), Path(args.out)
     if args.check:
         work, commands = Path(args.check), {}
@@ -321,7 +359,14 @@ def main(argv=None) -> int:
         work.mkdir(parents=True)
         _log(f"config {args.config.name}, {steps} steps, seeds {args.seeds}, modes {args.modes}, "
              f"deadline {args.deadline_s:.0f}s, out {out}", t0)
-        launched = launch_all(args, work, t0)
+        out.mkdir(parents=True, exist_ok=True)
+        model = args.sft_model or (warm_start(args, work, out, t0) if needs_warm_start else "tiny")
+        if model is None:
+            launched = {}
+        else:
+            if needs_warm_start or args.sft_model:
+                args.run_overrides.append(f"model.name_or_path={model}")
+            launched = launch_all(args, work, t0)
         commands = {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}
     files = {(m, s): work / f"{m}_s{s}" / "metrics.jsonl" for s in args.seeds for m in args.modes}
     passed, reasons, means, runs = check(files, steps, sweep=bool(args.sweep))
@@ -335,6 +380,9 @@ def main(argv=None) -> int:
             if src.is_file() and src.resolve() != dst.resolve():
                 dst.write_bytes(src.read_bytes())
             copies.append(dst)
+    if (work / "sft.log").is_file():
+        copies.append(out / "learn_sft.log")
+        copies[-1].write_bytes((work / "sft.log").read_bytes())
     write_results(out, {
         "verdict": word, "reasons": reasons, "variants": args.mode_overrides, "means": means, "runs": runs,
         "thresholds": {"min_seeds": MIN_SEEDS, "min_val_accuracy": MIN_VAL_ACCURACY, "max_mean_gap": MAX_MEAN_GAP,

@@ -21,6 +21,12 @@ a negative multiplicand written as -(...). GRPO gets room to improve because tra
 at the time budget (--minutes, cosine lr over that time) or as soon as greedy accuracy on the
 dev set reaches --stop-acc, whichever comes first.
 
+--guess F answers a share F of the task-level problems with a bare guess instead ("?1906" + EOS):
+the warm start of the GPU quickstart (configs/quickstart_gpu.yaml). With F > 0.5 the model's
+greedy answer to a task-level problem is a guess (mostly wrong) while its samples show their work
+in a share 1 - F of the cases (mostly right), so GRPO has a fast, visible thing to learn: to work
+the problem out. --max-steps then makes the run length (and the cosine) step-based, host-independent.
+
 Training: fp32 master weights, bf16 autocast on CUDA, AdamW, linear warm-up then cosine decay
 over the time budget, right-padded batches, loss on response tokens only. At the end: greedy
 accuracy on the first train.val_max_prompts GRPO validation problems (what GRPO's step-0
@@ -61,6 +67,7 @@ TOY = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, nu
 _PAREN = re.compile(r"\((\d+)([-+*])(\d+)\)([-+*])(\d+)=")
 _FLAT = re.compile(r"(\d+)([-+*])(\d+)(?:([-+*])(\d+))?=")
 _OPS = {"+": lambda x, y: x + y, "-": lambda x, y: x - y, "*": lambda x, y: x * y}
+GUESS = "?"  # an answer-only response: "?1906" (a bare guess; math_reward reads its number)
 
 
 def _step(x: int, op: str, y: int) -> tuple[str, int]:
@@ -132,14 +139,18 @@ class SFTStream:
     """Endless seeded batches of (prompt_ids, response_ids) drawn from the difficulty mix, skipping
     excluded questions (GRPO validation + SFT dev)."""
 
-    def __init__(self, mix: dict[int, float], exclude: set[str], tokenizer, data_cfg, seed: int):
+    def __init__(self, mix: dict[int, float], exclude: set[str], tokenizer, data_cfg, seed: int,
+                 guess: float = 0.0, guess_level: int = 0):
         self.mix, self.exclude, self.tokenizer, self.data_cfg = mix, exclude, tokenizer, data_cfg
+        self.guess, self.guess_level = guess, guess_level
         self.codec = CharCodec(tokenizer)
         self.rng, self.seed, self.calls = random.Random(f"sft-{seed}"), seed, 0
 
-    def example(self, question: str) -> tuple[list[int], list[int]]:
+    def example(self, question: str, guess: bool = False) -> tuple[list[int], list[int]]:
         prompt = render_prompt(question, self.tokenizer, self.data_cfg)
-        return [self.codec.bos] + self.codec.ids(prompt), self.codec.ids(worked_solution(question)[0]) + [self.codec.eos]
+        work, value = worked_solution(question)
+        response = f"{GUESS}{value}" if guess else work
+        return [self.codec.bos] + self.codec.ids(prompt), self.codec.ids(response) + [self.codec.eos]
 
     def batch(self, n: int) -> list[tuple[list[int], list[int]]]:
         self.calls += 1
@@ -149,7 +160,8 @@ class SFTStream:
             k = levels.count(d)
             # seeds far from the GRPO splits' (data.synthetic.seed and seed + 1)
             probs = synthetic_arithmetic(2 * k, d, seed=1_000_000 + self.seed * 100_003 + self.calls)
-            out += [self.example(p["question"]) for p in probs if p["question"] not in self.exclude][:k]
+            out += [self.example(p["question"], d == self.guess_level and self.rng.random() < self.guess)
+                    for p in probs if p["question"] not in self.exclude][:k]
         self.rng.shuffle(out)
         return out
 
@@ -174,12 +186,12 @@ def response_loss(model, input_ids, attention_mask, labels):
 
 
 @torch.no_grad()
-def greedy_accuracy(model, codec: CharCodec, tokenizer, problems, data_cfg, max_new_tokens: int, device,
-                    amp, batch_size: int = 256) -> float:
-    """Greedy (HF generate) accuracy of `problems` [{"question", "answer"}] under math_reward."""
+def greedy_texts(model, codec: CharCodec, tokenizer, problems, data_cfg, max_new_tokens: int, device,
+                 amp, batch_size: int = 256) -> list[str]:
+    """Greedy (HF generate) completions of `problems` [{"question", ...}]."""
     was_training = model.training
     model.eval()
-    correct = 0
+    texts = []
     for i in range(0, len(problems), batch_size):
         chunk = problems[i: i + batch_size]
         rows = [[codec.bos] + codec.ids(render_prompt(p["question"], tokenizer, data_cfg)) for p in chunk]
@@ -193,10 +205,23 @@ def greedy_accuracy(model, codec: CharCodec, tokenizer, problems, data_cfg, max_
             out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=codec.eos,
                                  pad_token_id=codec.pad)
-        texts = tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
-        correct += sum(math_reward(t, p["answer"], last_number=reward_last_number(data_cfg)) for t, p in zip(texts, chunk))
+        texts += tokenizer.batch_decode(out[:, width:].tolist(), skip_special_tokens=True)
     model.train(was_training)
-    return correct / max(len(problems), 1)
+    return texts
+
+
+def greedy_eval(model, codec, tokenizer, problems, data_cfg, max_new_tokens: int, device, amp) -> dict:
+    """{"accuracy": greedy accuracy under math_reward, "guess_share": share of greedy answers that are
+    bare guesses (start with GUESS)} over `problems` [{"question", "answer"}]."""
+    texts = greedy_texts(model, codec, tokenizer, problems, data_cfg, max_new_tokens, device, amp)
+    last = reward_last_number(data_cfg)
+    right = sum(math_reward(t, p["answer"], last_number=last) for t, p in zip(texts, problems))
+    n = max(len(problems), 1)
+    return {"accuracy": right / n, "guess_share": sum(t.startswith(GUESS) for t in texts) / n}
+
+
+def greedy_accuracy(model, codec, tokenizer, problems, data_cfg, max_new_tokens: int, device, amp) -> float:
+    return greedy_eval(model, codec, tokenizer, problems, data_cfg, max_new_tokens, device, amp)["accuracy"]
 
 
 # ----------------------------------------------------------------------------- model
@@ -260,7 +285,7 @@ def train(args) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"sft: {n_params / 1e6:.1f}M params on {device}; GRPO task difficulty {level}: {len(val)} val, "
           f"{len(dev)} dev problems; mix {args.mix}", flush=True)
-    stream = SFTStream(parse_mix(args.mix), exclude, tokenizer, cfg.data, args.seed)
+    stream = SFTStream(parse_mix(args.mix), exclude, tokenizer, cfg.data, args.seed, args.guess, level)
     amp = amp_context(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay,
                             **({"fused": True} if device.type == "cuda" else {}))
@@ -277,15 +302,18 @@ def train(args) -> dict:
             stop_reason = "max steps"
             break
         if time.perf_counter() - last_eval >= args.eval_every_s:
-            acc = greedy_accuracy(model, codec, tokenizer, dev, cfg.data, max_new, device, amp)
-            evals.append({"step": step, "elapsed_s": round(elapsed, 1), "dev_accuracy": acc})
-            print(f"sft eval: step {step} {elapsed:.0f}s dev accuracy {acc:.3f}", flush=True)
+            ev = greedy_eval(model, codec, tokenizer, dev, cfg.data, max_new, device, amp)
+            acc = ev["accuracy"]
+            evals.append({"step": step, "elapsed_s": round(elapsed, 1), "dev_accuracy": acc,
+                          "dev_guess_share": ev["guess_share"]})
+            print(f"sft eval: step {step} {elapsed:.0f}s dev accuracy {acc:.3f} guesses {ev['guess_share']:.2f}",
+                  flush=True)
             last_eval = time.perf_counter()
-            if acc >= args.stop_acc:
+            if args.stop_acc and acc >= args.stop_acc:
                 stop_reason = f"dev accuracy {acc:.3f} >= --stop-acc {args.stop_acc}"
                 break
-        # linear warm-up over steps, then cosine over the time budget down to lr * min_lr_frac
-        progress = min(elapsed / budget_s, 1.0)
+        # linear warm-up over steps, then cosine over --max-steps (else the time budget) to lr * min_lr_frac
+        progress = min(step / args.max_steps if args.max_steps else elapsed / budget_s, 1.0)
         lr = args.lr * (args.min_lr_frac + (1 - args.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress)))
         lr *= min(1.0, (step + 1) / args.warmup_steps)
         for g in opt.param_groups:
@@ -309,21 +337,22 @@ def train(args) -> dict:
     final_loss = float(loss.detach()) if step else float("nan")
     print(f"sft: stopped after {step} steps, {train_s:.0f}s ({stop_reason}); final loss {final_loss:.4f}", flush=True)
 
-    by_level = {str(d): greedy_accuracy(model, codec, tokenizer, v, cfg.data, max_new, device, amp)
-                for d, v in vals.items()}
-    val_acc = by_level[str(level)]
+    ev = {d: greedy_eval(model, codec, tokenizer, v, cfg.data, max_new, device, amp) for d, v in vals.items()}
+    by_level = {str(d): e["accuracy"] for d, e in ev.items()}
+    val_acc, val_guess = ev[level]["accuracy"], ev[level]["guess_share"]
     dev_acc = greedy_accuracy(model, codec, tokenizer, dev, cfg.data, max_new, device, amp)
     out = save_model_dir(model, tokenizer, args.out)
     result = {
         "model_dir": str(out), "params": n_params, "spec": vars(model_spec(args)), "device": str(device),
         "steps": step, "tokens": tokens, "train_s": round(train_s, 1), "total_s": round(time.perf_counter() - t_start, 1),
         "stop_reason": stop_reason, "final_loss": final_loss, "task_difficulty": level,
-        "val_accuracy": val_acc, "val_size": len(val), "dev_accuracy": dev_acc,
+        "val_accuracy": val_acc, "val_guess_share": val_guess, "val_size": len(val), "dev_accuracy": dev_acc,
         "val_accuracy_by_difficulty": by_level, "evals": evals, "loss_history": history,
         "args": {k: v for k, v in vars(args).items()},
     }
     (out / "sft_metrics.json").write_text(json.dumps(result, indent=1))
-    print(f"sft: greedy accuracy on the GRPO val set {val_acc:.3f} ({len(val)} problems, difficulty {level}); "
+    print(f"sft: greedy accuracy on the GRPO val set {val_acc:.3f} ({len(val)} problems, difficulty {level}; "
+          f"{val_guess:.2f} of the answers bare guesses); "
           f"dev {dev_acc:.3f}; val accuracy by difficulty {by_level}; saved {out}", flush=True)
     return result
 
@@ -360,7 +389,9 @@ def main(argv=None):
     p.add_argument("--task-overrides", nargs="*", default=[], help="key=value overrides for --task-config")
     p.add_argument("--minutes", type=float, default=2.5, help="training time budget (cosine lr over it)")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0 = time only)")
-    p.add_argument("--stop-acc", type=float, default=0.45, help="stop once greedy dev accuracy reaches this")
+    p.add_argument("--stop-acc", type=float, default=0.45, help="stop once greedy dev accuracy reaches this (0: never)")
+    p.add_argument("--guess", type=float, default=0.0,
+                   help="share of the task-level problems answered by a bare guess ('?1906') instead of worked steps")
     p.add_argument("--eval-every-s", type=float, default=15.0, help="dev evaluation interval (early stop)")
     p.add_argument("--dev-size", type=int, default=128)
     p.add_argument("--mix", default="2:0.05,3:0.2,4:0.35,5:0.4", help="difficulty:weight of the SFT problems")

@@ -2,6 +2,7 @@
 never contains validation questions, and a toy SFT whose model dir train_grpo.py loads."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -88,3 +89,28 @@ def test_toy_sft_learns_and_train_grpo_loads_it(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "grpo/metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert "mismatch/token_mult_prob_error" in rows[0] and "val/accuracy" in rows[0]
+
+
+def test_guess_share_of_task_level_problems_only():
+    """--guess F: about F of the task-level (difficulty 5) problems are bare guesses ('?' + the answer,
+    which math_reward accepts); easier levels always show their work."""
+    cfg = load_config(TASK)
+    tok = build_char_tokenizer(cfg.model.tiny.vocab)
+    stream = sft.SFTStream({4: 1.0, 5: 1.0}, set(), tok, cfg.data, seed=0, guess=0.7, guess_level=5)
+    inv = {i: c for c, i in tok.get_vocab().items()}
+    guesses = {4: 0, 5: 0}
+    totals = {4: 0, 5: 0}
+    for prompt_ids, response_ids in stream.batch(2000):
+        question = "".join(inv[i] for i in prompt_ids[1:])
+        text = "".join(inv[i] for i in response_ids[:-1])
+        work, value = sft.worked_solution(question)
+        level = 5 if len(re.findall(r"\d+", question)) == 3 else 4  # a op b vs three terms
+        totals[level] += 1
+        if text.startswith(sft.GUESS):
+            guesses[level] += 1
+            assert text == f"{sft.GUESS}{value}"
+            assert math_reward(text, str(value), last_number=True) == 1.0
+        else:
+            assert text == work
+    assert guesses[4] == 0 and totals[4] > 500
+    assert 0.64 < guesses[5] / totals[5] < 0.76, guesses
