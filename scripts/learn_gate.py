@@ -62,7 +62,7 @@ MAX_ZERO_STD_GROUPS = 0.5
 TAIL_STEPS = 5  # "ends with": the mean over the run's last TAIL_STEPS training steps
 MODES = {"fp8": [], "bf16": ["fp8.train=false", "fp8.rollout=false", "fp8.kv_cache=false"]}
 # the quickstart's warm start (configs/quickstart_gpu.yaml's header says why)
-QUICKSTART_SFT = "--guess 0.7 --mix 3:0.1,4:0.3,5:0.6 --max-steps 600 --stop-acc 0 --minutes 6"
+QUICKSTART_SFT = "--guess 0.6 --mix 3:0.1,4:0.3,5:0.6 --max-steps 800 --stop-acc 0 --minutes 6"
 
 
 # ----------------------------------------------------------------------------- the verdict (tested on CPU)
