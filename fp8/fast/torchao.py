@@ -4,14 +4,14 @@ fp8/linear.py holds the recipe and its emulation; on an H100/H200 (linear.use_to
 convert_to_fp8_training builds TorchaoFP8Linear here: torchao 0.18's Float8BlockwiseLinear computing
 through the recipe's _BlockFP8MM with TorchaoKernels (torchao's Triton quantizers and cuBLAS
 block-scaled GEMM), tokens padded to a multiple of 128. Same numerics as the emulation up to
-accumulation order (tests/gpu). Nothing here is imported on the CPU path until a GPU asks for it.
+accumulation order (tests/gpu). torchao and Triton are imported only when a GPU asks for them.
 
-Speed-only, same bytes: TorchaoKernels quantizes each activation as torchao does: x's 1x128 copy in
-the forward, its 128x1 copy in backward from x saved in BF16, and grad_out twice. DualQuantKernels
-(fp8.fast.apply gives it to every torchao linear) writes both layouts of x (and of grad_out) in one
-pass with quant_dual (fast/kernels.py) - the same bytes - and saves x's FP8 128x1 copy for backward
-instead of x in BF16: half the bytes. Its SwiGLU entry points make h = silu(gate) * up (and the
-gradient of [gate | up]) inside the quantization (fp8.fuse_swiglu).
+DualQuantKernels is the speed-only part (fp8.fast.apply gives it to every torchao linear), same
+bytes: where TorchaoKernels quantizes each activation as torchao does - x's 1x128 copy in the
+forward, its 128x1 copy in backward from x saved in BF16, and grad_out twice - it writes both layouts
+of x (and of grad_out) in one pass with quant_dual (fast/kernels.py) and saves x's FP8 128x1 copy for
+backward instead of x in BF16: half the bytes. Its SwiGLU entry points make h = silu(gate) * up (and
+the gradient of [gate | up]) inside the quantization (fp8.fuse_swiglu).
 """
 
 from __future__ import annotations
