@@ -12,12 +12,14 @@ The recipe (DeepSeek-V3 style, as in torchao 0.18 `blockwise_fp8_training` and v
 * Backward (torchao's fp8_blockwise_mm): dgrad = q1x128(grad_out) @ q128x128(W), wgrad =
   q128x1(grad_out).T @ q128x1(x), where 128x1 groups run along the token dim, i.e. along the
   contracting dim of the wgrad GEMM. torchao needs tokens % 128 == 0 there; TorchaoFP8Linear
-  pads the token dim with zero rows, which is exact (zeros change no amax and add nothing).
+  (fp8/fast/torchao.py) pads the token dim with zero rows, which is exact (zeros change no amax
+  and add nothing).
 * Which linears: fp8/plan.py's fp8_plan, THE skip list shared with fp8/export.py. Attention
   (QK^T, PV), norms, RoPE, softmax and the loss stay in high precision in the trainer.
 
 Backends: `convert_to_fp8_training` uses torchao's Float8BlockwiseLinear (cuBLAS FP8 GEMMs and
-torchao's Triton quantizers) on SM90 when not cfg.emulate, else EmulatedFP8Linear:
+torchao's Triton quantizers; fp8/fast/torchao.py wires them into _BlockFP8MM) on SM90 when not
+cfg.emulate, else EmulatedFP8Linear:
 quantize-dequantize with fp8/quant.py and a float32 matmul. Differences of the emulation from
 torchao: (1) accumulation: torchao accumulates e4m3 products in the tensor cores' FP8
 accumulator per 128-chunk and applies scale_a*scale_b per chunk, we multiply dequantized float32
@@ -28,7 +30,9 @@ dtype (an fp32 CPU model stays fp32).
 
 Speed-only structure, same quantization, lives in fp8/fast/ and is applied to the converted model
 by its one entry point, fp8.fast.apply (called at the end of convert_to_fp8_training): a one-pass
-activation quantizer, fused projections, a fused SwiGLU MLP and a weight cache.
+activation quantizer, fused projections, a fused SwiGLU MLP and a weight cache. That is why
+_BlockFP8MM takes a `kernels` object and several weights: fp8/fast swaps the kernels and fuses
+members, the recipe here never does.
 
 engines/hf.py's `convert_to_fp8_rollout` builds the CPU stand-in for vLLM's W8A8 linear from the
 same EmulatedFP8Linear: activations use vLLM's 1x128 recipe (divide by amax/448) and weights can be pinned to the exact exported FP8
@@ -40,7 +44,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 import sys
 from typing import TYPE_CHECKING
 
@@ -120,13 +123,6 @@ def block_fp8_mm(x: Tensor, kernels, *weights: Tensor) -> Tensor:
         return _BlockFP8MM.apply(x, kernels, *weights)
     return _forward(x, kernels, weights)[0]
 
-
-def rows_padded(x: Tensor) -> tuple[Tensor, int]:
-    """x [..., K] as [M', K] with M' = M tokens rounded up to a multiple of 128, and M: torchao's wgrad
-    kernels need M % 128 == 0; zero rows are exact (they change no amax and add nothing)."""
-    x2 = x.reshape(-1, x.shape[-1])
-    m = x2.shape[0]
-    return (F.pad(x2, (0, 0, 0, BLOCK - m % BLOCK)) if m % BLOCK else x2), m
 
 
 # ------------------------------------------------------------------------------------ emulation
@@ -238,105 +234,14 @@ class EmulatedFP8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8=block128, act_recipe={self.act_recipe}"
 
 
-# ------------------------------------------------------------------------------------ torchao
-
-
-class TorchaoKernels:
-    """_BlockFP8MM's GEMMs as torchao 0.18's fp8_blockwise_mm computes them: its Triton quantizers
-    and its cuBLAS block-scaled GEMM (torchao::blockwise_scaled_mm). Needs M % 128 == 0. BF16
-    output. Every kernel is a torch.library op, so torch.compile keeps a layer in one graph;
-    torchao's own _scaled_mm calls F.scaled_mm, which dynamo cannot trace (a graph break per GEMM).
-
-    Layouts, as cuBLAS takes them: lhs q [M, K] row-major, 1x128 scales [M, K/128] column-major;
-    rhs(x) q [M, K] column-major, 128x1 scales [M/128, K]; transposed_lhs(g) q [N, M] row-major,
-    1x128 scales (along M) column-major; weight_rhs q [N, K] and weight_transposed_rhs q [K, N]
-    column-major, 128x128 scales column-major."""
-
-    def __init__(self):
-        from torchao.prototype.blockwise_fp8_training import kernels as k
-
-        self.mm = k.blockwise_scaled_mm
-        self.x1x128 = k._scaling_type_value(k.BLOCKWISE_1X128_SCALING_TYPE)
-        self.x128x128 = k._scaling_type_value(k.BLOCKWISE_128X128_SCALING_TYPE)
-        self.lhs, self.rhs = k.triton_fp8_blockwise_act_quant_lhs, k.triton_fp8_blockwise_act_quant_rhs
-        self.transposed_lhs = k.triton_fp8_blockwise_act_quant_transposed_lhs
-        self.weight_rhs = k.triton_fp8_blockwise_weight_quant_rhs
-        self.weight_transposed_rhs = k.triton_fp8_blockwise_weight_quant_transposed_rhs
-
-    def weight_fwd(self, weights: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-        return self.weight_transposed_rhs(cat_weights(weights), block_size=BLOCK)
-
-    def weight_dgrad(self, weights: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-        return self.weight_rhs(cat_weights(weights), block_size=BLOCK)
-
-    def fwd(self, x2: Tensor, w_op: tuple[Tensor, Tensor], save: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
-        x2 = x2.contiguous()
-        return self.gemm(*self.lhs(x2, BLOCK), w_op), (x2,) if save else ()
-
-    def bwd(self, g2: Tensor, w_op: tuple[Tensor, Tensor] | None, saved: tuple[Tensor, ...], need_x: bool,
-            need_w: bool):
-        grad_x = self.gemm_dgrad(*self.lhs(g2, BLOCK), w_op) if need_x else None
-        grad_w = self.gemm_wgrad(*self.transposed_lhs(g2, BLOCK), *self.rhs(saved[0], BLOCK)) if need_w else None
-        return grad_x, grad_w
-
-    def gemm(self, xq: Tensor, xs: Tensor, w_op: tuple[Tensor, Tensor]) -> Tensor:
-        """y [M, N] = x @ W.T from x's 1x128 operand and W's weight_fwd operand."""
-        return self.mm(xq, w_op[0], xs, self.x1x128, w_op[1], self.x128x128, torch.bfloat16)
-
-    def gemm_dgrad(self, gq: Tensor, gs: Tensor, w_op: tuple[Tensor, Tensor]) -> Tensor:
-        """grad_x [M, K] = g @ W from g's 1x128 operand and W's weight_dgrad operand."""
-        return self.mm(gq, w_op[0], gs, self.x1x128, w_op[1], self.x128x128, torch.bfloat16)
-
-    def gemm_wgrad(self, gqt: Tensor, gst: Tensor, xq: Tensor, xs: Tensor) -> Tensor:
-        """grad_w [N, K] = g.T @ x: g.T [N, M] with 1x128 groups along M (transposed_lhs), x [M, K]
-        with 128x1 groups (rhs: scales [M/128, K]): both along the tokens."""
-        return self.mm(gqt, xq, gst, self.x1x128, xs.t(), self.x1x128, torch.bfloat16)
-
-
-def keep_triton_autotuning() -> None:
-    """torchao's quantizers autotune each new K (45 configs each; the first FP8 step of an 8B model
-    spends ~3 min on it, H100). Keep the results on disk, in one fixed place, for later runs:
-    TRITON_CACHE_AUTOTUNING is read when the @triton.autotune kernels are defined (torchao's
-    import), TRITON_CACHE_DIR at each autotuning. vLLM's engine start overwrites TRITON_CACHE_DIR
-    (into its per-config compile cache); rollout.VLLMEngine puts it back (rollout.kept_env).
-    The caller's settings win."""
-    os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
-
-
-@functools.cache
-def torchao_linear_cls() -> type:
-    """TorchaoFP8Linear: torchao's Float8BlockwiseLinear (its from_float) computing through
-    _BlockFP8MM with TorchaoKernels, + bf16_reference switch and token padding.
-
-    Built on first use: torchao pulls in Triton, and the CPU path never needs it. Reachable as
-    fp8.linear.TorchaoFP8Linear (module __getattr__), so it pickles by reference.
-    """
-    keep_triton_autotuning()
-    from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
-
-    class TorchaoFP8Linear(Float8BlockwiseLinear):
-        fp8_enabled = True  # False inside bf16_reference()
-        kernels = TorchaoKernels()  # stateless, shared; fp8.fast may give an instance its own
-
-        def forward(self, x: Tensor) -> Tensor:
-            if not self.fp8_enabled:
-                return F.linear(x, self.weight)
-            return self.mm(x, self.weight)
-
-        def mm(self, x: Tensor, *weights: Tensor) -> Tensor:
-            """x [..., K] @ cat(weights).T in block FP8, tokens padded to a multiple of 128."""
-            x2, m = rows_padded(x)
-            y = block_fp8_mm(x2, self.kernels, *weights)
-            return y[:m].reshape(*x.shape[:-1], y.shape[-1])
-
-    TorchaoFP8Linear.__module__, TorchaoFP8Linear.__qualname__ = __name__, "TorchaoFP8Linear"
-    return TorchaoFP8Linear
+# ------------------------------------------------------------------------------------ conversion
 
 
 def __getattr__(name: str):
-    if name == "TorchaoFP8Linear":
-        return torchao_linear_cls()
+    """The torchao backend's names (fp8/fast/torchao.py), also reachable here as they were before."""
+    if name in ("TorchaoFP8Linear", "TorchaoKernels", "torchao_linear_cls", "keep_triton_autotuning"):
+        from fp8.fast import torchao
+        return getattr(torchao, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -393,7 +298,7 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
         if not isinstance(mod, nn.Linear) or is_fp8_linear(mod) or not plan.get(name, (False,))[0]:
             continue
         if use_torchao(cfg, mod.weight.device) and mod.weight.dtype in (torch.bfloat16, torch.float32):
-            new, kind = torchao_linear_cls().from_float(mod), "torchao"
+            new, kind = fast.torchao.torchao_linear_cls().from_float(mod), "torchao"
             new.train(mod.training)
         else:
             new, kind = EmulatedFP8Linear.from_linear(mod, "torchao"), "emulated"

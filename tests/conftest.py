@@ -1,6 +1,12 @@
-"""Shared fixtures: one short tiny_cpu run that resume and export tests compare against."""
+"""Shared helpers: train_grpo.py run as a user runs it (in this process or a child), and one short
+tiny_cpu run that resume and export tests compare against."""
 
+import contextlib
+import dataclasses
+import io
 import json
+import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +24,55 @@ TINY_STEPS = 8
 
 
 def train_cmd(*args) -> list[str]:
+    """`python train_grpo.py *args`, for a child process (a test that needs its own process)."""
     return [sys.executable, str(ROOT / "train_grpo.py"), *args]
+
+
+@dataclasses.dataclass
+class TrainRun:
+    """What a run of train_grpo.py printed and how it ended (subprocess.CompletedProcess's fields)."""
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def run_dir(self) -> Path:
+        """The run dir, from the first line the script prints (`run_dir: PATH`)."""
+        first = self.stdout.splitlines()[0] if self.stdout else ""
+        assert first.startswith("run_dir: "), (first, self.stderr[-3000:])
+        return Path(first.removeprefix("run_dir: "))
+
+    @property
+    def error(self) -> str:
+        """The last line on stderr (a bad-input run's `error: ...`)."""
+        lines = self.stderr.strip().splitlines()
+        return lines[-1] if lines else ""
+
+
+def run_train(*args: str, cwd: Path | None = None) -> TrainRun:
+    """`python train_grpo.py *args`, run in this process: the script is executed as __main__ (runpy)
+    with sys.argv set, so what a test monkeypatches in the modules it uses (trainer, batch, observe,
+    engines, ...) applies, and nothing imports it. Its exit code (SystemExit's, else 0) and what it
+    printed to sys.stdout / sys.stderr. An exception other than SystemExit propagates with its traceback,
+    where a child process would print it and exit 1."""
+    out, err = io.StringIO(), io.StringIO()
+    argv, code = sys.argv, 0
+    sys.argv = [str(ROOT / "train_grpo.py"), *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                contextlib.chdir(cwd or os.getcwd()):
+            runpy.run_path(str(ROOT / "train_grpo.py"), run_name="__main__")
+    except SystemExit as e:  # as the interpreter maps it: None -> 0, an int as is, anything else printed, 1
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, (int, type(None))):
+            err.write(f"{e.code}\n")
+    except BaseException:  # the test fails: show what the run printed next to the traceback
+        sys.stdout.write(out.getvalue())
+        sys.stderr.write(err.getvalue())
+        raise
+    finally:
+        sys.argv = argv
+    return TrainRun(code, out.getvalue(), err.getvalue())
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,5 +1,5 @@
 """Bad input and unsupported hardware: each message names the problem and the fix, exits 2, and
-leaves no run dir behind (BAD_INPUT: the table, through train_grpo.main in-process).
+leaves no run dir behind (BAD_INPUT: the table, train_grpo.py run in-process by conftest.run_train).
 
 Covered elsewhere (not repeated here): unknown config keys, wrong types, bad enum values
 (test_config.py); a missing model dir and a dataset without the named fields, through the CLI
@@ -13,21 +13,18 @@ import pytest
 import torch
 import yaml
 
-import train_grpo
 import trainer
 from config import FP8Config, UserError, load_config, to_dict
-from conftest import ROOT
+from conftest import ROOT, run_train
 from fp8 import linear as fp8_linear
 
 
-def main_error(capsys, argv) -> str:
-    """train_grpo.main must exit 2 with a one-line 'error: ...' on stderr; returns that line."""
-    with pytest.raises(SystemExit) as e:
-        train_grpo.main(argv)
-    assert e.value.code == 2
-    lines = capsys.readouterr().err.strip().splitlines()
-    assert lines and lines[-1].startswith("error: ")
-    return lines[-1]
+def main_error(argv) -> str:
+    """train_grpo.py must exit 2 with a one-line 'error: ...' on stderr; returns that line."""
+    run = run_train(*argv)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.error.startswith("error: "), run.stderr[-3000:]
+    return run.error
 
 
 def test_fp8_on_a_gpu_without_sm90_emulates_with_a_warning(monkeypatch, capsys):
@@ -80,15 +77,15 @@ def test_vllm_missing_names_the_install_command(monkeypatch):
     assert "`pip install vllm==0.26.0`" in str(e.value) and "or set rollout.engine=hf" in str(e.value)
 
 
-def test_resume_errors(tmp_path, capsys):
-    err = main_error(capsys, ["--resume", str(tmp_path)])
+def test_resume_errors(tmp_path):
+    err = main_error(["--resume", str(tmp_path)])
     assert err == f"error: --resume {tmp_path}: not a run directory (no config.yaml)"
     # a run dir whose only checkpoint is a crashed save
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["log.tensorboard=false", f"train.out_dir={tmp_path}"])
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
     (tmp_path / "checkpoints" / ".tmp-step_000002").mkdir(parents=True)
     (tmp_path / "checkpoints" / ".tmp-step_000002" / "state.pt").write_bytes(b"torn")
-    err = main_error(capsys, ["--resume", str(tmp_path)])
+    err = main_error(["--resume", str(tmp_path)])
     assert err == (f"error: --resume {tmp_path}: no complete checkpoint in {tmp_path / 'checkpoints'}, so it cannot "
                    "be resumed; start a new run (another train.run_name), or delete that directory")
     assert (tmp_path / "config.yaml").is_file()  # a resumed run's dir is never removed
@@ -144,14 +141,14 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize("overrides, message", BAD_INPUT, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
-def test_bad_input_is_one_line_exit_2_and_leaves_no_run_dir(overrides, message, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_line_exit_2_and_leaves_no_run_dir(overrides, message, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # an hf id on a host without network
     (tmp_path / "d.jsonl").write_text('{"problem": "1+1=", "answer": "2"}\n')
     out = tmp_path / "runs"
     overrides = [o.replace("DATA", str(tmp_path / "d.jsonl")) for o in overrides]
-    err = main_error(capsys, ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={out}",
+    err = main_error(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={out}",
                               "log.tensorboard=true", *overrides])
     assert message in err, err
     assert not out.exists() or not list(out.iterdir()), list(out.iterdir())

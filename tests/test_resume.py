@@ -23,7 +23,7 @@ import torch
 
 from checkpoint import checkpoints, latest_checkpoint, load_checkpoint, load_latest, save_checkpoint
 from config import UserError
-from conftest import TINY_RUN, TINY_STEPS, read_metrics, train_cmd
+from conftest import TINY_RUN, TINY_STEPS, read_metrics, run_train, train_cmd
 
 VOLATILE = ("time/", "perf/")  # wall-clock figures: the only keys allowed to differ
 
@@ -254,13 +254,12 @@ def test_corrupt_newest_checkpoint_resumes_from_the_older_exactly(tiny_run, tmp_
     assert load_checkpoint(root / "step_000008")["step"] == 8
 
 
-def test_resume_overrides_are_recorded_and_shape_changes_refused(tiny_run, tmp_path, capsys):
+def test_resume_overrides_are_recorded_and_shape_changes_refused(tiny_run, tmp_path):
     """--resume R never rewrites R/config.yaml: its overrides go to R/resumes.jsonl and apply to later
     resumes and to export_hf (checkpoint.resume_config). An override of what the checkpoint's
     parameters or tokenizer depend on is refused in one line, before anything is loaded or written."""
     import shutil
 
-    import train_grpo
     from checkpoint import resume_config
 
     run_dir = tmp_path / "run"
@@ -268,10 +267,9 @@ def test_resume_overrides_are_recorded_and_shape_changes_refused(tiny_run, tmp_p
     config = (run_dir / "config.yaml").read_bytes()
 
     def error(*argv):
-        with pytest.raises(SystemExit) as e:
-            train_grpo.main(["--resume", str(run_dir), *argv])
-        assert e.value.code == 2
-        return capsys.readouterr().err.strip().splitlines()[-1]
+        run = run_train("--resume", str(run_dir), *argv)
+        assert run.returncode == 2, run.stderr[-3000:]
+        return run.error
 
     assert error("model.tiny.hidden_size=256") == (
         f"error: --resume {run_dir}: model.tiny.hidden_size cannot change on resume (128 -> 256): the checkpoint "
@@ -280,7 +278,8 @@ def test_resume_overrides_are_recorded_and_shape_changes_refused(tiny_run, tmp_p
     assert "drop --config and give changes as key=value overrides" in error("--config", "configs/tiny_cpu.yaml")
     assert (run_dir / "config.yaml").read_bytes() == config and not (run_dir / "resumes.jsonl").exists()
 
-    train_grpo.main(["--resume", str(run_dir), f"train.steps={TINY_STEPS + 1}"])  # one more step
+    run = run_train("--resume", str(run_dir), f"train.steps={TINY_STEPS + 1}")  # one more step
+    assert run.returncode == 0, run.stderr[-3000:]
     assert (run_dir / "config.yaml").read_bytes() == config
     records = [json.loads(line) for line in (run_dir / "resumes.jsonl").read_text().splitlines()]
     assert [(r["step"], r["overrides"]) for r in records] == [(TINY_STEPS, [f"train.steps={TINY_STEPS + 1}"])]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from config import load_config
-from train_grpo import main
+from conftest import run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -40,7 +40,9 @@ def tiny_overrides(path: Path, out_dir: Path) -> list[str]:
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT / "configs")) for p in CONFIGS])
 def test_shipped_config_trains_on_cpu(path, tmp_path):
     shipped = load_config(path)
-    run_dir = main(["--config", str(path), *tiny_overrides(path, tmp_path)])
+    run = run_train("--config", str(path), *tiny_overrides(path, tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    run_dir = run.run_dir
     cfg = load_config(run_dir / "config.yaml")
     for key in ("model.dtype", "model.gradient_checkpointing", "optim", "fp8", "loss", "train.compile"):
         section, _, field = key.partition(".")

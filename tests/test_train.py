@@ -2,23 +2,16 @@
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from checkpoint import latest_checkpoint
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import ROOT, read_metrics, run_train, train_cmd
 
 
 def run(args, cwd):
-    return subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=900)
-
-
-def read_metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """train_grpo.py in a child process (its own torch and compile state, as a user runs it)."""
+    return subprocess.run(train_cmd(*args), cwd=cwd, capture_output=True, text=True, timeout=900)
 
 
 def test_tiny_cpu_learns_with_emulated_fp8(tmp_path):
@@ -164,17 +157,17 @@ def test_gradients_are_freed_before_the_engine_wakes(tmp_path, monkeypatch):
     """After each update the trainer drops its gradients, so the rollout engine (vLLM on a GPU)
     wakes next to parameters and optimizer states only."""
     import distributed
-    import rollout
-    import train_grpo
+    from engines.hf import HFEngine
 
     trainer, held = [], []
     shard = distributed.shard
     monkeypatch.setattr(distributed, "shard", lambda model, *a, **k: trainer.append(model) or shard(model, *a, **k))
-    monkeypatch.setattr(rollout.HFEngine, "wake", lambda self: held.append(
+    monkeypatch.setattr(HFEngine, "wake", lambda self: held.append(
         sum(p.grad is not None for p in trainer[0].parameters())))
-    train_grpo.main(["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=3",
-                     "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0",
-                     "rollout.prompts_per_step=4", "train.save_final=false", "train.run_name=g"])
+    run = run_train("--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=3",
+                    "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0",
+                    "rollout.prompts_per_step=4", "train.save_final=false", "train.run_name=g")
+    assert run.returncode == 0, run.stderr[-3000:]
     steps = read_metrics(tmp_path / "g")
     assert len(held) == 3 and all(m["optim/grad_norm"] > 0 for m in steps)  # updates happened
     assert held == [0, 0, 0]
@@ -188,15 +181,24 @@ def test_length_multiple_makes_micro_batches_whole_blocks():
     assert length_multiple(4, 1) == 1  # BF16 / emulated FP8: no rounding
 
 
-def test_nothing_but_tests_imports_the_entry_script():
-    """train_grpo.py is a script: the modules, bench/, scripts/ and notebooks/ take what they share from
-    modules (batch.py, observe.py, trainer.py). Tests may import it, to drive main() in-process."""
+def test_nothing_imports_the_entry_script():
+    """train_grpo.py is a script: the modules, tests/, bench/, scripts/ and notebooks/ take what they share
+    from modules (batch.py, observe.py, trainer.py); tests run the script as a user does (conftest.run_train:
+    as __main__ in-process, or train_cmd: a child process)."""
     import re
 
-    pattern = re.compile(r"^\s*(?:from\s+train_grpo\s+import|import\s+train_grpo\b)", re.M)
+    pattern = re.compile(r"^\s*(?:from\s+train_grpo\s+import|import\s+train_grpo\b|from\s+\.*\s+import\s+train_grpo\b)"
+                         r"|import_module\(\s*.train_grpo.|__import__\(\s*.train_grpo.", re.M)
+    script = "train_grpo"  # (spelled apart, so that this file does not match)
+    for line in (f"import {script}", f"from {script} import main", f"  import {script} as t", f"from . import {script}",
+                 f"importlib.import_module('{script}')", f'__import__("{script}")'):
+        assert pattern.search(line), line  # the check sees every way of importing it
+    assert not pattern.search(f"import {script}_utils") and not pattern.search(f"run_path(ROOT / '{script}.py')")
     files = [p for p in [*ROOT.rglob("*.py"), *ROOT.rglob("*.ipynb")]
-             if not {".venv", "tests", "runs"} & set(p.relative_to(ROOT).parts)]
-    assert any(p.name == "analysis.py" for p in files)
+             if not {".venv", "runs"} & set(p.relative_to(ROOT).parts)]
+    names = {str(p.relative_to(ROOT)) for p in files}
+    assert {"analysis.py", "trainer.py", "tests/conftest.py", "tests/test_guards.py", "bench/runner.py",
+            "scripts/learn_gate.py"} <= names
     offenders = [str(p.relative_to(ROOT)) for p in files
                  if pattern.search(p.read_text().replace('\\n",', "\n").replace('"', " "))]
     assert offenders == []

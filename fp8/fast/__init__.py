@@ -5,7 +5,8 @@ converted. It gives every FP8 linear fast kernels, then adds what the config swi
 
 * kernels (always; same bytes): on torchao, one Triton pass writes an activation's 1x128 and 128x1
   copies and x is saved for backward in FP8 (torchao.py, kernels.py); each linear also gets the
-  SwiGLU entry points fuse_swiglu uses.
+  SwiGLU entry points fuse_swiglu uses. torchao.py also holds the torchao backend itself
+  (TorchaoFP8Linear, TorchaoKernels), which convert_to_fp8_training picks on SM90.
 * fp8.fuse_projections: q/k/v and gate/up of a layer as ONE FP8 GEMM each (fused.py).
 * fp8.fuse_swiglu (with fuse_projections): a SwiGLU MLP as one autograd node, silu(gate) * up made
   inside the FP8 quantization of down_proj's input (swiglu.py).
@@ -25,7 +26,8 @@ from torch import nn
 from fp8.fast.cache import WeightCache, attach_weight_caches, refresh_weight_caches, refresh_weight_caches_on_step
 from fp8.fast.fused import FusedLinear, fuse_projections
 from fp8.fast.swiglu import FusedSwiGLU, SwiGLUEmulatedKernels, fuse_swiglu, swiglu, swiglu_backward
-from fp8.linear import EmulatedKernels, TorchaoKernels, is_fp8_linear
+from fp8.fast.torchao import TorchaoKernels
+from fp8.linear import EmulatedKernels, is_fp8_linear
 
 if TYPE_CHECKING:
     from config import FP8Config
