@@ -6,8 +6,9 @@
 #   bash scripts/gpu_check.sh flagship [ARGS]  scripts/flagship_check.py: the shipped 8B configs at full shape, a few
 #                                      steps each -> $OUT/flagship.{md,json}, logs in $OUT/flagship_runs.tgz
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
-#   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, tiny_gpu x 4 seeds x {FP8
-#                                      recipe, BF16}, concurrent on the one GPU, < 10 min; PASS/FAIL (exit code),
+#   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, its SFT warm start then
+#                                      quickstart_gpu x 4 seeds x {FP8 recipe, BF16}, concurrent on the one GPU,
+#                                      < 10 min; PASS/FAIL (exit code),
 #                                      $OUT/learn_gate.{json,md}, per-run metrics + logs (and all in learn_runs.tgz)
 #   bash scripts/gpu_check.sh rollout  [ARGS]  bench/rollout.py: 8B-shape VLLMEngine throughput -> $OUT/rollout.json
 #                                      (default Llama-3.1-8B, bf16/fp8kv/fp8; e.g. --models qwen3; stops at 540 s)
