@@ -55,6 +55,12 @@ class TinyModelConfig:
     vocab_size: int = 0
     """0 = the tokenizer's size. Larger pads embeddings and lm_head to a real model's vocab (speed
     benchmarks at real shapes; ids past the tokenizer's decode to nothing)."""
+    num_experts: int = 0
+    """Mixture-of-experts families (arch qwen3_moe): experts per layer (>= 2); 0 for a dense family."""
+    num_experts_per_tok: int = 2
+    """MoE: experts each token is routed to (the router's top-k), 1 to num_experts."""
+    moe_intermediate_size: int = 128
+    """MoE: each expert's SwiGLU width; keep a multiple of 128 so the expert GEMMs are block FP8."""
 
 
 @dataclass
@@ -485,6 +491,7 @@ def validate(cfg: Config) -> None:
          m.tiny.num_kv_heads >= 1 and m.tiny.num_heads % m.tiny.num_kv_heads == 0,
          f">= 1 and divide model.tiny.num_heads ({m.tiny.num_heads})"),
         ("model.tiny.vocab", m.tiny.vocab, len(m.tiny.vocab) > 0, "a non-empty string of characters"),
+        *_tiny_moe_rules(m.tiny),
         ("data.val_size", d.val_size, d.val_size >= 0, ">= 0"),
         ("data.max_prompt_tokens", d.max_prompt_tokens, d.max_prompt_tokens >= 1, ">= 1"),
         ("data.synthetic.difficulty", d.synthetic.difficulty, 1 <= d.synthetic.difficulty <= 5, "1 to 5"),
@@ -559,6 +566,18 @@ def validate(cfg: Config) -> None:
         if not _finite(value):
             raise ConfigError(f"{key}={value}: must be a finite number")
     _check_updates_survive(cfg)
+
+
+def _tiny_moe_rules(t: TinyModelConfig) -> list:
+    """validate's rows for the tiny model's expert counts: set for a MoE family, 0 for a dense one."""
+    spec = FAMILIES.get(t.arch)
+    if spec is None or spec.experts is None:
+        return [("model.tiny.num_experts", t.num_experts, t.num_experts == 0,
+                 f"0 for the dense family {t.arch!r} (experts need a MoE family, e.g. model.tiny.arch=qwen3_moe)")]
+    return [("model.tiny.num_experts", t.num_experts, t.num_experts >= 2, f">= 2 for the MoE family {t.arch!r}"),
+            ("model.tiny.num_experts_per_tok", t.num_experts_per_tok, 1 <= t.num_experts_per_tok <= t.num_experts,
+             f"in [1, model.tiny.num_experts] ({t.num_experts})"),
+            ("model.tiny.moe_intermediate_size", t.moe_intermediate_size, t.moe_intermediate_size >= 1, ">= 1")]
 
 
 def to_dict(cfg) -> dict:
