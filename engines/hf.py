@@ -32,6 +32,7 @@ from config import Config, FP8Config
 from fp8.calibrate import install
 from fp8.export import KV_SCALE_NAMES, SCALE_SUFFIX, kv_scale_names
 from fp8.linear import EmulatedFP8Linear, is_fp8_linear
+from fp8.moe import BlockFP8Experts, convert_experts, expert_names
 from fp8.plan import clean_name, fp8_plan, log_summary
 from fp8.quant import BLOCK, E4M3, dequantize_blockwise, fake_quant_per_tensor
 from models import attention_modules
@@ -134,6 +135,7 @@ def convert_to_fp8_rollout(model: nn.Module, cfg: FP8Config) -> list[str]:
         if isinstance(mod, nn.Linear) and not is_fp8_linear(mod) and plan.get(name, (False,))[0]:
             model.set_submodule(raw_name, EmulatedFP8Linear.from_linear(mod, "vllm"))
             converted.append(name)
+    converted += convert_experts(model, cfg, plan, act_recipe="vllm")  # vLLM's block-FP8 fused MoE
     log_summary("block-W8A8 (vLLM emulation)", plan)
     return converted
 
