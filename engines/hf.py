@@ -146,11 +146,14 @@ def load_exported_into_hf(model: nn.Module, pairs: Iterable[tuple[str, Tensor]])
 
     FP8 weights are dequantized (q * scale_inv, float32, then the parameter dtype); into an
     EmulatedFP8Linear (convert_to_fp8_rollout) the exact FP8 bytes are also pinned, so its GEMM
-    uses them. KV scales, if present, turn on FP8 attention emulation (set_kv_scales).
+    uses them. MoE experts arrive as one linear per expert (fp8/export.py) and are written into their rows
+    of the 3-D parameters (into a BlockFP8Experts, fp8/moe.py, with the exact FP8 bytes pinned too).
+    KV scales, if present, turn on FP8 attention emulation (set_kv_scales).
     Returns the names of the parameters/buffers written; raises KeyError on a name the model lacks.
     """
     params = {clean_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
     modules = {clean_name(n): m for n, m in model.named_modules()}
+    experts = expert_names(model)  # per-expert linear -> its rows of a 3-D parameter
     pending: dict[str, dict[str, Tensor]] = {}  # prefix -> {"q": ..., "s": ...} until both arrived
     kv_prefix = {p: i for i, p in kv_scale_names(model).items()}
     kv: dict[int, dict[str, float]] = {}
@@ -164,6 +167,17 @@ def load_exported_into_hf(model: nn.Module, pairs: Iterable[tuple[str, Tensor]])
             if len(slot) < 2:
                 continue
             del pending[prefix]
+            if prefix in experts:
+                module, param, e, rows = experts[prefix]
+                mod = modules[module]
+                if isinstance(mod, BlockFP8Experts):
+                    mod.load_fp8_expert(param, e, rows, slot["q"], slot["s"])
+                else:
+                    target = params[f"{module}.{param}"]
+                    target[e, rows] = dequantize_blockwise(slot["q"].to(target.device), slot["s"].to(target.device),
+                                                           BLOCK, target.dtype)
+                loaded.add(prefix + ".weight")
+                continue
             target = params.get(prefix + ".weight")
             if target is None:
                 raise KeyError(f"exported FP8 weight {prefix}.weight not in model")
@@ -178,6 +192,11 @@ def load_exported_into_hf(model: nn.Module, pairs: Iterable[tuple[str, Tensor]])
         prefix, _, leaf = name.rpartition(".")
         if leaf in KV_SCALE_NAMES and prefix in kv_prefix:
             kv.setdefault(kv_prefix[prefix], {})[leaf] = float(t)
+            continue
+        if (entry := experts.get(name.removesuffix(".weight"))) is not None:  # one expert's BF16 linear
+            module, param, e, rows = entry
+            params[f"{module}.{param}"][e, rows] = t.to(params[f"{module}.{param}"].dtype)
+            loaded.add(name)
             continue
         target = params.get(name)
         if target is None:
