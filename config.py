@@ -224,6 +224,22 @@ class FP8Config:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts models (a family with experts, e.g. qwen3_moe); routing.py has the mechanism."""
+    aux_loss_coef: float = 0.0
+    """Weight of the Switch-Transformer load-balancing loss (Fedus et al. 2021; HF's router_aux_loss_coef,
+    0.001 in Qwen3-MoE pre-training) added to the policy loss, over the routers of the policy forward
+    and the real tokens. It keeps experts evenly used; RL fine-tuning usually leaves it at 0 (the
+    reward, not balance, is the objective). Must be 0 for a dense model."""
+    router_replay: bool = False
+    """Routing replay (verl's R3, NeMo RL): the trainer's old_logp and policy forwards route each token
+    to the top-k experts the engine chose in the rollout (rollout.Sample.routed_experts), the router
+    weights recomputed from the trainer's logits over those experts, instead of the trainer's own top-k.
+    Removes the expert-choice part of the rollout/trainer mismatch (moe/routing_mismatch, logged every
+    step either way). Needs a MoE model."""
+
+
+@dataclass
 class OptimConfig:
     name: Literal["adamw", "adamw8bit"] = "adamw"
     """adamw: torch.optim.AdamW (states in the parameter dtype: 8 bytes per fp32 parameter).
@@ -325,6 +341,7 @@ class Config:
     fp8: FP8Config = field(default_factory=FP8Config)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -523,6 +540,7 @@ def validate(cfg: Config) -> None:
         ("loss.entropy_target", lo.entropy_target, lo.entropy_target is None or lo.entropy_target > 0,
          "> 0 nats, or null (a fixed loss.entropy_coef)"),
         ("loss.entropy_coef_step", lo.entropy_coef_step, lo.entropy_coef_step > 0, "> 0"),
+        ("moe.aux_loss_coef", cfg.moe.aux_loss_coef, cfg.moe.aux_loss_coef >= 0, ">= 0 (0 = off)"),
         ("optim.lr", o.lr, o.lr > 0, "> 0 (0 never moves the weights; a negative lr ascends the loss)"),
         ("optim.betas", o.betas, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
          "two numbers in [0, 1), e.g. [0.9, 0.999]"),
@@ -562,7 +580,7 @@ def validate(cfg: Config) -> None:
     for key, value in [("optim.lr", o.lr), ("optim.eps", o.eps), ("optim.max_grad_norm", o.max_grad_norm or 0),
                        ("loss.clip_low", lo.clip_low), ("loss.clip_high", lo.clip_high), ("loss.kl_coef", lo.kl_coef),
                        ("rollout.temperature", r.temperature), ("data.format_reward", d.format_reward),
-                       ("advantage.eps", a.eps)]:
+                       ("advantage.eps", a.eps), ("moe.aux_loss_coef", cfg.moe.aux_loss_coef)]:
         if not _finite(value):
             raise ConfigError(f"{key}={value}: must be a finite number")
     _check_updates_survive(cfg)

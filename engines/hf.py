@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import routing
 from config import Config, FP8Config
 from fp8.calibrate import install
 from fp8.export import KV_SCALE_NAMES, SCALE_SUFFIX, kv_scale_names
@@ -84,9 +85,13 @@ class HFEngine:
         sampler = None if greedy else _GumbelSampler(range(seed, seed + len(rows)), temperature, top_p)
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                    pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
-        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                  generation_config=gen_cfg, logits_processor=LogitsProcessorList(
-                                      [sampler] if sampler else []))
+        with routing.capture(self.model) as routed:  # MoE: each router's top-k ids of every forward call
+            out = self.model.generate(input_ids=input_ids.to(self.device),
+                                      attention_mask=attention_mask.to(self.device), generation_config=gen_cfg,
+                                      logits_processor=LogitsProcessorList([sampler] if sampler else []))
+        if routed is not None:  # [R, width + calls - 1, layers, k]: prefill, then one position per call
+            routed = torch.stack([torch.cat([c.view(len(rows), -1, c.shape[-1]) for c in calls], 1)
+                                  for calls in routed], dim=2).to(torch.int16).cpu()
         new_tokens = out.sequences[:, width:]  # [B, T_new]
         # processed logits: log_softmax(top-p(logits / T)) (greedy: the raw logits)
         scores = torch.stack(sampler.processed if sampler else out.scores, dim=1).float()  # [B, T_new, V]
@@ -97,7 +102,8 @@ class HFEngine:
             finish = "length"
             if eos in toks:
                 toks, finish = toks[: toks.index(eos) + 1], "stop"
-            samples.append(Sample(i // n, r, toks, logprobs[i, : len(toks)].tolist(), finish))
+            samples.append(Sample(i // n, r, toks, logprobs[i, : len(toks)].tolist(), finish, None if routed is None
+                                  else routed[i, width - len(r): width + len(toks) - 1].clone()))  # [P + T - 1, ...]
         return samples
 
 
