@@ -80,15 +80,16 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy
 
 @torch.no_grad()
 def logprob_pass(model, input_ids, attention_mask, temperature: float, micro_batch: int, *,
-                 entropy: bool = False, mixed: bool = False, device=None):
+                 entropy: bool = False, mixed: bool = False, device=None, forward_context=None):
     """No-grad token_logprobs of a whole batch, micro_batch rows per forward: logp [B, L], or
     (logp, entropy) [B, L] each with entropy=True. mixed: amp(). device: move each micro-batch
-    there first (a batch kept on the CPU, scored on the GPU); the result stays where it was computed."""
+    there first (a batch kept on the CPU, scored on the GPU); the result stays where it was computed.
+    forward_context: rows slice -> a context each micro-batch's forward runs in (routing.forward_context)."""
     parts = []
     for s in micro_batches(len(input_ids), micro_batch):
         ids, am = (input_ids[s], attention_mask[s]) if device is None else \
             (input_ids[s].to(device), attention_mask[s].to(device))
-        with amp(mixed):
+        with amp(mixed), (forward_context(s) if forward_context else contextlib.nullcontext()):
             parts.append(token_logprobs(model, ids, am, temperature, entropy=entropy))
     return tuple(torch.cat(x) for x in zip(*parts)) if entropy else torch.cat(parts)
 
@@ -110,6 +111,7 @@ class StepBatch:
     rollout_logp: Tensor        # [B, L] engine logprobs
     old_logp: Tensor | None = None  # [B, L] trainer logprobs of the behaviour weights
     ref_logp: Tensor | None = None  # [B, L] KL reference (loss.kl_coef > 0)
+    routed_experts: Tensor | None = None  # [B, L, moe layers, k] int16 engine routing, -1 = none (routing.py)
 
     @property
     def answers(self) -> list[str]:

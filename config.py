@@ -55,6 +55,12 @@ class TinyModelConfig:
     vocab_size: int = 0
     """0 = the tokenizer's size. Larger pads embeddings and lm_head to a real model's vocab (speed
     benchmarks at real shapes; ids past the tokenizer's decode to nothing)."""
+    num_experts: int = 0
+    """Mixture-of-experts families (arch qwen3_moe): experts per layer (>= 2); 0 for a dense family."""
+    num_experts_per_tok: int = 2
+    """MoE: experts each token is routed to (the router's top-k), 1 to num_experts."""
+    moe_intermediate_size: int = 128
+    """MoE: each expert's SwiGLU width; keep a multiple of 128 so the expert GEMMs are block FP8."""
 
 
 @dataclass
@@ -218,6 +224,22 @@ class FP8Config:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts models (a family with experts, e.g. qwen3_moe); routing.py has the mechanism."""
+    aux_loss_coef: float = 0.0
+    """Weight of the Switch-Transformer load-balancing loss (Fedus et al. 2021; HF's router_aux_loss_coef,
+    0.001 in Qwen3-MoE pre-training) added to the policy loss, over the routers of the policy forward
+    and the real tokens. It keeps experts evenly used; RL fine-tuning usually leaves it at 0 (the
+    reward, not balance, is the objective). Must be 0 for a dense model."""
+    router_replay: bool = False
+    """Routing replay (verl's R3, NeMo RL): the trainer's old_logp and policy forwards route each token
+    to the top-k experts the engine chose in the rollout (rollout.Sample.routed_experts), the router
+    weights recomputed from the trainer's logits over those experts, instead of the trainer's own top-k.
+    Removes the expert-choice part of the rollout/trainer mismatch (moe/routing_mismatch, logged every
+    step either way). Needs a MoE model."""
+
+
+@dataclass
 class OptimConfig:
     name: Literal["adamw", "adamw8bit"] = "adamw"
     """adamw: torch.optim.AdamW (states in the parameter dtype: 8 bytes per fp32 parameter).
@@ -319,6 +341,7 @@ class Config:
     fp8: FP8Config = field(default_factory=FP8Config)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     log: LogConfig = field(default_factory=LogConfig)
@@ -485,6 +508,7 @@ def validate(cfg: Config) -> None:
          m.tiny.num_kv_heads >= 1 and m.tiny.num_heads % m.tiny.num_kv_heads == 0,
          f">= 1 and divide model.tiny.num_heads ({m.tiny.num_heads})"),
         ("model.tiny.vocab", m.tiny.vocab, len(m.tiny.vocab) > 0, "a non-empty string of characters"),
+        *_tiny_moe_rules(m.tiny),
         ("data.val_size", d.val_size, d.val_size >= 0, ">= 0"),
         ("data.max_prompt_tokens", d.max_prompt_tokens, d.max_prompt_tokens >= 1, ">= 1"),
         ("data.synthetic.difficulty", d.synthetic.difficulty, 1 <= d.synthetic.difficulty <= 5, "1 to 5"),
@@ -516,6 +540,7 @@ def validate(cfg: Config) -> None:
         ("loss.entropy_target", lo.entropy_target, lo.entropy_target is None or lo.entropy_target > 0,
          "> 0 nats, or null (a fixed loss.entropy_coef)"),
         ("loss.entropy_coef_step", lo.entropy_coef_step, lo.entropy_coef_step > 0, "> 0"),
+        ("moe.aux_loss_coef", cfg.moe.aux_loss_coef, cfg.moe.aux_loss_coef >= 0, ">= 0 (0 = off)"),
         ("optim.lr", o.lr, o.lr > 0, "> 0 (0 never moves the weights; a negative lr ascends the loss)"),
         ("optim.betas", o.betas, len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
          "two numbers in [0, 1), e.g. [0.9, 0.999]"),
@@ -555,10 +580,22 @@ def validate(cfg: Config) -> None:
     for key, value in [("optim.lr", o.lr), ("optim.eps", o.eps), ("optim.max_grad_norm", o.max_grad_norm or 0),
                        ("loss.clip_low", lo.clip_low), ("loss.clip_high", lo.clip_high), ("loss.kl_coef", lo.kl_coef),
                        ("rollout.temperature", r.temperature), ("data.format_reward", d.format_reward),
-                       ("advantage.eps", a.eps)]:
+                       ("advantage.eps", a.eps), ("moe.aux_loss_coef", cfg.moe.aux_loss_coef)]:
         if not _finite(value):
             raise ConfigError(f"{key}={value}: must be a finite number")
     _check_updates_survive(cfg)
+
+
+def _tiny_moe_rules(t: TinyModelConfig) -> list:
+    """validate's rows for the tiny model's expert counts: set for a MoE family, 0 for a dense one."""
+    spec = FAMILIES.get(t.arch)
+    if spec is None or spec.experts is None:
+        return [("model.tiny.num_experts", t.num_experts, t.num_experts == 0,
+                 f"0 for the dense family {t.arch!r} (experts need a MoE family, e.g. model.tiny.arch=qwen3_moe)")]
+    return [("model.tiny.num_experts", t.num_experts, t.num_experts >= 2, f">= 2 for the MoE family {t.arch!r}"),
+            ("model.tiny.num_experts_per_tok", t.num_experts_per_tok, 1 <= t.num_experts_per_tok <= t.num_experts,
+             f"in [1, model.tiny.num_experts] ({t.num_experts})"),
+            ("model.tiny.moe_intermediate_size", t.moe_intermediate_size, t.moe_intermediate_size >= 1, ">= 1")]
 
 
 def to_dict(cfg) -> dict:

@@ -55,7 +55,7 @@ def build_tiny_model(t: TinyModelConfig, tokenizer, dtype: torch.dtype):
                      num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim,
                      max_position_embeddings=t.max_position_embeddings, tie_word_embeddings=False,
                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                     pad_token_id=tokenizer.pad_token_id)
+                     pad_token_id=tokenizer.pad_token_id, **(spec.tiny_config(t) if spec.tiny_config else {}))
     return cls_model._from_config(hf_cfg, dtype=dtype)
 
 

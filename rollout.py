@@ -35,6 +35,10 @@ class Sample:
     token_ids: list[int]  # response tokens, EOS included when emitted
     logprobs: list[float]  # engine logprob of each response token
     finish_reason: str  # "stop" | "length"
+    routed_experts: torch.Tensor | None = None
+    """MoE models: [P + T - 1, moe layers, k] int16, the top-k expert ids each MoE layer chose at each
+    position the engine ran (prompt and response tokens; the last sampled token is never fed back),
+    vLLM's CompletionOutput.routed_experts layout; None for dense models (routing.py replays them)."""
 
 
 class Engine(Protocol):

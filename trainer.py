@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import distributed
+import routing
 from batch import StepBatch, amp, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
 from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
 from config import Config, UserError
@@ -152,6 +153,9 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
     """FP8 linears (fp8.train), compiled layers (train.compile), FSDP2 (world > 1), in that order;
     returns the token multiple the trainer's FP8 GEMMs want (1 = any)."""
     fp8_tokens = 1
+    if (cfg.moe.router_replay or cfg.moe.aux_loss_coef) and not routing.is_moe(model):
+        raise UserError("moe.router_replay / moe.aux_loss_coef need a mixture-of-experts model (a family with "
+                        "experts, e.g. model.tiny.arch=qwen3_moe); set moe.router_replay=false moe.aux_loss_coef=0")
     if cfg.fp8.train:
         from fp8.linear import convert_to_fp8_training, use_torchao
         from fp8.quant import BLOCK
@@ -276,8 +280,10 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
     input_ids, attention_mask, mask, rollout_logp = (x.to(d.device) for x in collate(
         groups.samples, run.tokenizer.pad_token_id, length_multiple(min(mb, B), run.fp8_tokens)))
     loss_mask = mask * keep.repeat_interleave(n).to(d.device)[:, None]  # [B, L]
+    routed = routing.collate_routing(groups.samples, input_ids.shape[1])  # MoE: the engine's experts, else None
     return StepBatch(groups.prompts, groups.samples, groups.texts, groups.rewards, groups.correct, keep,
-                     advantages.to(d.device), input_ids, attention_mask, mask, loss_mask, rollout_logp)
+                     advantages.to(d.device), input_ids, attention_mask, mask, loss_mask, rollout_logp,
+                     routed_experts=None if routed is None else routed.to(d.device))
 
 
 # ----------------------------------------------------------------------------- trainer passes
@@ -289,9 +295,12 @@ def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
     t0 = time.perf_counter()
     capture = run.calibrator.capture() if run.calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
         else contextlib.nullcontext()
+    stats = routing.RoutingStats()  # MoE: the trainer's top-k vs the engine's, over response tokens
+    routed = routing.forward_context(run.model, b.routed_experts, cfg.moe.router_replay, b.mask.bool(), stats)
     with capture, torch.profiler.record_function("logprobs"):
         b.old_logp, entropy = logprob_pass(run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
-                                           cfg.train.micro_batch_size, entropy=True, mixed=run.mixed)  # [B, L]
+                                           cfg.train.micro_batch_size, entropy=True, mixed=run.mixed,
+                                           forward_context=routed)  # [B, L]
     if run.ref_model is not None:
         b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
                                   cfg.train.micro_batch_size, mixed=run.mixed)
@@ -300,6 +309,10 @@ def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
                                       / distributed.all_sum(b.mask.sum(), d).clamp(min=1))
     metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
         *(distributed.gather_rows(x, d) for x in (b.old_logp, b.rollout_logp, b.mask))).items()})
+    if routed is not None:
+        tally = distributed.all_sum(torch.tensor([stats.differ, stats.pairs, stats.tokens_differ, stats.tokens],
+                                                 device=d.device), d).tolist()
+        metrics.update(routing.RoutingStats(*tally).metrics())
 
 
 def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
@@ -339,6 +352,8 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
             nonfinite_loss = torch.zeros((), device=d.device)
             for micro in micro_batches(len(idx), mb):
                 j = idx[micro]
+                routed = routing.prepare(model, None if b.routed_experts is None else b.routed_experts[j],
+                                         cfg.moe.router_replay, keep_logits=cfg.moe.aux_loss_coef > 0)  # MoE
                 with amp(run.mixed):  # the policy forward, with grad
                     logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
                                           entropy=entropy_coef > 0)
@@ -351,6 +366,10 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                 loss = loss * weight
                 if entropy_coef > 0:  # the bonus: mean entropy over all the mini-batch's response tokens
                     loss = loss - entropy_coef * (policy_entropy * b.mask[j]).sum() / mini_all_tokens
+                if routed is not None and cfg.moe.aux_loss_coef > 0:  # MoE load balancing, over the real tokens
+                    aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j])
+                    loss = loss + cfg.moe.aux_loss_coef * aux * weight
+                    m = {**m, "moe/aux_loss": float(aux.detach())}
                 (loss * distributed.grad_scale(d)).backward()
                 nonfinite_loss += (~torch.isfinite(loss.detach())).float()
                 for k, v in m.items():
@@ -372,6 +391,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
             metrics["optim/grad_norm"] = float(grad_norm)  # before clipping; after (clip_grads_with_norm_'s factor):
             metrics["optim/grad_norm_clipped"] = float(grad_norm) * min(1.0, max_norm / (float(grad_norm) + 1e-6))
         optimizer.zero_grad(set_to_none=True)  # free the gradients before the engine wakes (memory)
+        routing.clear(model)
         if d.world > 1:  # each rank's terms are already weighted by its share of the global batch
             summed = distributed.all_sum(torch.tensor(list(loss_metrics.values()), device=d.device), d)
             loss_metrics = dict(zip(loss_metrics, summed.tolist()))

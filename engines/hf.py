@@ -28,10 +28,12 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+import routing
 from config import Config, FP8Config
 from fp8.calibrate import install
 from fp8.export import KV_SCALE_NAMES, SCALE_SUFFIX, kv_scale_names
 from fp8.linear import EmulatedFP8Linear, is_fp8_linear
+from fp8.moe import BlockFP8Experts, convert_experts, expert_names
 from fp8.plan import clean_name, fp8_plan, log_summary
 from fp8.quant import BLOCK, E4M3, dequantize_blockwise, fake_quant_per_tensor
 from models import attention_modules
@@ -83,9 +85,13 @@ class HFEngine:
         sampler = None if greedy else _GumbelSampler(range(seed, seed + len(rows)), temperature, top_p)
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                    pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
-        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                                  generation_config=gen_cfg, logits_processor=LogitsProcessorList(
-                                      [sampler] if sampler else []))
+        with routing.capture(self.model) as routed:  # MoE: each router's top-k ids of every forward call
+            out = self.model.generate(input_ids=input_ids.to(self.device),
+                                      attention_mask=attention_mask.to(self.device), generation_config=gen_cfg,
+                                      logits_processor=LogitsProcessorList([sampler] if sampler else []))
+        if routed is not None:  # [R, width + calls - 1, layers, k]: prefill, then one position per call
+            routed = torch.stack([torch.cat([c.view(len(rows), -1, c.shape[-1]) for c in calls], 1)
+                                  for calls in routed], dim=2).to(torch.int16).cpu()
         new_tokens = out.sequences[:, width:]  # [B, T_new]
         # processed logits: log_softmax(top-p(logits / T)) (greedy: the raw logits)
         scores = torch.stack(sampler.processed if sampler else out.scores, dim=1).float()  # [B, T_new, V]
@@ -96,7 +102,8 @@ class HFEngine:
             finish = "length"
             if eos in toks:
                 toks, finish = toks[: toks.index(eos) + 1], "stop"
-            samples.append(Sample(i // n, r, toks, logprobs[i, : len(toks)].tolist(), finish))
+            samples.append(Sample(i // n, r, toks, logprobs[i, : len(toks)].tolist(), finish, None if routed is None
+                                  else routed[i, width - len(r): width + len(toks) - 1].clone()))  # [P + T - 1, ...]
         return samples
 
 
@@ -134,6 +141,7 @@ def convert_to_fp8_rollout(model: nn.Module, cfg: FP8Config) -> list[str]:
         if isinstance(mod, nn.Linear) and not is_fp8_linear(mod) and plan.get(name, (False,))[0]:
             model.set_submodule(raw_name, EmulatedFP8Linear.from_linear(mod, "vllm"))
             converted.append(name)
+    converted += convert_experts(model, cfg, plan, act_recipe="vllm")  # vLLM's block-FP8 fused MoE
     log_summary("block-W8A8 (vLLM emulation)", plan)
     return converted
 
@@ -144,11 +152,14 @@ def load_exported_into_hf(model: nn.Module, pairs: Iterable[tuple[str, Tensor]])
 
     FP8 weights are dequantized (q * scale_inv, float32, then the parameter dtype); into an
     EmulatedFP8Linear (convert_to_fp8_rollout) the exact FP8 bytes are also pinned, so its GEMM
-    uses them. KV scales, if present, turn on FP8 attention emulation (set_kv_scales).
+    uses them. MoE experts arrive as one linear per expert (fp8/export.py) and are written into their rows
+    of the 3-D parameters (into a BlockFP8Experts, fp8/moe.py, with the exact FP8 bytes pinned too).
+    KV scales, if present, turn on FP8 attention emulation (set_kv_scales).
     Returns the names of the parameters/buffers written; raises KeyError on a name the model lacks.
     """
     params = {clean_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
     modules = {clean_name(n): m for n, m in model.named_modules()}
+    experts = expert_names(model)  # per-expert linear -> its rows of a 3-D parameter
     pending: dict[str, dict[str, Tensor]] = {}  # prefix -> {"q": ..., "s": ...} until both arrived
     kv_prefix = {p: i for i, p in kv_scale_names(model).items()}
     kv: dict[int, dict[str, float]] = {}
@@ -162,6 +173,17 @@ def load_exported_into_hf(model: nn.Module, pairs: Iterable[tuple[str, Tensor]])
             if len(slot) < 2:
                 continue
             del pending[prefix]
+            if prefix in experts:
+                module, param, e, rows = experts[prefix]
+                mod = modules[module]
+                if isinstance(mod, BlockFP8Experts):
+                    mod.load_fp8_expert(param, e, rows, slot["q"], slot["s"])
+                else:
+                    target = params[f"{module}.{param}"]
+                    target[e, rows] = dequantize_blockwise(slot["q"].to(target.device), slot["s"].to(target.device),
+                                                           BLOCK, target.dtype)
+                loaded.add(prefix + ".weight")
+                continue
             target = params.get(prefix + ".weight")
             if target is None:
                 raise KeyError(f"exported FP8 weight {prefix}.weight not in model")
@@ -176,6 +198,11 @@ def load_exported_into_hf(model: nn.Module, pairs: Iterable[tuple[str, Tensor]])
         prefix, _, leaf = name.rpartition(".")
         if leaf in KV_SCALE_NAMES and prefix in kv_prefix:
             kv.setdefault(kv_prefix[prefix], {})[leaf] = float(t)
+            continue
+        if (entry := experts.get(name.removesuffix(".weight"))) is not None:  # one expert's BF16 linear
+            module, param, e, rows = entry
+            params[f"{module}.{param}"][e, rows] = t.to(params[f"{module}.{param}"].dtype)
+            loaded.add(name)
             continue
         target = params.get(name)
         if target is None:

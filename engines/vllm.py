@@ -52,14 +52,15 @@ def vllm_env(cfg: Config) -> dict[str, str]:
 
 
 def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_config: dict | None = None,
-                       architecture: str | None = None) -> dict:
+                       architecture: str | None = None, moe: bool = False) -> dict:
     """Keyword arguments of vllm.LLM (== vllm.engine.arg_utils.EngineArgs fields) for this run.
 
     architecture: the trainer's class (e.g. LlamaForCausalLM), forced through hf_overrides so a
     config dir without "architectures" (modeling.save_config_dir writes it; older dirs may lack
     it) cannot make vLLM 0.26 resolve the headless LlamaModel. quant_config:
     fp8.export.vllm_quantization_config (fp8.rollout), whose ignored_layers are the HF linears THE
-    skip-list keeps in BF16."""
+    skip-list keeps in BF16. moe: a mixture-of-experts model, whose engine returns each token's experts
+    (vLLM 0.26 ModelConfig.enable_return_routed_experts -> CompletionOutput.routed_experts)."""
     r, f = cfg.rollout, cfg.fp8
     overrides = {"architectures": [architecture]} if architecture else {}
     kw = dict(
@@ -71,6 +72,8 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
     )
     if r.block_size:
         kw["block_size"] = r.block_size
+    if moe:  # routing.py: router replay and moe/routing_mismatch read Sample.routed_experts
+        kw["enable_return_routed_experts"] = True
     if f.rollout:
         kw["quantization"] = "fp8"
         if quant_config is None:
@@ -149,6 +152,14 @@ def kv_scale_entry(name: str) -> tuple[int, str] | None:
     return (int(layer.group(1)), m.group(1)) if m else None
 
 
+def routed_experts(output) -> torch.Tensor | None:
+    """A vLLM 0.26 CompletionOutput's routed_experts (numpy [P + T - 1, moe layers, k]: the prompt's routing
+    at prefill, then the routing of each fed-back token) as int16, Sample.routed_experts; None when not
+    returned (a dense model, or enable_return_routed_experts off)."""
+    r = getattr(output, "routed_experts", None)
+    return None if r is None else torch.as_tensor(r).to(torch.int16)
+
+
 class VLLMEngine:
     """vLLM in-process, colocated with the trainer: one `vllm.LLM` per process (vLLM allows one).
 
@@ -180,7 +191,9 @@ class VLLMEngine:
         from fp8.export import vllm_quantization_config
         quant_config = vllm_quantization_config(model, cfg.fp8) if cfg.fp8.rollout else None
         arch = (getattr(getattr(model, "config", None), "architectures", None) or [type(model).__name__])[0]
-        self.engine_kwargs = vllm_engine_kwargs(cfg, model_dir, world_size, quant_config, arch)
+        import routing
+
+        self.engine_kwargs = vllm_engine_kwargs(cfg, model_dir, world_size, quant_config, arch, routing.is_moe(model))
         os.environ.update(vllm_env(cfg))  # before the first `import vllm`
         try:
             import vllm
@@ -360,7 +373,7 @@ class VLLMEngine:
                 assert len(logprobs) == len(toks) and all(lp.token_ids[s] == t for s, t in zip(lp.start_indices, toks))
                 if o.finish_reason not in ("stop", "length"):
                     raise RuntimeError(f"vLLM finished a request with reason {o.finish_reason!r}")
-                samples.append(Sample(i, list(prompt_ids[i]), toks, logprobs, o.finish_reason))
+                samples.append(Sample(i, list(prompt_ids[i]), toks, logprobs, o.finish_reason, routed_experts(o)))
         return samples
 
     # ------------------------------------------------------------------ read-back for tests
@@ -400,6 +413,29 @@ class VLLMEngine:
             bn = (getattr(mod, "weight_block_size", None) or [BLOCK])[0]
             scale = scale[lo // bn: -(-hi // bn)].detach().clone()
         return w[lo:hi].detach().clone(), scale
+
+    def internal_expert_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-expert HF name (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`, fp8.moe.expert_names)
+        -> (weight [n, K], weight_scale_inv [n/128, K/128] or None) as vLLM's FusedMoE holds it (clones).
+
+        vLLM 0.26 FusedMoE: w13_weight [E, 2I, H] (gate rows, then up), w2_weight [E, H, I], block scales
+        w13_/w2_weight_scale_inv [E, rows/128, cols/128] (Fp8MoEMethod, block quant). Layouts as the
+        Triton / cutlass MoE backends keep them (no shuffling)."""
+        self._wake(("weights",))
+        path, _, leaf = name.removesuffix(".weight").rpartition(".")
+        experts_path, _, e = path.rpartition(".")
+        mod, e = self._model().get_submodule(experts_path), int(e)
+        w13 = leaf in ("gate_proj", "up_proj")
+        w = (mod.w13_weight if w13 else mod.w2_weight)[e]
+        scale = getattr(mod, "w13_weight_scale_inv" if w13 else "w2_weight_scale_inv", None)
+        scale = None if scale is None else scale[e]
+        if w13:
+            half = w.shape[0] // 2
+            lo = 0 if leaf == "gate_proj" else half
+            w = w[lo:lo + half]
+            if scale is not None:
+                scale = scale[lo // BLOCK: (lo + half) // BLOCK]
+        return w.detach().clone(), None if scale is None else scale.detach().clone()
 
     def internal_kv_scales(self) -> dict[int, tuple[float, float, float]]:
         """{layer: (q, k, v)} read back from vLLM's attention scale tensors."""

@@ -12,6 +12,12 @@ to what torchao's kernels use in the trainer (both are fp8/quant.py). All other 
 yielded as they are (model dtype, no copy). A tied lm_head.weight is skipped, as vLLM's
 LlamaForCausalLM/Qwen3ForCausalLM.load_weights skip it too.
 
+MoE experts (models/<family>.py `experts`): each 3-D parameter goes out as one 2-D linear per expert,
+`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight` (+ `.weight_scale_inv` when the plan
+makes the experts FP8): the per-expert names vLLM's FusedMoE loader maps to w13/w2 (and the published
+Qwen3-30B-A3B-FP8 checkpoint's). With I % 128 == 0 the 128x128 blocks of gate and up quantized apart
+are those of the trainer's [2I, H] expert weight, so the bytes are the trainer's.
+
 KV scales go out as `model.layers.{i}.self_attn.attn.{q,k,v}_scale` (the module names
 models/<family>.py gives: layers, attention, kv_scale_module), 0-dim float32 - the names
 of the KVCacheScaleParameter attributes that vLLM's BaseKVCacheMethod.create_weights puts on its
@@ -75,9 +81,20 @@ def export_weights(model: nn.Module, cfg: FP8Config, fp8: bool,
     everything else as is; then q/k/v scales per layer if kv_scales is given."""
     plan = fp8_plan(model, cfg) if fp8 else {}
     skip_lm_head = _tied(model)
+    experts = _experts_by_param(model)
     for raw_name, t in model.state_dict(keep_vars=True).items():
         name = clean_name(raw_name)
         if skip_lm_head and name == "lm_head.weight":
+            continue
+        if name in experts:  # a 3-D expert weight: one 2-D linear per expert, as vLLM's FusedMoE loads them
+            w = _full(t)
+            for linear, (module, _, e, rows) in experts[name]:
+                if plan.get(module, (False,))[0]:
+                    q, scale_inv = quantize_blockwise(w[e, rows], BLOCK)  # [n, K] e4m3, [n/128, K/128] fp32
+                    yield f"{linear}.weight", q
+                    yield linear + SCALE_SUFFIX, scale_inv
+                else:
+                    yield f"{linear}.weight", w[e, rows]
             continue
         prefix = name[: -len(".weight")] if name.endswith(".weight") else None
         if prefix is not None and plan.get(prefix, (False,))[0]:
@@ -92,10 +109,21 @@ def export_weights(model: nn.Module, cfg: FP8Config, fp8: bool,
                 yield f"{prefix}.{n}", torch.tensor(float(s), dtype=torch.float32)
 
 
+def _experts_by_param(model: nn.Module) -> dict[str, list[tuple[str, tuple[str, str, int, slice]]]]:
+    """{3-D expert parameter name: [(per-expert linear name, fp8.moe.expert_names entry)]}."""
+    from fp8.moe import expert_names
+
+    out: dict[str, list] = {}
+    for linear, entry in expert_names(model).items():
+        out.setdefault(f"{entry[0]}.{entry[1]}", []).append((linear, entry))
+    return out
+
+
 def vllm_quantization_config(model: nn.Module, cfg: FP8Config) -> dict:
     """`quantization_config` for the engine's config.json matching export_weights(fp8=True):
     block-128 FP8 with dynamic 1x128 activations; every linear fp8_plan keeps in BF16 is listed
-    in ignored_layers (HF names; vLLM maps them and checks fused groups for consistency)."""
+    in ignored_layers (HF names; vLLM maps them and checks fused groups for consistency), MoE routers
+    and BF16 experts modules included (fp8/plan.py)."""
     ignored = sorted(name for name, (ok, _) in fp8_plan(model, cfg).items() if not ok)
     return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
             "weight_block_size": [BLOCK, BLOCK], "ignored_layers": ignored}

@@ -305,6 +305,9 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
         _replace(model, raw_name, new)
         converted.append(name)
         kinds.add(kind)
+    from fp8.moe import convert_experts  # MoE experts: 3-D weights, fp8/moe.py
+
+    converted += convert_experts(model, cfg, plan)
     kind = "block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")"
     log_summary(kind + "".join(f", {s}" for s in fast.apply(model, cfg)), plan)
     return converted
@@ -313,7 +316,7 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
 @contextlib.contextmanager
 def bf16_reference(model: nn.Module):
     """Converted linears compute a plain high-precision F.linear inside (no quantization)."""
-    mods = [m for m in model.modules() if is_fp8_linear(m)]
+    mods = [m for m in model.modules() if hasattr(type(m), "fp8_enabled")]  # FP8 linears and experts (fp8/moe.py)
     prev = [m.__dict__.get("fp8_enabled") for m in mods]
     for m in mods:
         m.fp8_enabled = False

@@ -12,6 +12,12 @@ linears with a bias, linears whose dims are not multiples of 128, names matching
 FP8Config.keep_bf16, the first keep_first_layers and last keep_last_layers decoder layers.
 vLLM fuses q/k/v into qkv_proj and gate/up into gate_up_proj and refuses a fused layer whose
 shards differ in precision, so a group is FP8 only if all its members are.
+
+Mixture of experts: each layer's experts module (3-D weights, models/<family>.py `experts`) is one
+plan entry, FP8 or not as a whole (vLLM's FusedMoE has one precision), by the same rules
+(keep_bf16 on its name, keep_*_layers, every expert GEMM's dims multiples of 128); each router
+(`router`) is an entry kept BF16, so vllm_quantization_config lists it in ignored_layers (vLLM's
+router is a ReplicatedLinear that would otherwise be FP8).
 """
 
 from __future__ import annotations
@@ -95,7 +101,8 @@ def fp8_eligible(name: str, module: nn.Module, cfg: FP8Config, num_layers: int,
 
 
 def fp8_plan(model: nn.Module, cfg: FP8Config) -> dict[str, tuple[bool, str]]:
-    """{HF module name: (fp8?, reason)} for every nn.Linear of `model` - THE skip list.
+    """{HF module name: (fp8?, reason)} for every nn.Linear of `model`, and its MoE experts and
+    routers (moe_plan) - THE skip list.
 
     fp8_eligible per module, then a fused group (q/k/v, gate/up of one parent) is FP8 only if
     all its members present in the model are (vLLM loads them into one qkv_proj/gate_up_proj).
@@ -104,6 +111,7 @@ def fp8_plan(model: nn.Module, cfg: FP8Config) -> dict[str, tuple[bool, str]]:
     base = {clean_name(n): fp8_eligible(n, m, cfg, n_layers, family)
             for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     plan = dict(base)
+    plan.update(moe_plan(model, cfg, n_layers, family))
     for name, (ok, _) in base.items():
         if not ok or "." not in name:
             continue
@@ -115,6 +123,29 @@ def fp8_plan(model: nn.Module, cfg: FP8Config) -> dict[str, tuple[bool, str]]:
                     if s is not None and not s[0]:
                         plan[name] = (False, f"fused with {sib} ({s[1]})")
                         break
+    return plan
+
+
+def moe_plan(model: nn.Module, cfg: FP8Config, num_layers: int, family: FamilySpec) -> dict[str, tuple[bool, str]]:
+    """{experts module name: (fp8?, reason)} and {router name: (False, 'MoE router')} of a MoE family."""
+    if family.experts is None:
+        return {}
+    plan = {}
+    for name, mod in model.named_modules():
+        name = clean_name(name)
+        if family.router and name.endswith("." + family.router) and LAYER_RE.search(name):
+            plan[name] = (False, "MoE router")
+        if not (name.endswith("." + family.experts) and (m := LAYER_RE.search(name))):
+            continue
+        i = int(m.group(1))
+        dims = [d for param, linears in family.expert_weights
+                for d in (getattr(mod, param).shape[1] // len(linears), getattr(mod, param).shape[2])]
+        pat = next((p for p in cfg.keep_bf16 if fnmatch.fnmatchcase(name, p)), None)
+        plan[name] = ((False, f"keep_bf16 '{pat}'") if pat is not None else
+                      (False, "keep_first_layers") if i < cfg.keep_first_layers else
+                      (False, "keep_last_layers") if i >= num_layers - cfg.keep_last_layers else
+                      (False, f"expert dims {dims} not divisible by {BLOCK}") if any(d % BLOCK for d in dims) else
+                      (True, "fp8"))
     return plan
 
 

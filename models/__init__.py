@@ -5,13 +5,15 @@ registered under its `name`, HF's `config.model_type`. Adding a family (say Qwen
 one file. The code that uses these facts reads them through `family_of(model)`:
 
     fp8/plan.py         fused_groups (vLLM packs them into one linear: one precision per group),
-                        router_patterns (MoE routers stay BF16)
+                        router_patterns (MoE routers stay BF16), experts (3-D expert weights)
+    fp8/moe.py          experts, expert_weights (block-FP8 expert GEMMs)
+    routing.py          router, replay_weights (engine routing recorded and replayed, aux loss)
     fp8/fast/fused.py   fused_groups (one FP8 GEMM per group)
     fp8/fast/swiglu.py  swiglu (the MLP's gate/up/down/activation children)
     fp8/calibrate.py    layers + attention (the modules whose q/k/v the calibration hook sees)
     fp8/export.py       layers + attention + kv_scale_module (where vLLM loads the q/k/v scales)
     distributed.py      layers (the blocks FSDP2 shards and train.compile compiles)
-    modeling.py         config_class/model_class (the tiny model built from model.tiny)
+    modeling.py         config_class/model_class, tiny_config (the tiny model built from model.tiny)
 
 A model of an unregistered type (any other HF decoder loaded by path) gets GENERIC, the HF
 decoder conventions (model.layers[i].self_attn, q/k/v and gate/up projections) that Llama,
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 # Router names of HF's MoE models (Mixtral, Qwen2/3-MoE, DeepSeek, ...): kept BF16 in any family,
 # since a router's top-k decisions are discontinuous in its logits and it is tiny.
@@ -45,6 +48,17 @@ class FamilySpec:
     layers: str = "model.layers"  # dotted path of the decoder layers (nn.ModuleList)
     attention: str = "self_attn"  # each layer's attention child (runs ALL_ATTENTION_FUNCTIONS)
     kv_scale_module: str = "attn"  # vLLM's Attention under it, which holds the {q,k,v}_scale it loads
+    # Mixture of experts (None: a dense family). Paths are relative to a decoder layer; a layer
+    # without them (a dense layer of a MoE model) is skipped.
+    experts: str | None = None  # the module holding the layer's experts as 3-D parameters [E, N, K]
+    router: str | None = None  # the top-k router: forward(x [N, H]) -> (logits [N, E], weights [N, k], ids [N, k])
+    # each 3-D expert parameter -> the per-expert linears it stacks along dim 1, in checkpoint
+    # (and vLLM loader) names: `<experts>.<e>.<linear>.weight` [N / len(linears), K]
+    expert_weights: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # the router's top-k weights [N, k] for given expert ids [N, k] from its logits [N, E] (router replay)
+    replay_weights: Callable[[nn.Module, Tensor, Tensor], Tensor] | None = None
+    # extra HF config kwargs of the tiny model, from config.TinyModelConfig (e.g. the expert counts)
+    tiny_config: Callable[[object], dict] | None = None
 
 
 GENERIC = FamilySpec(name="generic", config_class="", model_class="")

@@ -113,7 +113,7 @@ BAD_INPUT = [
                                                        "is_floor=3.0, is_cap=2.0"),
     (["loss.entropy_coef=-0.01"], "loss.entropy_coef=-0.01: must be >= 0 (a negative bonus drives entropy down)"),
     (["loss.entropy_target=0"], "loss.entropy_target=0.0: must be > 0 nats, or null"),
-    (["model.tiny.arch=gpt2"], "model.tiny.arch='gpt2': must be one of 'llama', 'qwen3' (a family file in models/)"),
+    (["model.tiny.arch=gpt2"], "model.tiny.arch='gpt2': must be one of 'llama', 'qwen3', 'qwen3_moe' (a family file in models/)"),
     (["rollout.n=1"], "rollout.n=1: must be >= 2: group-normalised advantages"),
     (["rollout.temperature=0"], "rollout.temperature=0.0: must be > 0"),
     (["train.steps=-1"], "train.steps=-1: must be >= 1"),

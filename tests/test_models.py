@@ -17,8 +17,9 @@ from modeling import build_char_tokenizer, build_tiny_model
 
 def tiny(arch: str) -> nn.Module:
     torch.manual_seed(0)
+    moe = models.FAMILIES[arch].experts is not None
     t = TinyModelConfig(arch=arch, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
-                        num_kv_heads=1, head_dim=64)
+                        num_kv_heads=1, head_dim=64, num_experts=4 if moe else 0)
     return build_tiny_model(t, build_char_tokenizer("abc"), torch.float32)
 
 
@@ -37,13 +38,24 @@ def test_family_names_exist_in_its_tiny_model(arch):
         names = {n for n, _ in layer.named_modules()}
         for group in spec.fused_groups:  # each group is the sibling linears of one parent
             parents = {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in group}
+            if not parents and spec.experts is not None:  # a MoE layer has no dense gate/up
+                continue
             assert len(parents) == 1, (group, parents)
             parent = layer.get_submodule(parents.pop())
             assert all(isinstance(getattr(parent, leaf), nn.Linear) for leaf in group), group
-        mlps = [m for m in layer.modules() if set(dict(m.named_children())) == set(spec.swiglu)]
-        assert len(mlps) == 1, spec.swiglu
-        # a dense family: no linear of it is taken for a router
-        assert not [n for n in names for p in spec.router_patterns if fnmatch.fnmatchcase(f"{spec.layers}.{i}.{n}", p)]
+        routers = [n for n in names for p in spec.router_patterns if fnmatch.fnmatchcase(f"{spec.layers}.{i}.{n}", p)]
+        if spec.experts is None:
+            mlps = [m for m in layer.modules() if set(dict(m.named_children())) == set(spec.swiglu)]
+            assert len(mlps) == 1, spec.swiglu
+            assert not routers  # a dense family: no module of it is taken for a router
+            continue
+        # a MoE family: the router the skip-list keeps BF16, and the 3-D experts fp8/moe.py and the export read
+        assert routers == [spec.router]
+        experts = layer.get_submodule(spec.experts)
+        e = model.config.num_experts
+        for param, linears in spec.expert_weights:
+            w = getattr(experts, param)
+            assert isinstance(w, nn.Parameter) and w.dim() == 3 and w.shape[0] == e and w.shape[1] % len(linears) == 0
     # the kv-scale modules vLLM creates sit under the attention modules (test_fp8_export checks the names)
     assert kv_scale_names(model) == {i: f"{spec.layers}.{i}.{spec.attention}.{spec.kv_scale_module}"
                                      for i in range(2)}
@@ -54,7 +66,7 @@ def test_unknown_family():
     model of one is a UserError naming the registered families."""
     assert models.family_of(nn.Linear(2, 2)) is models.GENERIC
     assert models.family_of("gpt_oss") is models.GENERIC
-    with pytest.raises(UserError, match="not registered .known: llama, qwen3"):
+    with pytest.raises(UserError, match="not registered .known: llama, qwen3, qwen3_moe"):
         models.family("gpt_oss")
     assert models.decoder_layers(nn.Linear(2, 2)) == []
     with pytest.raises(UserError, match="no model.layers to shard"):

@@ -1,0 +1,197 @@
+"""Block-FP8 mixture-of-experts GEMMs for the trainer (and the CPU engine's stand-in for vLLM's FusedMoE).
+
+An HF MoE layer keeps its experts as 3-D parameters (models/<family>.py `experts`, `expert_weights`):
+gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows) and down_proj [E, H, I]. Expert e
+computes, for the tokens routed to it, y = w * down[e] @ (silu(x gate[e]^T) * (x up[e]^T)), w the
+router's weight; a token's output sums its top-k experts'.
+
+FP8 recipe, per expert, exactly as a dense FP8 linear (fp8/linear.py): the expert's weight [N, K] in
+128x128 blocks (fp8/quant.py, the same quantizer, so per-expert blocks never straddle two experts),
+its tokens' activations in 1x128 groups, output gradients 1x128 (dgrad) and 128x1 along the expert's
+own tokens (wgrad). Backends:
+
+* emulated (CPU, non-SM90, fp8.emulate): the tokens are grouped by expert and each group runs
+  fp8/linear.py's _BlockFP8MM with EmulatedKernels on the expert's 2-D weight slice: the very
+  quantize-dequantize + float32 matmul of EmulatedFP8Linear, so numerics match it bit for bit.
+* torchao (SM90): torchao 0.18's block-wise FP8 grouped GEMM
+  (`torchao.prototype.moe_training.blockwise_fp8.grouped_mm._to_fp8_blockwise_then_scaled_grouped_mm`:
+  1x128 / 128x128 scales, DeepGEMM when installed, else torchao's own emulated grouped GEMM), one
+  call per projection for all experts; token groups padded to 128 rows (exact).
+
+What stays out: the router (BF16, fp8/plan.py), the top-k, the SiLU * up and the weighted sum.
+`convert_experts` is called by fp8/linear.py's convert_to_fp8_training (act_recipe 'torchao') and
+engines/hf.py's convert_to_fp8_rollout (act_recipe 'vllm': vLLM's block-FP8 fused MoE quantizes its
+GEMM inputs with the divide recipe); the engine pins the exact exported FP8 bytes (load_fp8_expert).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fp8.plan import clean_name
+from fp8.quant import BLOCK, dequantize_blockwise
+from models import family_of
+
+if TYPE_CHECKING:
+    from config import FP8Config
+
+
+def expert_names(model: nn.Module) -> dict[str, tuple[str, str, int, slice]]:
+    """Per-expert checkpoint linears of `model` (the names vLLM's FusedMoE loader takes):
+    {'model.layers.0.mlp.experts.3.gate_proj': ('model.layers.0.mlp.experts', 'gate_up_proj', 3, rows)},
+    rows the linear's slice of dim 1 of the 3-D parameter. {} for a dense model."""
+    spec = family_of(model)
+    if spec.experts is None:
+        return {}
+    out = {}
+    for name, mod in model.named_modules():
+        name = clean_name(name)
+        if not name.endswith("." + spec.experts):
+            continue
+        for param, linears in spec.expert_weights:
+            w = getattr(mod, param)
+            n = w.shape[1] // len(linears)
+            for e in range(w.shape[0]):
+                for j, linear in enumerate(linears):
+                    out[f"{name}.{e}.{linear}"] = (name, param, e, slice(j * n, (j + 1) * n))
+    return out
+
+
+def _grouped_emulated(x: Tensor, w: Tensor, counts: list[int], kernels) -> Tensor:
+    """x [M, K] rows grouped by expert (counts[e] rows each), w [E, N, K] -> [M, N]: each group
+    times its expert's weight with fp8/linear.py's block-FP8 GEMM (`kernels`)."""
+    from fp8.linear import block_fp8_mm
+
+    parts, lo = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            parts.append(block_fp8_mm(x[lo:lo + c], kernels, w[e]))
+        lo += c
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
+
+
+def _grouped_reference(x: Tensor, w: Tensor, counts: list[int], kernels=None) -> Tensor:
+    """As _grouped_emulated in plain high precision (bf16_reference, or FP8 off)."""
+    parts, lo = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            parts.append(F.linear(x[lo:lo + c], w[e]))
+        lo += c
+    return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
+
+
+@functools.cache
+def _torchao_grouped_mm():
+    from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import _to_fp8_blockwise_then_scaled_grouped_mm
+
+    return _to_fp8_blockwise_then_scaled_grouped_mm
+
+
+def _grouped_torchao(x: Tensor, w: Tensor, counts: list[int], kernels=None) -> Tensor:
+    """torchao 0.18's block-FP8 grouped GEMM: x [M, K] (bf16, rows grouped by expert), w [E, N, K]
+    -> [M, N] bf16. torchao takes B_t [E, K, N] per-expert column-major: w.transpose(-2, -1) is
+    exactly that view; offs are the groups' int32 end offsets; groups padded to 128 rows inside."""
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    return _torchao_grouped_mm()(x.to(torch.bfloat16).contiguous(), w.transpose(-2, -1), offs,
+                                 out_dtype=torch.bfloat16)
+
+
+class BlockFP8Experts(nn.Module):
+    """An HF experts module (3-D gate_up_proj [E, 2I, H], down_proj [E, H, I], act_fn; forward(x [N, H],
+    top_k_index [N, k], top_k_weights [N, k]) -> [N, H]) whose expert GEMMs are block FP8.
+
+    Holds the replaced module's Parameter objects under the same names (checkpoints, optimizer and
+    export unchanged). backend: 'emulated' or 'torchao'; act_recipe: 'torchao' (trainer) or 'vllm'
+    (the CPU engine's emulation of vLLM's fused MoE)."""
+
+    fp8_enabled = True  # False inside fp8.linear.bf16_reference()
+
+    def __init__(self, experts: nn.Module, backend: str = "emulated", act_recipe: str = "torchao"):
+        super().__init__()
+        self.num_experts = experts.gate_up_proj.shape[0]
+        self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
+        self.backend, self.act_recipe = backend, act_recipe
+        from fp8.linear import EmulatedKernels
+
+        self.kernels = EmulatedKernels(act_recipe)
+        self._pinned: dict[str, tuple[Tensor, int, int]] = {}  # param -> (dequantized FP8 [E, N, K], version, ptr)
+        self.train(experts.training)
+
+    def _weight(self, param: str) -> tuple[Tensor, bool]:
+        """(weight, pinned): the engine's exact FP8 weight (dequantized) while the parameter is unchanged
+        since load_fp8_expert, else the parameter (quantized in the GEMM)."""
+        w, p = getattr(self, param), self._pinned.get(param)
+        if p is not None and p[1] == w._version and p[2] == w.data_ptr():
+            return p[0], True
+        self._pinned.pop(param, None)
+        return w, False
+
+    def _mm(self, x: Tensor, param: str, counts: list[int]) -> Tensor:
+        w, pinned = self._weight(param)
+        if not self.fp8_enabled:
+            return _grouped_reference(x, w, counts)
+        if pinned and not torch.is_grad_enabled():  # FP8 bytes as vLLM holds them: quantize x only
+            from fp8.quant import fake_quant_act_1x128
+
+            return _grouped_reference(fake_quant_act_1x128(x, self.act_recipe), w, counts).to(x.dtype)
+        if self.backend == "torchao":
+            return _grouped_torchao(x, w, counts)
+        return _grouped_emulated(x, w, counts, self.kernels)
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        n, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)  # [N k]
+        order = torch.argsort(flat, stable=True)  # token-slots grouped by expert
+        token = order // k  # [N k] the token of each grouped slot
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        x = hidden_states[token]  # [N k, H]
+        gate, up = self._mm(x, "gate_up_proj", counts).chunk(2, dim=-1)  # [N k, I] each
+        y = self._mm(self.act_fn(gate) * up, "down_proj", counts)  # [N k, H]
+        y = y * top_k_weights.reshape(-1)[order, None].to(y.dtype)
+        return torch.zeros_like(hidden_states).index_add_(0, token, y.to(hidden_states.dtype))
+
+    @torch.no_grad()
+    def load_fp8_expert(self, param: str, e: int, rows: slice, q: Tensor, scale_inv: Tensor) -> None:
+        """Pin expert e's FP8 weight rows (q e4m3 [n, K], scale_inv [n/128, K/128]) as vLLM holds them, and
+        write dequantize(q, scale_inv) into the parameter."""
+        w = getattr(self, param)
+        deq = dequantize_blockwise(q.to(w.device), scale_inv.to(w.device), BLOCK)  # float32 [n, K]
+        w[e, rows] = deq.to(w.dtype)
+        p = self._pinned.get(param)
+        buf = p[0] if p is not None else w.detach().float().clone()  # experts not pushed yet: the parameter
+        buf[e, rows] = deq
+        self._pinned[param] = (buf, w._version, w.data_ptr())
+
+    def extra_repr(self) -> str:
+        e, n, k = self.gate_up_proj.shape
+        return f"experts={e}, gate_up=[{n}, {k}], fp8=block128, backend={self.backend}, act_recipe={self.act_recipe}"
+
+
+def use_torchao_experts(cfg: FP8Config, experts: nn.Module) -> bool:
+    """torchao's grouped GEMM: where fp8/linear.py would use torchao for a linear (SM90, not emulate)."""
+    from fp8.linear import use_torchao
+
+    return use_torchao(cfg, experts.gate_up_proj.device)
+
+
+def convert_experts(model: nn.Module, cfg: FP8Config, plan: dict[str, tuple[bool, str]],
+                    act_recipe: str = "torchao") -> list[str]:
+    """Replace every experts module the plan makes FP8 by a BlockFP8Experts; returns their names.
+    act_recipe 'torchao': the trainer (torchao kernels on SM90); 'vllm': the CPU engine (emulated)."""
+    spec = family_of(model)
+    if spec.experts is None:
+        return []
+    done = []
+    for raw_name, mod in list(model.named_modules()):
+        name = clean_name(raw_name)
+        if not name.endswith("." + spec.experts) or isinstance(mod, BlockFP8Experts) or not plan.get(name, (False,))[0]:
+            continue
+        backend = "torchao" if act_recipe == "torchao" and use_torchao_experts(cfg, mod) else "emulated"
+        model.set_submodule(raw_name, BlockFP8Experts(mod, backend, act_recipe))
+        done.append(name)
+    return done

@@ -1,0 +1,156 @@
+"""Qwen3-MoE on a GPU (skipped without CUDA or vLLM): refit into vLLM's block-FP8 FusedMoE, routing return,
+and the trainer's torchao grouped GEMM against the emulation.
+
+vLLM allows one engine per process, so each mode runs this file as a subprocess
+(`python tests/gpu/test_moe_gpu.py <mode>`) on a tiny Qwen3-MoE: hidden 512, 2 layers, 4 heads x 128,
+8 experts of width 256, top-2 (every dim a multiple of 128, so every expert GEMM is block FP8).
+
+* fp8:     export_weights(fp8=True) -> VLLMEngine.update_weights: every expert's FP8 weight and
+           weight_scale_inv inside vLLM's FusedMoE (w13/w2, gate and up rows apart) are fp8/quant.py's
+           bytes for the trainer's 3-D weights, bit for bit; the routers stay BF16 in vLLM; then the
+           engine returns each sample's routing, [P + T - 1, layers, k] with ids in [0, E).
+* bf16:    the same refit in BF16 (per-expert weights equal), and routing return: the trainer's own top-k
+           (the HF model on the same sequences) agrees with the engine's on most positions.
+* trainer: fp8/moe.py's torchao backend (SM90) against the emulated one: forward, dgrad and wgrad close
+           (as the dense linears: elementwise a few bf16 ulps), no vLLM involved.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TINY_MOE = ["model.tiny.arch=qwen3_moe", "model.tiny.hidden_size=512", "model.tiny.num_layers=2",
+            "model.tiny.num_heads=4", "model.tiny.num_kv_heads=4", "model.tiny.head_dim=128",
+            "model.tiny.intermediate_size=1024", "model.tiny.num_experts=8", "model.tiny.num_experts_per_tok=2",
+            "model.tiny.moe_intermediate_size=256",
+            "rollout.engine=vllm", "model.dtype=bfloat16", "optim.lr=1e-4", "data.max_prompt_tokens=16",
+            "rollout.max_new_tokens=16", "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true",
+            "rollout.sleep_mode=false", "fp8.linear_backend=cutlass"]
+MODES = {"fp8": ["fp8.rollout=true"], "bf16": [], "trainer": []}
+PROMPTS = ["1+1=", "23+4=", "7*8=", "(9-3)=", "hello", "x", "42?", "a b c"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+@pytest.mark.parametrize("mode", list(MODES))
+def test_moe_gpu(mode):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, __file__, mode], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=1200)
+    print("\n".join(line for line in r.stdout.splitlines() if line.startswith("[moe-test]")))
+    assert r.returncode == 0, f"mode {mode} failed:\n{(r.stdout + r.stderr)[-12000:]}"
+
+
+def log(*a):
+    print("[moe-test]", *a, flush=True)
+
+
+def setup(mode):
+    from config import load_config
+    from modeling import build_char_tokenizer, build_tiny_model
+
+    cfg = load_config(None, TINY_MOE + MODES[mode])
+    tok = build_char_tokenizer("".join(chr(c) for c in range(32, 127)))
+    torch.manual_seed(0)
+    model = build_tiny_model(cfg.model.tiny, tok, torch.bfloat16).cuda()
+    with torch.no_grad():  # experts and routers away from their init, so the ids and scales vary
+        for name, p in model.named_parameters():
+            if "experts" in name or "mlp.gate" in name:
+                p.add_(torch.randn_like(p) * 0.05)
+    return cfg, tok, model
+
+
+def check_refit(mode):
+    from engines.vllm import VLLMEngine
+    from fp8.export import export_weights
+    from fp8.moe import expert_names
+    from fp8.quant import quantize_blockwise
+
+    cfg, tok, model = setup(mode)
+    engine = VLLMEngine(cfg, model, tok, torch.device("cuda"))
+    engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout))
+    params = dict(model.named_parameters())
+    names = expert_names(model)
+    assert len(names) == 2 * 8 * 3, len(names)
+    for linear, (module, param, e, rows) in names.items():
+        w, scale = engine.internal_expert_weight(linear + ".weight")
+        ref = params[f"{module}.{param}"].detach()[e, rows]
+        if cfg.fp8.rollout:
+            q, s = quantize_blockwise(ref)
+            assert w.dtype == torch.float8_e4m3fn and w.shape == q.shape, (linear, w.dtype, w.shape)
+            assert torch.equal(w.view(torch.uint8), q.view(torch.uint8)), f"{linear}: FP8 bytes differ"
+            assert scale is not None and torch.equal(scale.float(), s), f"{linear}: weight_scale_inv differs"
+        else:
+            assert torch.equal(w, ref.to(w.dtype)), f"{linear}: BF16 weight differs"
+    log(f"{mode}: {len(names)} expert linears bit-identical to the trainer's" + (" FP8 bytes" if cfg.fp8.rollout else ""))
+    for i in range(2):  # the router stays unquantized inside vLLM (fp8/plan.py puts it in ignored_layers)
+        gate = engine._model().get_submodule(f"model.layers.{i}.mlp.gate")
+        assert gate.weight.dtype == torch.bfloat16 and getattr(gate, "weight_scale_inv", None) is None
+        assert torch.equal(gate.weight, params[f"model.layers.{i}.mlp.gate.weight"])
+    return cfg, tok, model, engine
+
+
+def check_routing(cfg, tok, model, engine, min_agree):
+    import routing
+    from batch import collate
+
+    prompts = [tok(p)["input_ids"] for p in PROMPTS]
+    samples = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=0)
+    for s in samples:
+        r = s.routed_experts
+        assert r is not None and tuple(r.shape) == (len(s.prompt_ids) + len(s.token_ids) - 1, 2, 2), \
+            (None if r is None else tuple(r.shape), len(s.prompt_ids), len(s.token_ids))
+        assert int(r.min()) >= 0 and int(r.max()) < 8
+    ids, am, mask, _ = collate(samples, tok.pad_token_id)
+    experts = routing.collate_routing(samples, ids.shape[1]).cuda()
+    stats = routing.RoutingStats()
+    ctx = routing.forward_context(model, experts, replay=False, count=am.bool().cuda(), stats=stats)
+    with torch.no_grad(), ctx(slice(0, len(samples))):
+        model(input_ids=ids.cuda(), use_cache=False)
+    agree = 1 - stats.differ / stats.pairs
+    log(f"routing returned for {len(samples)} samples; trainer top-k == engine top-k on {agree:.3f} of "
+        f"{int(stats.pairs)} (position, layer) pairs")
+    assert agree >= min_agree, agree
+
+
+def check_trainer_backend():
+    from config import FP8Config
+    from fp8.moe import BlockFP8Experts
+
+    _, _, model = setup("trainer")
+    experts = model.model.layers[0].mlp.experts
+    emu = BlockFP8Experts(experts, "emulated")
+    tao = BlockFP8Experts(experts, "torchao")
+    assert FP8Config().emulate is False
+    torch.manual_seed(1)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.stack([torch.randperm(8, device="cuda")[:2] for _ in range(300)])
+    w = torch.softmax(torch.randn(300, 2, device="cuda"), -1).to(torch.bfloat16)
+    out = {}
+    for name, m in (("emulated", emu), ("torchao", tao)):
+        x.grad = None
+        for p in (experts.gate_up_proj, experts.down_proj):
+            p.grad = None
+        y = m(x, ids, w)
+        y.float().square().sum().backward()
+        out[name] = (y.float(), x.grad.float(), experts.gate_up_proj.grad.float(), experts.down_proj.grad.float())
+    for what, a, b in zip(("out", "dgrad", "wgrad gate_up", "wgrad down"), out["emulated"], out["torchao"]):
+        rel = float((a - b).norm() / b.norm())
+        log(f"torchao vs emulated experts, {what}: relative {rel:.2e}")
+        assert rel < 5e-3, (what, rel)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "trainer":
+        check_trainer_backend()
+    else:
+        cfg, tok, model, engine = check_refit(mode)
+        check_routing(cfg, tok, model, engine, min_agree=0.9 if mode == "bf16" else 0.8)
+    log(f"{mode}: ok")

@@ -1,0 +1,250 @@
+"""Mixture of experts (Qwen3-MoE): the family, block-FP8 experts (fp8/moe.py), the export of experts,
+routing record/replay/mismatch and the aux loss (routing.py), and the moe config."""
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+import routing
+from batch import collate, logprob_pass
+from config import ConfigError, FP8Config, TinyModelConfig, load_config
+from fp8.export import export_weights, vllm_quantization_config
+from fp8.linear import bf16_reference, convert_to_fp8_training
+from fp8.moe import BlockFP8Experts, expert_names
+from fp8.plan import fp8_plan
+from fp8.quant import fake_quant_act_1x128, fake_quant_act_128x1, fake_quant_weight, quantize_blockwise
+from modeling import build_char_tokenizer, build_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = "0123456789+-*=?() \n"
+
+
+def tiny_moe(seed: int = 0, **kw):
+    torch.manual_seed(seed)
+    kw = {"moe_intermediate_size": 128, **kw}
+    t = TinyModelConfig(arch="qwen3_moe", hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                        num_experts=4, num_experts_per_tok=2, **kw)
+    model = build_tiny_model(t, build_char_tokenizer(VOCAB), torch.float32)
+    with torch.no_grad():  # routers away from their near-zero init: distinct, input-dependent top-k
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    return model
+
+
+def test_family_registered_with_experts_and_routers_in_the_plan():
+    spec = models.family("qwen3_moe")
+    assert (spec.config_class, spec.model_class, spec.experts, spec.router) == \
+        ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "mlp.experts", "mlp.gate")
+    model = tiny_moe()
+    assert models.family_of(model) is spec and routing.is_moe(model) and len(routing.routers(model)) == 2
+    for i, layer in enumerate(model.model.layers):
+        experts = layer.get_submodule(spec.experts)
+        assert experts.gate_up_proj.shape == (4, 256, 128) and experts.down_proj.shape == (4, 128, 128)
+    plan = fp8_plan(model, FP8Config())
+    assert plan["model.layers.0.mlp.experts"] == (True, "fp8")
+    assert plan["model.layers.1.mlp.gate"] == (False, "MoE router")
+    kept = fp8_plan(model, FP8Config(keep_bf16=["*.layers.1.mlp.experts"], keep_first_layers=0))
+    assert kept["model.layers.1.mlp.experts"] == (False, "keep_bf16 '*.layers.1.mlp.experts'")
+    assert not fp8_plan(tiny_moe(moe_intermediate_size=96), FP8Config())["model.layers.0.mlp.experts"][0]
+    dense = build_tiny_model(TinyModelConfig(), build_char_tokenizer(VOCAB), torch.float32)
+    assert not routing.is_moe(dense) and expert_names(dense) == {}
+
+
+def reference_experts(x, ids, weights, gate_up, down):
+    """fp8/quant.py's quantize-dequantize per expert: y_e = q(q(silu(q(x) q(Wgu)^T)...)), the textbook loop."""
+    out = torch.zeros_like(x)
+    for e in range(gate_up.shape[0]):
+        tok, slot = torch.where(ids == e)
+        if not len(tok):
+            continue
+        gu = fake_quant_act_1x128(x[tok]) @ fake_quant_weight(gate_up[e]).t()
+        g, u = gu.chunk(2, -1)
+        y = fake_quant_act_1x128(torch.nn.functional.silu(g) * u) @ fake_quant_weight(down[e]).t()
+        out.index_add_(0, tok, y * weights[tok, slot, None])
+    return out
+
+
+def test_emulated_fp8_experts_match_quant_reference():
+    model = tiny_moe()
+    experts = model.model.layers[0].mlp.experts
+    fp8 = BlockFP8Experts(experts, "emulated")
+    torch.manual_seed(1)
+    x = torch.randn(40, 128, requires_grad=True)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(40)])
+    w = torch.softmax(torch.randn(40, 2), -1)
+    y = fp8(x, ids, w)
+    ref = reference_experts(x.detach(), ids, w, experts.gate_up_proj.detach(), experts.down_proj.detach())
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)
+    with bf16_reference(torch.nn.Sequential(fp8)):  # the switch reaches the experts: no quantization
+        plain = fp8(x, ids, w)
+    assert (plain - ref).abs().max() > 100 * 1e-6  # so the comparison above sees the FP8 rounding
+
+    # backward: dgrad q1x128(g) q(W), wgrad q128x1(g)^T q128x1(x), per expert over its own tokens
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    e, (tok, slot) = 2, torch.where(ids == 2)
+    xe = x.detach()[tok]
+    gu = fake_quant_act_1x128(xe) @ fake_quant_weight(experts.gate_up_proj[e].detach()).t()
+    gate, up = gu.chunk(2, -1)
+    h = torch.nn.functional.silu(gate) * up
+    grad_h = fake_quant_act_1x128(g[tok] * w[tok, slot, None]) @ fake_quant_weight(experts.down_proj[e].detach())
+    wgrad_down = fake_quant_act_128x1(g[tok] * w[tok, slot, None]).t() @ fake_quant_act_128x1(h)
+    torch.testing.assert_close(experts.down_proj.grad[e], wgrad_down, rtol=1e-5, atol=1e-6)
+    sig = torch.sigmoid(gate)
+    grad_gu = torch.cat([grad_h * up * sig * (1 + gate * (1 - sig)), grad_h * torch.nn.functional.silu(gate)], -1)
+    wgrad_gu = fake_quant_act_128x1(grad_gu).t() @ fake_quant_act_128x1(xe)
+    torch.testing.assert_close(experts.gate_up_proj.grad[e], wgrad_gu, rtol=1e-4, atol=1e-5)
+
+
+def test_convert_to_fp8_training_converts_experts_and_keeps_parameters():
+    model = tiny_moe()
+    params = {n: p for n, p in model.named_parameters()}
+    converted = convert_to_fp8_training(model, FP8Config(train=True))
+    assert "model.layers.0.mlp.experts" in converted and "model.layers.1.mlp.experts" in converted
+    assert isinstance(model.model.layers[1].mlp.experts, BlockFP8Experts)
+    assert {n: p for n, p in model.named_parameters()} == params  # same names, same Parameter objects
+
+
+def test_export_experts_per_expert_names_and_bytes():
+    model = tiny_moe()
+    cfg = FP8Config(rollout=True)
+    out = dict(export_weights(model, cfg, fp8=True))
+    gate_up = model.model.layers[1].mlp.experts.gate_up_proj.detach()
+    down = model.model.layers[1].mlp.experts.down_proj.detach()
+    for e in range(4):
+        for linear, w in (("gate_proj", gate_up[e, :128]), ("up_proj", gate_up[e, 128:]), ("down_proj", down[e])):
+            name = f"model.layers.1.mlp.experts.{e}.{linear}"
+            q, s = quantize_blockwise(w)
+            assert out[name + ".weight"].dtype == torch.float8_e4m3fn and out[name + ".weight"].shape == (128, 128)
+            assert torch.equal(out[name + ".weight"].view(torch.uint8), q.view(torch.uint8))
+            assert torch.equal(out[name + ".weight_scale_inv"], s)
+    assert not [n for n in out if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert out["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # the router as it is
+    assert {"model.layers.0.mlp.gate", "model.layers.1.mlp.gate"} <= set(
+        vllm_quantization_config(model, cfg)["ignored_layers"])
+    # BF16 experts (kept by the skip-list): 2-D per expert, and vLLM is told to keep them unquantized
+    keep = FP8Config(rollout=True, keep_bf16=["*.layers.0.mlp.experts"])
+    out = dict(export_weights(model, keep, fp8=True))
+    assert torch.equal(out["model.layers.0.mlp.experts.3.up_proj.weight"],
+                       model.model.layers[0].mlp.experts.gate_up_proj.detach()[3, 128:])
+    assert "model.layers.0.mlp.experts" in vllm_quantization_config(model, keep)["ignored_layers"]
+
+
+def test_hf_engine_loads_exported_experts_with_pinned_bytes():
+    from engines.hf import convert_to_fp8_rollout, load_exported_into_hf
+
+    trainer, engine = tiny_moe(), tiny_moe(seed=1)
+    cfg = FP8Config(train=True, rollout=True)
+    convert_to_fp8_rollout(engine, cfg)
+    load_exported_into_hf(engine, export_weights(trainer, cfg, fp8=True))
+    for i in range(2):
+        got, src = engine.model.layers[i].mlp.experts, trainer.model.layers[i].mlp.experts
+        assert torch.equal(got.gate_up_proj, torch.stack([fake_quant_weight(w) for w in src.gate_up_proj.detach()]))
+        assert torch.equal(got.down_proj, torch.stack([fake_quant_weight(w) for w in src.down_proj.detach()]))
+        assert got._weight("down_proj")[1]  # the exact bytes are pinned
+
+
+def hf_engine_samples(model, overrides=()):
+    from engines.hf import HFEngine
+
+    cfg = load_config(None, ["model.tiny.arch=qwen3_moe", "model.tiny.num_experts=4", *overrides])
+    tok = build_char_tokenizer(VOCAB)
+    engine = HFEngine(cfg, model, tok, torch.device("cpu"))
+    prompts = [tok(p)["input_ids"] for p in ("1+2=", "3+4=", "12+7=")]
+    return engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=6, seed=3), tok
+
+
+def test_engine_records_routing_that_the_trainer_reproduces():
+    """The HF engine's routing, laid out as batch.collate lays out the tokens, equals the trainer's own
+    top-k on the same sequences (same weights, no FP8): routing mismatch 0, and replaying it gives
+    bit-identical logprobs; forcing other experts changes them."""
+    model = tiny_moe()
+    samples, tok = hf_engine_samples(model)
+    for s in samples:
+        assert s.routed_experts.dtype == torch.int16
+        assert tuple(s.routed_experts.shape) == (len(s.prompt_ids) + len(s.token_ids) - 1, 2, 2)
+    ids, am, mask, _ = collate(samples, tok.pad_token_id)
+    experts = routing.collate_routing(samples, ids.shape[1])  # [B, L, layers, k]
+    stats = routing.RoutingStats()
+    ctx = routing.forward_context(model, experts, replay=False, count=mask.bool(), stats=stats)
+    own = logprob_pass(model, ids, am, 1.0, micro_batch=4, forward_context=ctx)
+    assert stats.pairs > 0 and stats.tokens > 0
+    assert stats.metrics() == {"moe/routing_mismatch": 0.0, "moe/routing_mismatch_tokens": 0.0}
+    replayed = logprob_pass(model, ids, am, 1.0, micro_batch=4,
+                            forward_context=routing.forward_context(model, experts, replay=True))
+    assert torch.equal(own, replayed)
+    assert torch.equal(own, logprob_pass(model, ids, am, 1.0, micro_batch=4))  # no hooks left behind
+
+    forced = torch.where(experts >= 0, (experts + 1) % 4, experts)  # every routed token to other experts
+    stats = routing.RoutingStats()
+    other = logprob_pass(model, ids, am, 1.0, micro_batch=4, forward_context=routing.forward_context(
+        model, forced, replay=True, count=mask.bool(), stats=stats))
+    assert stats.metrics()["moe/routing_mismatch"] > 0.5
+    assert ((other - own) * mask).abs().max() > 1e-2
+
+
+def test_replay_gradients_reach_router_and_aux_loss():
+    model = tiny_moe()
+    ids = torch.randint(3, 12, (2, 6))
+    routed = routing.prepare(model, None, replay=False, keep_logits=True)
+    model(input_ids=ids, use_cache=False)
+    aux = routing.load_balancing_loss(routed.logits, torch.ones(2, 6))
+    routing.clear(model)
+    assert 0.0 < float(aux.detach()) <= 8.0  # E * sum_e f_e P_e (f summing to k): k when balanced, at most E k
+    aux.backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+
+
+def run_step(tmp_path, name, *overrides):
+    r = subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs/tiny_moe_cpu.yaml"),
+                        "train.steps=1", "rollout.prompts_per_step=4", "rollout.n=4", "train.val_every=0",
+                        "train.save_final=false", "train.ckpt_every=0", "log.tensorboard=false",
+                        "log.dump_episodes_every=0", f"train.out_dir={tmp_path}", f"train.run_name={name}", *overrides],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return r, (json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0]) if r.returncode == 0 else None)
+
+
+def test_aux_loss_coefficient_changes_the_loss(tmp_path):
+    r0, off = run_step(tmp_path, "off", "moe.aux_loss_coef=0")
+    r1, on = run_step(tmp_path, "on", "moe.aux_loss_coef=0.5")
+    assert r0.returncode == 0 and r1.returncode == 0, r0.stderr[-3000:] + r1.stderr[-3000:]
+    assert "moe/aux_loss" not in off and on["moe/aux_loss"] > 0
+    assert "moe/routing_mismatch" in off and "moe/routing_mismatch" in on
+    assert on["mismatch/token_mult_prob_error"] == off["mismatch/token_mult_prob_error"]  # same rollout
+    assert on["loss/total"] != off["loss/total"] or on["optim/grad_norm"] != off["optim/grad_norm"]
+    assert on["optim/grad_norm"] != off["optim/grad_norm"]
+
+
+@pytest.mark.parametrize("override, match", [
+    ("moe.aux_loss_coef=-0.1", "moe.aux_loss_coef=-0.1: must be >= 0"),
+    ("moe.aux_loss_coef=.nan", "moe.aux_loss_coef=nan: must be a number"),
+    ("moe.router_replay=maybe", "moe.router_replay: expected bool"),
+    ("model.tiny.num_experts=1", "model.tiny.num_experts=1: must be >= 2"),
+    ("model.tiny.num_experts_per_tok=5", r"model.tiny.num_experts_per_tok=5: must be in \[1, model.tiny.num_experts\]"),
+    ("model.tiny.arch=llama", "model.tiny.num_experts=4: must be 0 for the dense family 'llama'"),
+])
+def test_bad_moe_config(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ROOT / "configs/tiny_moe_cpu.yaml", [override])
+
+
+def test_router_replay_on_a_dense_model_is_a_user_error(tmp_path):
+    r, _ = run_step(tmp_path, "dense", "model.tiny.arch=llama", "model.tiny.num_experts=0")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("error: moe.router_replay")
+    assert not (tmp_path / "dense").exists()  # nothing half-written
+
+
+def test_engine_and_trainer_copies_share_no_hooks():
+    """HFEngine deep-copies the model: the engine's capture hooks and the trainer's replay state are apart."""
+    model = tiny_moe()
+    routing.install(model)
+    twin = copy.deepcopy(model)
+    with routing.capture(model) as calls:
+        twin(input_ids=torch.randint(3, 12, (1, 5)), use_cache=False)
+    assert calls == [[], []]
