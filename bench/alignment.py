@@ -6,7 +6,7 @@ For each engine mode (bf16; fp8 = block W8A8 linears; fp8kv = + FP8 KV cache and
 with q/k/v scales 1.0; fp8kv_calibrated = scales from fp8/calibrate.py), a randomly initialised
 Llama-shaped model (seeded: every process builds the same weights) is pushed into vLLM through
 fp8/export.py, samples 64 random prompts x 4 completions of 128 tokens at T=1, and the
-trainer scores them in BF16 and in torchao block FP8. Writes bench/results/alignment.json
+trainer scores them in BF16 and in torchao block FP8 (fp32 master weights under bf16 autocast, as in training). Writes bench/results/alignment.json
 (token_mult_prob_error and kl per engine/trainer pair); child logs in OUT/logs/.
 """
 
@@ -61,7 +61,7 @@ def measure(mode: str, prompts: int, n: int, new_tokens: int) -> list[dict]:
     input_ids, attention_mask, mask, rollout_logp = (x.to(device) for x in collate(samples, tok.pad_token_id))
     rows = []
     for name, trainer in trainers.items():
-        logp = logprob_pass(trainer, input_ids, attention_mask, 1.0, micro_batch=32)
+        logp = logprob_pass(trainer, input_ids, attention_mask, 1.0, micro_batch=32, mixed=True)  # as the trainer
         m = mismatch_metrics(logp, rollout_logp, mask)
         rows.append({"engine": mode, "trainer": name, **m, "refit_s": engine.last_refit_s})
         say(f"engine {mode:17s} trainer {name:5s} token_mult_prob_error {m['token_mult_prob_error']:.4f} "

@@ -425,6 +425,7 @@ class VLLMEngine:
         path, _, leaf = name.removesuffix(".weight").rpartition(".")
         experts_path, _, e = path.rpartition(".")
         mod, e = self._model().get_submodule(experts_path), int(e)
+        mod = getattr(mod, "routed_experts", mod)  # vLLM 0.26: FusedMoE(...) is a MoERunner; its experts hold the weights
         w13 = leaf in ("gate_proj", "up_proj")
         w = (mod.w13_weight if w13 else mod.w2_weight)[e]
         scale = getattr(mod, "w13_weight_scale_inv" if w13 else "w2_weight_scale_inv", None)
