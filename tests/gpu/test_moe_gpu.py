@@ -132,6 +132,8 @@ def check_trainer_backend():
     x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ids = torch.stack([torch.randperm(8, device="cuda")[:2] for _ in range(300)])
     w = torch.softmax(torch.randn(300, 2, device="cuda"), -1).to(torch.bfloat16)
+    with torch.no_grad():  # the BF16 experts: how far each FP8 backend is from them says whose recipe moved
+        ref = experts(x, ids, w).float()
     out = {}
     for name, m in (("emulated", emu), ("torchao", tao)):
         x.grad = None
@@ -140,6 +142,7 @@ def check_trainer_backend():
         y = m(x, ids, w)
         y.float().square().sum().backward()
         out[name] = (y.float(), x.grad.float(), experts.gate_up_proj.grad.float(), experts.down_proj.grad.float())
+        log(f"{name} experts vs BF16 experts, out: relative {float((out[name][0] - ref).norm() / ref.norm()):.2e}")
     for what, a, b in zip(("out", "dgrad", "wgrad gate_up", "wgrad down"), out["emulated"], out["torchao"]):
         rel = float((a - b).norm() / b.norm())
         log(f"torchao vs emulated experts, {what}: relative {rel:.2e}")
