@@ -23,7 +23,6 @@ import importlib.util
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_vllm import MAX_NEW, PROMPTS, TINY
+from tiny_vllm import MAX_NEW, PROMPTS, TINY, run_mode
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = "".join(chr(c) for c in range(32, 127))
@@ -46,11 +45,7 @@ TINY = TINY + ["rollout.sleep_mode=false"]
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_export_served_by_vllm(mode):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, __file__, mode], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=1200)
-    print("\n".join(line for line in r.stdout.splitlines() if line.startswith("[export-test]")))
-    assert r.returncode == 0, f"mode {mode} failed:\n{(r.stdout + r.stderr)[-12000:]}"
+    run_mode(__file__, mode, "export-test")
 
 
 # ---------------------------------------------------------------------------- the checks

@@ -16,13 +16,14 @@ vLLM allows one engine per process, so each mode runs this file as a subprocess
 """
 
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_vllm import run_mode  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MOE = ["model.tiny.arch=qwen3_moe", "model.tiny.hidden_size=512", "model.tiny.num_layers=2",
@@ -40,11 +41,7 @@ PROMPTS = ["1+1=", "23+4=", "7*8=", "(9-3)=", "hello", "x", "42?", "a b c"]
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_moe_gpu(mode):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, __file__, mode], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=1200)
-    print("\n".join(line for line in r.stdout.splitlines() if line.startswith("[moe-test]")))
-    assert r.returncode == 0, f"mode {mode} failed:\n{(r.stdout + r.stderr)[-12000:]}"
+    run_mode(__file__, mode, "moe-test")
 
 
 def log(*a):

@@ -22,7 +22,6 @@ must reach captured graphs).
 import copy
 import importlib.util
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_vllm import MAX_NEW, PROMPTS, TINY
+from tiny_vllm import MAX_NEW, PROMPTS, TINY, run_mode
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = "".join(chr(c) for c in range(32, 127))  # > 50 tokens: an implicit top-k would show
@@ -50,12 +49,7 @@ TINY = TINY + ["rollout.sleep_mode=true"]
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "fp8kv-graphs" or os.environ.get("VLLM_TEST_GRAPHS") == "1"])
 def test_vllm_engine(mode):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, __file__, mode], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=1200)
-    out = r.stdout + r.stderr
-    print("\n".join(line for line in r.stdout.splitlines() if line.startswith("[vllm-test]")))
-    assert r.returncode == 0, f"mode {mode} failed:\n{out[-12000:]}"
+    run_mode(__file__, mode, "vllm-test")
 
 
 # ---------------------------------------------------------------------------- the checks
