@@ -19,7 +19,6 @@ from those of another model. How many greedy sequences agree is only logged: on 
 model near-ties make them diverge after one flipped token.
 """
 
-import importlib.util
 import json
 import os
 import random
@@ -30,7 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_vllm import MAX_NEW, PROMPTS, TINY, run_mode
+from tiny_vllm import MAX_NEW, NEEDS_VLLM_GPU, PROMPTS, TINY, run_mode
+
+pytestmark = NEEDS_VLLM_GPU
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = "".join(chr(c) for c in range(32, 127))
@@ -41,8 +42,6 @@ MODES = {
 TINY = TINY + ["rollout.sleep_mode=false"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_export_served_by_vllm(mode):
     run_mode(__file__, mode, "export-test")

@@ -15,7 +15,6 @@ vLLM allows one engine per process, so each mode runs this file as a subprocess
            (as the dense linears: elementwise a few bf16 ulps), no vLLM involved.
 """
 
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -23,7 +22,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_vllm import run_mode  # noqa: E402
+from tiny_vllm import NEEDS_VLLM_GPU, run_mode# noqa: E402
+
+pytestmark = NEEDS_VLLM_GPU
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MOE = ["model.tiny.arch=qwen3_moe", "model.tiny.hidden_size=512", "model.tiny.num_layers=2",
@@ -37,8 +38,6 @@ MODES = {"fp8": ["fp8.rollout=true"], "bf16": [], "trainer": []}
 PROMPTS = ["1+1=", "23+4=", "7*8=", "(9-3)=", "hello", "x", "42?", "a b c"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_moe_gpu(mode):
     run_mode(__file__, mode, "moe-test")

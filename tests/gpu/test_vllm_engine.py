@@ -20,7 +20,6 @@ must reach captured graphs).
 """
 
 import copy
-import importlib.util
 import os
 import sys
 import time
@@ -29,7 +28,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_vllm import MAX_NEW, PROMPTS, TINY, run_mode
+from tiny_vllm import MAX_NEW, NEEDS_VLLM_GPU, PROMPTS, TINY, run_mode
+
+pytestmark = NEEDS_VLLM_GPU
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = "".join(chr(c) for c in range(32, 127))  # > 50 tokens: an implicit top-k would show
@@ -45,8 +46,6 @@ TINY = TINY + ["rollout.sleep_mode=true"]
 
 # ---------------------------------------------------------------------------- pytest entry
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 @pytest.mark.parametrize("mode", [m for m in MODES if m != "fp8kv-graphs" or os.environ.get("VLLM_TEST_GRAPHS") == "1"])
 def test_vllm_engine(mode):
     run_mode(__file__, mode, "vllm-test")

@@ -5,12 +5,19 @@ only set to pass config's check that bf16 updates survive.
 
 run_mode: how every GPU test file runs its checks (vLLM allows one engine per process)."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
+# a test module's `pytestmark`: its tests skip cleanly without a CUDA GPU or vLLM
+NEEDS_VLLM_GPU = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+                  pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")]
 
 TINY = ["rollout.engine=vllm", "model.dtype=bfloat16", "optim.lr=1e-4", "data.max_prompt_tokens=16", "rollout.max_new_tokens=24",
         "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true",
