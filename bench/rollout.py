@@ -2,6 +2,7 @@
 
     python bench/rollout.py                          # Llama-3.1-8B shape, bf16/fp8kv/fp8, 2 workloads
     python bench/rollout.py --models qwen3           # Qwen3-8B shape
+    python bench/rollout.py --models qwen3-30b-a3b   # Qwen3-30B-A3B (MoE) cut to 12 of its 48 layers
     python bench/rollout.py --workloads '512x256->1024,64x1024->8192' --modes bf16,fp8kv
     python bench/rollout.py --capacity-only          # Qwen3-8B KV-cache capacity per mode vs NeMo RL's
     python bench/rollout.py --decode-steps 64 --workloads 128x4096:64   # decode step ms by kernel kind
@@ -11,8 +12,9 @@
 What runs: the trainer's engine (rollout.VLLMEngine: in-process vLLM 0.26, dummy load, CUDA
 graphs, then `update_weights(export_weights(...))`) on a dir of config.json + the repo's char
 tokenizer; fp8 = block W8A8 linears (cutlass), fp8kv = + FP8 KV cache and FA3 FP8 attention
-(q/k/v scales 1.0). Prompts are random token ids; `rollout.ignore_eos=true` makes every sample
-exactly gen_len tokens; T=1, top_p=1, n=1, seeded. The trainer-side model (HF bf16, normal(0, 0.02),
+(q/k/v scales 1.0); in the MoE shape the experts are vLLM's FusedMoE (block FP8 in fp8 / fp8kv, routers
+BF16), returning each token's experts as in training. Prompts are random token ids;
+`rollout.ignore_eos=true` makes every sample exactly gen_len tokens; T=1, top_p=1, n=1, seeded. The trainer-side model (HF bf16, normal(0, 0.02),
 ~16 GB) exists only to be exported: refit_s = median wall time of update_weights(export_weights(...)),
 FP8 quantization included. Per run: out_tok_s = generated tokens / generate() wall time (after a
 small warm-up generate), startup_s (vllm.LLM construction), the KV capacity vLLM computed
@@ -74,7 +76,26 @@ MODELS = {
                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      max_window_layers=36),
 }
-ALIASES = {"llama": "llama3.1-8b", "llama3.1": "llama3.1-8b", "qwen3": "qwen3-8b"}
+# Qwen/Qwen3-30B-A3B (30.5B parameters, 3.3B active) with its 48 layers cut to MOE_LAYERS, so that the
+# trainer (fp32 master weights + grads + AdamW8bit states, 10 B per parameter) and vLLM share one H200:
+# per layer 623.1M parameters (128 experts x 3 x 2048 x 768 = 604.0M, attention 18.9M, router 0.26M),
+# embeddings + lm_head 622.3M; 12 layers = 8.10B, the 8B configs' size (81 GB of training state beside
+# vLLM's 0.45 of the card, as measured for them). Every layer is sparse and alike: which 12 does not matter.
+MOE_LAYERS = 12
+MODELS["qwen3-30b-a3b"] = dict(arch="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                               num_hidden_layers=MOE_LAYERS, num_attention_heads=32, num_key_value_heads=4,
+                               head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                               rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
+                               moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                               mlp_only_layers=[])
+ALIASES = {"llama": "llama3.1-8b", "llama3.1": "llama3.1-8b", "qwen3": "qwen3-8b", "qwen3-moe": "qwen3-30b-a3b",
+           "qwen3-30b": "qwen3-30b-a3b"}
+# MODELS' HF field -> config.TinyModelConfig field (tiny_shape: the same shape as model.tiny for the trainer)
+TINY_FIELDS = {"arch": "arch", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
+               "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
+               "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim", "vocab_size": "vocab_size",
+               "max_position_embeddings": "max_position_embeddings", "num_experts": "num_experts",
+               "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size"}
 NEMO_QWEN3_8B_KV_TOKENS = {"bf16": 249952, "fp8": 299344, "fp8kv": 598672}  # NeMo RL's FP8 docs
 CHAR_VOCAB = "".join(chr(c) for c in range(32, 127))  # the engine never decodes: any small vocab works
 FIRST_TOKEN = 3  # prompts use ids >= 3: 0, 1, 2 are the char tokenizer's <pad>, <bos>, <eos>
@@ -144,13 +165,26 @@ def parse_gpu_mem(text: str) -> str:
 # ----------------------------------------------------------------------------------- model, dir, config
 
 
-def hf_config(model_name: str):
-    """The transformers config of an 8B shape (LlamaConfig / Qwen3Config), special ids of the char tokenizer."""
-    from transformers import LlamaConfig, Qwen3Config
+def hf_config(model_name: str, layers: int | None = None):
+    """The transformers config of a MODELS shape (LlamaConfig / Qwen3Config / Qwen3MoeConfig), special ids
+    of the char tokenizer; layers: another num_hidden_layers."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
 
-    spec = dict(MODELS[model_name])
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[spec.pop("arch")]
+    spec = dict(MODELS[model_name], **({"num_hidden_layers": layers} if layers else {}))
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[spec.pop("arch")]
     return cls(**spec, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_shape(model_name: str, layers: int | None = None) -> dict:
+    """The MODELS shape as config.TinyModelConfig fields (model.tiny: the trainer builds it from scratch);
+    layers: another num_layers."""
+    out = {TINY_FIELDS[k]: v for k, v in MODELS[model_name].items() if k in TINY_FIELDS}
+    return {**out, **({"num_layers": layers} if layers else {})}
+
+
+def tiny_flow(model_name: str, layers: int | None = None) -> str:
+    """tiny_shape as a YAML flow mapping: `model.tiny=` + this for load_config or train_grpo.py's command line."""
+    return "{" + ", ".join(f"{k}: {v}" for k, v in tiny_shape(model_name, layers).items()) + "}"
 
 
 def meta_model(hf_cfg):
@@ -610,7 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=parse_models, default=None,
-                   help="comma list of llama3.1-8b (llama), qwen3-8b (qwen3); "
+                   help="comma list of llama3.1-8b (llama), qwen3-8b (qwen3), qwen3-30b-a3b (qwen3-moe: "
+                        f"{MOE_LAYERS} of 48 layers); "
                         "default llama, qwen3 with --capacity-only")
     p.add_argument("--modes", type=lambda text: parse_choices(text, MODES), default=None,
                    help=f"comma list of {list(MODES)}, run in this order (default {','.join(DEFAULT_MODES)})")

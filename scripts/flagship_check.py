@@ -3,6 +3,8 @@
     python scripts/flagship_check.py --out /tmp/out                       # all five 8B configs
     python scripts/flagship_check.py --configs llama31_8b_fp8 --steps 3   # one of them
     python scripts/flagship_check.py --configs gsm8k --data /tmp/gsm8k    # a data config on local JSONL
+    python scripts/flagship_check.py --configs moe --time-limit 570       # the three Qwen3-30B-A3B configs
+    python scripts/flagship_check.py --configs qwen3_30b_a3b_fp8 --router-replay on,off   # replay on and off
 
 Each config runs the real trainer (train_grpo.py) in its own process with only what a machine without
 hub access needs swapped: random-init weights at the exact Llama-3.1-8B / Qwen3-8B shapes (all layers,
@@ -18,6 +20,21 @@ probe. Writes OUT/flagship.json, OUT/flagship.md and each run's log.
 DIR/train.jsonl and DIR/test.jsonl in the dataset's own fields, through the config's loader, answer
 extraction and reward, with a character tokenizer over printable ASCII (the random-init model has no
 hub tokenizer, so no chat template: data.template=plain).
+
+The Qwen3-30B-A3B configs (--configs moe) run at the real width (hidden 2048, 32 heads, 4 KV heads,
+head_dim 128, 128 experts of width 768, top-8, vocab 151936; bench/rollout.py MODELS) with the 48
+layers cut to --moe-layers (default 12) so that trainer and engine share one H200: a layer holds
+623.1M parameters (experts 128 x 3 x 2048 x 768 = 604.0M, attention 18.9M, router 0.26M),
+embeddings + lm_head 622.3M, so 12 layers = 8.10B parameters, the 8B configs' size. The trainer keeps
+4 B fp32 master weight + 4 B grad + 2 B AdamW8bit states per parameter = 81 GB (75.4 GiB) while
+training, 6 B (49 GB) beside vLLM's 0.45 of the card (63 GiB: 16 GB BF16 weights, the rest KV) in the
+rollout: the budget the 8B configs peaked at 116-122 GiB of 139.8 in. 16 layers (10.6B) would need
+106 GB to train: too close. Every layer is sparse and alike under random init, so which 12 of the 48
+does not matter. Their rows add moe/routing_mismatch (and _tokens: routing.py), the share of (response
+token, layer) pairs whose trainer top-k differs from the engine's, logged with router replay on
+(the configs' setting) and off (--router-replay on,off: a second run named <config>_noreplay with
+moe.router_replay=false). --time-limit S starts no run with less than 120 s left and cuts the last
+run's timeout to what is left (scripts/gpu_check.sh moe: 570, one device call).
 """
 
 import argparse
@@ -28,13 +45,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.rollout import MOE_LAYERS, tiny_flow  # noqa: E402
+
 CONFIGS = ["llama31_8b_bf16", "llama31_8b_fp8", "qwen3_8b_bf16", "qwen3_8b_fp8", "qwen3_8b_fp8_kv"]
+MOE_CONFIGS = ["qwen3_30b_a3b_bf16", "qwen3_30b_a3b_fp8", "qwen3_30b_a3b_fp8_kv"]
+CONFIG_SETS = {"8b": CONFIGS, "moe": MOE_CONFIGS}  # --configs moe: all three
 SHAPES = {  # the real models' dims (config.json of the hub checkpoints)
     "llama": "{arch: llama, hidden_size: 4096, intermediate_size: 14336, num_layers: 32, num_heads: 32, "
              "num_kv_heads: 8, head_dim: 128, vocab_size: 128256, max_position_embeddings: 8192}",
     "qwen3": "{arch: qwen3, hidden_size: 4096, intermediate_size: 12288, num_layers: 36, num_heads: 32, "
              "num_kv_heads: 8, head_dim: 128, vocab_size: 151936, max_position_embeddings: 8192}",
+    "qwen3_moe": tiny_flow("qwen3-30b-a3b"),  # the layer count from --moe-layers (model.tiny.num_layers)
 }
+MIN_RUN_S = 120  # --time-limit: no run starts with less left
 SHORT_RUN = ["model.name_or_path=tiny", "data.source=synthetic", "data.template=plain", "data.instruction=",
              "data.max_prompt_tokens=128", "rollout.prompts_per_step=8", "rollout.n=8",
              "rollout.max_new_tokens=1024", "rollout.ignore_eos=true", "train.mini_batch_size=32",
@@ -71,44 +95,101 @@ def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int
     if not steps:
         return {"config": name, "ok": False, "rc": rc, "wall_s": round(wall, 1)}
     last = steps[-1]
+    moe = {k.split("/", 1)[1]: round(last[k], 4) for k in ("moe/routing_mismatch", "moe/routing_mismatch_tokens")
+           if k in last}
     return {"config": name, "ok": rc == 0, "rc": rc, "steps": len(steps), "wall_s": round(wall, 1),
             "step0_s": round(steps[0]["time/step"], 1), "step_s": round(last["time/step"], 1),
             **{f"{p}_s": round(last[f"time/{p}"], 2) for p in PHASES if f"time/{p}" in last},
             "mem_peak_gib": round(max(m.get("mem/peak_gib", 0) for m in steps), 1),
             "smi_peak_gib": round(max(smi_mib, default=0) / 1024, 1),
             "changed_frac": min(m["optim/changed_frac"] for m in steps),
-            "token_mult_prob_error": round(last["mismatch/token_mult_prob_error"], 4),
+            "token_mult_prob_error": round(last["mismatch/token_mult_prob_error"], 4), **moe,
             "policy_gain": [m["probe/policy_gain"] for m in steps],
             "skipped_steps": sum(m.get("optim/skipped_steps", 0) for m in steps)}
 
 
-def main():
+def family(config: str) -> str:
+    """SHAPES key of a shipped config name."""
+    return "qwen3_moe" if config.startswith("qwen3_30b_a3b") else "qwen3" if config.startswith("qwen3") else "llama"
+
+
+def plan(configs: str, router_replay: list[str]) -> list[tuple[str, str, list[str]]]:
+    """(run name, config, its extra overrides) per run: the configs of --configs ("moe" / "8b" expand to
+    their sets), each MoE config once per --router-replay value ("off": <config>_noreplay)."""
+    names = [n for c in configs.split(",") if c.strip() for n in CONFIG_SETS.get(c.strip(), [c.strip()])]
+    runs = []
+    for name in names:
+        if family(name) != "qwen3_moe":
+            runs.append((name, name, []))
+            continue
+        for replay in router_replay:
+            runs.append((name if replay == "on" else f"{name}_noreplay", name,
+                         [f"moe.router_replay={'true' if replay == 'on' else 'false'}"]))
+    return runs
+
+
+def command(config: str, run_name: str, extra: list[str], short_run: list[str], steps: int, runs: Path,
+            moe_layers: int, overrides: list[str]) -> list[str]:
+    """train_grpo.py's command line for one run: the shipped config at its family's shape, SHORT_RUN."""
+    shape = [f"model.tiny={SHAPES[family(config)]}"]
+    if family(config) == "qwen3_moe":
+        shape.append(f"model.tiny.num_layers={moe_layers}")
+    return [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs" / f"{config}.yaml"),
+            *shape, *short_run, f"train.steps={steps}", f"train.out_dir={runs}", f"train.run_name={run_name}",
+            *extra, *overrides]
+
+
+def parse_replay(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    if not out or set(out) - {"on", "off"}:
+        raise argparse.ArgumentTypeError(f"--router-replay {text!r}: a comma list of on, off")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--configs", default=",".join(CONFIGS), help="comma list of config names, or the sets 8b, moe")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="/tmp/flagship")
     p.add_argument("--runs", default="/tmp/flagship_runs")
     p.add_argument("--timeout", type=float, default=420, help="seconds per config")
+    p.add_argument("--time-limit", type=float, default=0.0, help="seconds for all runs (0 = none; see above)")
     p.add_argument("--data", help="DIR with train.jsonl + test.jsonl in the config's fields (see above)")
+    p.add_argument("--moe-layers", type=int, default=MOE_LAYERS, help="decoder layers of the Qwen3-30B-A3B shape")
+    p.add_argument("--router-replay", type=parse_replay, default=["on"],
+                   help="MoE configs: on, off or on,off (a run per value)")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every config")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = build_parser().parse_args()
+    t_start = time.time()
     out, runs = Path(args.out), Path(args.runs)
+    for _, config, _ in plan(args.configs, args.router_replay):
+        if not (ROOT / "configs" / f"{config}.yaml").is_file():
+            print(f"error: --configs: no configs/{config}.yaml; give shipped config names or 8b, moe", file=sys.stderr)
+            sys.exit(2)
     out.mkdir(parents=True, exist_ok=True)
     results = json.loads((out / "flagship.json").read_text()) if (out / "flagship.json").is_file() else []
     short_run = SHORT_RUN if not args.data else \
         [o for o in SHORT_RUN if not o.startswith(("data.source", "data.instruction"))] + real_data(Path(args.data))
-    for name in args.configs.split(","):
-        cfg_path = ROOT / "configs" / f"{name}.yaml"
-        family = "qwen3" if name.startswith("qwen3") else "llama"
-        cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(cfg_path), f"model.tiny={SHAPES[family]}",
-               *short_run, f"train.steps={args.steps}", f"train.out_dir={runs}", f"train.run_name={name}",
-               *args.overrides]
+    for name, config, extra in plan(args.configs, args.router_replay):
+        timeout = args.timeout
+        if args.time_limit:
+            timeout = min(timeout, t_start + args.time_limit - time.time())
+            if timeout < MIN_RUN_S:
+                print(f"{name}: not started, {timeout:.0f} s left of --time-limit {args.time_limit:.0f}", flush=True)
+                results = [r for r in results if r["config"] != name] + [
+                    {"config": name, "ok": False, "rc": "not started (--time-limit)"}]
+                continue
+        cmd = command(config, name, extra, short_run, args.steps, runs, args.moe_layers, args.overrides)
         subprocess.run(["rm", "-rf", str(runs / name)])
         smi = smi_peak_watcher(out / f"smi_{name}.txt")
         t0 = time.time()
         with open(out / f"{name}.log", "w") as log:
             try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = 124
         if smi is not None:
@@ -119,8 +200,10 @@ def main():
         results = [r for r in results if r["config"] != name] + [row(name, metrics, mib, time.time() - t0, rc)]
         print(json.dumps(results[-1]), flush=True)
         (out / "flagship.json").write_text(json.dumps(results, indent=1))
+    (out / "flagship.json").write_text(json.dumps(results, indent=1))
+    moe_cols = ["routing_mismatch", "routing_mismatch_tokens"] if any("routing_mismatch" in r for r in results) else []
     cols = ["config", "ok", "step_s", *[f"{p}_s" for p in PHASES], "mem_peak_gib", "smi_peak_gib", "changed_frac",
-            "token_mult_prob_error", "policy_gain"]
+            "token_mult_prob_error", *moe_cols, "policy_gain"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in results]
     (out / "flagship.md").write_text("\n".join(lines) + "\n")
