@@ -5,6 +5,16 @@
 #   bash scripts/gpu_check.sh align    bench/alignment.py
 #   bash scripts/gpu_check.sh flagship [ARGS]  scripts/flagship_check.py: the shipped 8B configs at full shape, a few
 #                                      steps each -> $OUT/flagship.{md,json}, logs in $OUT/flagship_runs.tgz
+#   bash scripts/gpu_check.sh moe [all|bf16|fp8|fp8_kv[,...]] [ARGS]  scripts/flagship_check.py on the
+#                                      qwen3_30b_a3b_* configs at Qwen3-30B-A3B width cut to 12 of 48 layers, 2 steps
+#                                      each: one config runs with router replay on and off (2 runs), several
+#                                      (default all) with replay on; runs cut at 570 s -> $OUT/moe.{md,json},
+#                                      logs + metrics in $OUT/moe_runs.tgz (e.g. --moe-layers 8, --router-replay on,off)
+#   bash scripts/gpu_check.sh moe_bench [ARGS]  bench/alignment.py --moe (4 layers, router replay off/on per
+#                                      engine/trainer pair) -> $OUT/alignment_moe.json, then bench/rollout.py
+#                                      --models qwen3-30b-a3b (12 layers; bf16, fp8kv, fp8 until 570 s; ARGS go
+#                                      to it) -> $OUT/rollout.json. Needs vLLM's MoE kernels: the offline
+#                                      bundle built with make_bundle.sh --moe (as moe and tests/gpu/test_moe_gpu.py)
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
 #   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, its SFT warm start then
 #                                      quickstart_gpu x 4 seeds x {FP8 recipe, BF16}, concurrent on the one GPU,
@@ -59,6 +69,17 @@ case "$1" in
   flagship) $PY scripts/flagship_check.py --out "$OUT/flagship" "${@:2}" 2>&1 | tee "$OUT/flagship.log"
          rc=${PIPESTATUS[0]}; cp "$OUT"/flagship/flagship.{md,json} "$OUT"/ 2>/dev/null
          tar -czf "$OUT/flagship_runs.tgz" -C "$OUT" flagship --remove-files; exit $rc ;;
+  moe)   sel=${2:-all}; [ "$sel" = all ] && sel=bf16,fp8,fp8_kv
+         replay=on; [[ "$sel" == *,* ]] || replay=on,off  # one config: both rows
+         $PY scripts/flagship_check.py --configs "$(echo "$sel" | sed 's/[^,]*/qwen3_30b_a3b_&/g')" \
+           --router-replay $replay --timeout 300 --time-limit 570 --out "$OUT/moe" --runs "$OUT/moe/runs" "${@:3}" \
+           2>&1 | tee "$OUT/moe.log"
+         rc=${PIPESTATUS[0]}; cp "$OUT"/moe/flagship.md "$OUT"/moe.md 2>/dev/null
+         cp "$OUT"/moe/flagship.json "$OUT"/moe.json 2>/dev/null
+         tar -czf "$OUT/moe_runs.tgz" -C "$OUT" moe --remove-files; exit $rc ;;
+  moe_bench) $PY bench/alignment.py --moe --out "$OUT" 2>&1 | tee "$OUT/alignment_moe.log"
+         $PY bench/rollout.py --models qwen3-30b-a3b --out "$OUT" --time-limit $((SECONDS < 560 ? 570 - SECONDS : 10)) \
+           --workloads '512x256->1024' "${@:2}" 2>&1 | tee "$OUT/bench_rollout_moe.log" ;;
   learn) $PY scripts/learn_gate.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
          exit "${PIPESTATUS[0]}" ;;
   rollout)  $PY bench/rollout.py --out "$OUT" --time-limit 540 "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
@@ -70,5 +91,5 @@ case "$1" in
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|moe|moe_bench|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac
