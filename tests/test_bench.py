@@ -179,11 +179,13 @@ def test_auto_gpu_memory_utilization():
 @pytest.mark.parametrize("name", list(br.MODELS))
 def test_engine_args_accept_bench_configs(name, models, monkeypatch):
     """What VLLMEngine would pass to vllm.LLM for each mode: parsed by EngineArgs, and the model config
-    vLLM derives from our dir has the 8B shape, the causal-LM class, max_model_len and quantization."""
+    vLLM derives from our dir has the shape, the causal-LM class, max_model_len and quantization (MoE:
+    the routers kept BF16, each token's experts returned)."""
     _vllm()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
+    import routing
     from fp8.export import vllm_quantization_config
     from engines.vllm import vllm_engine_kwargs
 
@@ -194,19 +196,23 @@ def test_engine_args_accept_bench_configs(name, models, monkeypatch):
         cfg = br.bench_config(mode, ws, 0.8)
         qc = vllm_quantization_config(model, cfg.fp8) if cfg.fp8.rollout else None  # fp8_plan on the meta model
         arch = model.config.architectures[0]
-        kw = vllm_engine_kwargs(cfg, str(path), 1, qc, arch)  # as VLLMEngine.__init__ builds them
+        moe = routing.is_moe(model)
+        kw = vllm_engine_kwargs(cfg, str(path), 1, qc, arch, moe)  # as VLLMEngine.__init__ builds them
         ea = EngineArgs(**kw)
+        assert ea.enable_return_routed_experts == moe == (name == "qwen3-30b-a3b")
         assert ea.load_format == "dummy" and not ea.enable_sleep_mode and not ea.enforce_eager
         assert ea.kv_cache_dtype == ("fp8" if cfg.fp8.kv_cache else "auto")
         mc = ea.create_model_config()
         assert mc.architecture == arch and mc.max_model_len == 1024 + 4096
         text = mc.hf_text_config
         assert (text.hidden_size, text.num_hidden_layers, text.num_key_value_heads, mc.get_head_size(),
-                mc.get_vocab_size()) == (cfg_hf.hidden_size, cfg_hf.num_hidden_layers, 8, 128, cfg_hf.vocab_size)
+                mc.get_vocab_size()) == (cfg_hf.hidden_size, cfg_hf.num_hidden_layers, 4 if moe else 8, 128,
+                                  cfg_hf.vocab_size)
         if cfg.fp8.rollout:
             assert mc.quantization == "fp8"
             q = Fp8Config.from_config(mc.hf_config.quantization_config)
-            assert q.weight_block_size == [128, 128] and q.ignored_layers == ["lm_head"]
+            routers = [f"model.layers.{i}.mlp.gate" for i in range(cfg_hf.num_hidden_layers)] if moe else []
+            assert q.weight_block_size == [128, 128] and sorted(q.ignored_layers) == sorted(["lm_head", *routers])
         else:
             assert mc.quantization is None
 
