@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fp8.plan import clean_name
-from fp8.quant import BLOCK, dequantize_blockwise
+from fp8.quant import BLOCK, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1, quantize_blockwise
 from models import family_of
 
 if TYPE_CHECKING:
@@ -83,6 +83,98 @@ def _grouped_reference(x: Tensor, w: Tensor, counts: list[int], kernels=None) ->
             parts.append(F.linear(x[lo:lo + c], w[e]))
         lo += c
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
+
+
+# ------------------------------------------------------------------ torchao's grouped recipe, emulated
+
+_BF16 = torch.bfloat16
+
+
+@torch.library.custom_op("fp8_grpo::torchao_grouped_operand", mutates_args=())
+def _torchao_operand(x: Tensor, groups: str, counts: list[int]) -> Tensor:
+    """One operand of torchao's emulated grouped GEMM, bf16, x's shape: FP8-quantize (fp8/quant.py's torchao
+    recipe: the math of torchao's Triton quantizers, bit for bit, tests/test_fp8_quant.py and tests/gpu), then
+    dequantize as grouped_kernels._emulated_blockwise_scaled_grouped_mm_impl does: bf16(q) * bf16(scale_inv),
+    a bf16 multiply (the exact fp32 product rounded once to bf16).
+
+    groups '1x128': x [M, K], per row (forward x, dgrad grad_out); '128x1': x [M, K] rows grouped by expert
+    (counts), 128-row groups per column starting at each expert's first row (wgrad: torchao pads every expert's
+    rows to a multiple of 128 with zeros, which change no amax); '128x128': x [E, N, K], per expert weight.
+    An opaque op, as torchao's kernels are (fp8/linear.py's _fake_quant_op says why)."""
+    assert x.shape[-1] % BLOCK == 0, f"K={x.shape[-1]} must be a multiple of {BLOCK} (torchao's grouped GEMM)"
+    if groups == "1x128":
+        q, s = quantize_act_1x128(x)
+        s = s.repeat_interleave(BLOCK, -1)
+    elif groups == "128x1":
+        parts = [quantize_act_128x1(xe) for xe in x.split(counts) if len(xe)]
+        if not parts:
+            return x.new_zeros(x.shape, dtype=_BF16)
+        q = torch.cat([p[0] for p in parts])
+        s = torch.cat([p[1].repeat_interleave(BLOCK, 0)[:len(p[0])] for p in parts])
+    else:
+        parts = [quantize_blockwise(we) for we in x]
+        q = torch.stack([p[0] for p in parts])
+        s = torch.stack([p[1] for p in parts]).repeat_interleave(BLOCK, -2).repeat_interleave(BLOCK, -1)
+    return q.to(_BF16) * s.to(_BF16)
+
+
+@_torchao_operand.register_fake
+def _(x: Tensor, groups: str, counts: list[int]) -> Tensor:
+    return x.new_empty(x.shape, dtype=_BF16)
+
+
+def _rows_times(a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
+    """a [M, K] rows grouped by expert, b [E, N, K] -> [M, N] bf16: each group times its expert's b[e].T, the
+    bf16 operands' exact products summed in fp32 and rounded once to bf16, as torch._grouped_mm does
+    (TF32 cannot change it: a bf16 value is a TF32 value; nor can cuBLAS's reduced-precision bf16 reductions,
+    the GEMM is fp32)."""
+    parts = [ae.float() @ b[e].float().t() for e, ae in enumerate(a.split(counts)) if len(ae)]
+    return torch.cat(parts).to(_BF16) if parts else a.new_zeros(0, b.shape[1], dtype=_BF16)
+
+
+def _torchao_fwd(x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
+    return _rows_times(_torchao_operand(x, "1x128", counts), _torchao_operand(w, "128x128", counts), counts)
+
+
+class _TorchaoGroupedMM(torch.autograd.Function):
+    """torchao 0.18's _Float8BlockwiseGroupedMM (blockwise_fp8/grouped_mm.py) with its emulated backend
+    (grouped_mm_backend._EmulatedGroupedMMBackend), in torch ops, any device.
+
+    x [M, K] bf16 (rows grouped by expert, counts[e] rows each), w [E, N, K] (bf16 or fp32) -> [M, N] bf16.
+    forward: q1x128(x) @ q128x128(w[e]).T; dgrad: q1x128(g) @ q128x128(w[e]); wgrad: q128x1(g_e).T @ q128x1(x_e)
+    per expert e (zero for an expert without tokens), rounded to bf16 like every output of the GEMM."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
+        ctx.counts = counts
+        ctx.save_for_backward(x, w)
+        return _torchao_fwd(x, w, counts)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, w = ctx.saved_tensors
+        counts, g = ctx.counts, g.to(_BF16).contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # the weight quantized again, from the saved parameter, as torchao does
+            grad_x = _rows_times(_torchao_operand(g, "1x128", counts),
+                                 _torchao_operand(w, "128x128", counts).transpose(-2, -1), counts)
+        if ctx.needs_input_grad[1]:
+            gq, xq = _torchao_operand(g, "128x1", counts), _torchao_operand(x, "128x1", counts)
+            grad_w = torch.zeros(w.shape, dtype=_BF16, device=w.device)
+            for e, (ge, xe) in enumerate(zip(gq.split(counts), xq.split(counts))):
+                if len(ge):
+                    grad_w[e] = (ge.float().t() @ xe.float()).to(_BF16)
+            grad_w = grad_w.to(w.dtype)  # what autograd makes of torchao's bf16 grad_B for an fp32 weight
+        return grad_x, grad_w, None
+
+
+def _grouped_torchao_emulated(x: Tensor, w: Tensor, counts: list[int], kernels=None) -> Tensor:
+    """_grouped_torchao's numerics in torch ops (torchao's emulated grouped backend): x [M, K] -> [M, N] bf16."""
+    x = x.to(_BF16).contiguous()
+    counts = list(counts)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _TorchaoGroupedMM.apply(x, w, counts)
+    return _torchao_fwd(x, w, counts)
 
 
 @functools.cache
@@ -141,6 +233,8 @@ class BlockFP8Experts(nn.Module):
             return _grouped_reference(fake_quant_act_1x128(x, self.act_recipe), w, counts).to(x.dtype)
         if self.backend == "torchao":
             return _grouped_torchao(x, w, counts)
+        if self.act_recipe == "torchao":  # the trainer: torchao's grouped numerics (module doc)
+            return _grouped_torchao_emulated(x, w, counts)
         return _grouped_emulated(x, w, counts, self.kernels)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
