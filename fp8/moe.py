@@ -223,8 +223,9 @@ class BlockFP8Experts(nn.Module):
     top_k_index [N, k], top_k_weights [N, k]) -> [N, H]) whose expert GEMMs are block FP8.
 
     Holds the replaced module's Parameter objects under the same names (checkpoints, optimizer and
-    export unchanged). backend: 'emulated' or 'torchao'; act_recipe: 'torchao' (trainer) or 'vllm'
-    (the CPU engine's emulation of vLLM's fused MoE)."""
+    export unchanged). backend: 'emulated' or 'torchao'; act_recipe: 'torchao' (trainer: torchao's grouped
+    recipe on either backend, the expert GEMMs in bf16 whatever the model's dtype) or 'vllm' (the CPU
+    engine's emulation of vLLM's fused MoE, in the model's dtype)."""
 
     fp8_enabled = True  # False inside fp8.linear.bf16_reference()
 
@@ -235,7 +236,7 @@ class BlockFP8Experts(nn.Module):
         self.backend, self.act_recipe = backend, act_recipe
         from fp8.linear import EmulatedKernels
 
-        self.kernels = EmulatedKernels(act_recipe)
+        self.kernels = EmulatedKernels(act_recipe)  # the 'vllm' recipe's GEMMs (_grouped_emulated)
         self._pinned: dict[str, tuple[Tensor, int, int]] = {}  # param -> (dequantized FP8 [E, N, K], version, ptr)
         self.train(experts.training)
 
