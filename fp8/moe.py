@@ -5,18 +5,35 @@ gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows) and down_pro
 computes, for the tokens routed to it, y = w * down[e] @ (silu(x gate[e]^T) * (x up[e]^T)), w the
 router's weight; a token's output sums its top-k experts'.
 
-FP8 recipe, per expert, exactly as a dense FP8 linear (fp8/linear.py): the expert's weight [N, K] in
-128x128 blocks (fp8/quant.py, the same quantizer, so per-expert blocks never straddle two experts),
-its tokens' activations in 1x128 groups, output gradients 1x128 (dgrad) and 128x1 along the expert's
-own tokens (wgrad). Backends:
+FP8 recipe (the trainer: torchao 0.18's grouped block-FP8 GEMM, blockwise_fp8/grouped_mm.py
+`_Float8BlockwiseGroupedMM` with grouped_mm_backend.py's emulated backend, the one AUTO picks when DeepGEMM is
+not installed). Quantizers and axes are the dense linears' (fp8/linear.py): each expert's weight [N, K] in
+128x128 blocks (forward and dgrad: grouped_kernels.triton_fp8_blockwise_weight_quant_grouped_(transposed_)rhs,
+the dense kernels run per expert, so blocks never straddle two experts), its tokens' x and grad_out in 1x128
+groups (kernels.triton_fp8_blockwise_act_quant_lhs), and for wgrad grad_out^T and x in 128x1 groups along the
+expert's own tokens (act_quant_transposed_lhs / act_quant_rhs): pad_token_groups starts every expert at a
+multiple of 128 rows and pads with zeros, which change no amax and add nothing. The scale math is
+fp8/quant.py's torchao recipe (amax clamped at 1e-12, s = fp32(448/amax), q = e4m3(x s), scale_inv = 1/s).
 
-* emulated (CPU, non-SM90, fp8.emulate): the tokens are grouped by expert and each group runs
-  fp8/linear.py's _BlockFP8MM with EmulatedKernels on the expert's 2-D weight slice: the very
-  quantize-dequantize + float32 matmul of EmulatedFP8Linear, so numerics match it bit for bit.
-* torchao (SM90): torchao 0.18's block-wise FP8 grouped GEMM
-  (`torchao.prototype.moe_training.blockwise_fp8.grouped_mm._to_fp8_blockwise_then_scaled_grouped_mm`:
-  1x128 / 128x128 scales, DeepGEMM when installed, else torchao's own emulated grouped GEMM), one
-  call per projection for all experts; token groups padded to 128 rows (exact).
+Where the experts differ from the dense linears: the GEMM. Dense torchao multiplies FP8 operands in cuBLAS
+(scales applied to fp32 partial sums; our dense emulation: fp32-dequantized operands, one fp32 GEMM). torchao's
+grouped GEMM instead dequantizes each operand in BF16 (grouped_kernels._emulated_blockwise_scaled_grouped_mm_impl:
+bf16(q) * bf16(scale_inv), i.e. the scale rounded to bf16 and the product rounded to bf16, each up to 2^-9
+relative) and runs torch._grouped_mm on those bf16 operands (fp32 sums, bf16 out). Everything around it is bf16
+too: x is cast to bf16, the output and grad_x are bf16, and the weight gradient is bf16 before it reaches an
+fp32 master weight. Emulating the experts with the dense recipe put the two backends 2e-2 apart (relative, a
+Qwen3-MoE layer's output), because the ~1e-3 operand differences flip FP8 roundings of the next GEMM's input.
+
+Backends:
+
+* torchao (SM90): `_to_fp8_blockwise_then_scaled_grouped_mm`, one call per projection for all experts. With
+  DeepGEMM installed, AUTO takes DeepGEMM's FP8 kernels instead, whose numerics the emulation does not follow.
+* emulated (CPU, non-SM90, fp8.emulate), act_recipe 'torchao' (the trainer): _TorchaoGroupedMM, the grouped
+  recipe above in torch ops: the same bf16 operands bit for bit, multiplied in fp32 and rounded once to bf16;
+  only the fp32 summation order differs from torch._grouped_mm (tests/test_moe.py runs torchao's own grouped
+  GEMM on the CPU against it).
+* emulated, act_recipe 'vllm' (the CPU engine's stand-in for vLLM's fused MoE): each expert's tokens through
+  fp8/linear.py's _BlockFP8MM with EmulatedKernels: fp32-dequantized operands and one fp32 GEMM.
 
 What stays out: the router (BF16, fp8/plan.py), the top-k, the SiLU * up and the weighted sum.
 `convert_experts` is called by fp8/linear.py's convert_to_fp8_training (act_recipe 'torchao') and
@@ -34,7 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fp8.plan import clean_name
-from fp8.quant import BLOCK, dequantize_blockwise
+from fp8.quant import BLOCK, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1, quantize_blockwise
 from models import family_of
 
 if TYPE_CHECKING:
@@ -85,6 +102,106 @@ def _grouped_reference(x: Tensor, w: Tensor, counts: list[int], kernels=None) ->
     return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
 
 
+# ------------------------------------------------------------------ torchao's grouped recipe, emulated
+
+_BF16 = torch.bfloat16
+
+
+@torch.library.custom_op("fp8_grpo::torchao_grouped_operand", mutates_args=())
+def _torchao_operand(x: Tensor, groups: str, counts: list[int]) -> Tensor:
+    """One operand of torchao's emulated grouped GEMM, bf16, x's shape: FP8-quantize (fp8/quant.py's torchao
+    recipe: the math of torchao's Triton quantizers, bit for bit, tests/test_fp8_quant.py and tests/gpu), then
+    dequantize as grouped_kernels._emulated_blockwise_scaled_grouped_mm_impl does: bf16(q) * bf16(scale_inv),
+    a bf16 multiply (the exact fp32 product rounded once to bf16).
+
+    groups '1x128': x [M, K], per row (forward x, dgrad grad_out); '128x1': x [M, K] rows grouped by expert
+    (counts), 128-row groups per column starting at each expert's first row (wgrad: torchao pads every expert's
+    rows to a multiple of 128 with zeros, which change no amax); '128x128': x [E, N, K], per expert weight.
+    An opaque op, as torchao's kernels are (fp8/linear.py's _fake_quant_op says why)."""
+    assert x.shape[-1] % BLOCK == 0, f"K={x.shape[-1]} must be a multiple of {BLOCK} (torchao's grouped GEMM)"
+    if groups == "1x128":
+        q, s = quantize_act_1x128(x)
+        s = s.repeat_interleave(BLOCK, -1)
+    elif groups == "128x1":
+        parts = [quantize_act_128x1(xe) for xe in x.split(counts) if len(xe)]
+        if not parts:
+            return x.new_zeros(x.shape, dtype=_BF16)
+        q = torch.cat([p[0] for p in parts])
+        s = torch.cat([p[1].repeat_interleave(BLOCK, 0)[:len(p[0])] for p in parts])
+    else:  # one expert at a time: the expanded scales of all experts at once would be 2x the weight in fp32
+        return torch.stack([_dequant_bf16(*_expanded(quantize_blockwise(we))) for we in x])
+    return _dequant_bf16(q, s)
+
+
+def _expanded(qs: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    q, s = qs  # a weight's q [N, K] and its 128x128 scales
+    return q, s.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
+
+
+def _dequant_bf16(q: Tensor, scale_inv: Tensor) -> Tensor:
+    """torchao's bf16 dequantization, scale_inv expanded to q's shape: both cast to bf16, multiplied in bf16."""
+    return q.to(_BF16) * scale_inv.to(_BF16)
+
+
+@_torchao_operand.register_fake
+def _(x: Tensor, groups: str, counts: list[int]) -> Tensor:
+    return x.new_empty(x.shape, dtype=_BF16)
+
+
+def _rows_times(a: Tensor, b: Tensor, counts: list[int]) -> Tensor:
+    """a [M, K] rows grouped by expert, b [E, N, K] -> [M, N] bf16: each group times its expert's b[e].T, the
+    bf16 operands' exact products summed in fp32 and rounded once to bf16, as torch._grouped_mm does. An fp32
+    GEMM of bf16 values: TF32 cannot change it (a bf16 value is a TF32 value), and no bf16 GEMM's
+    reduced-precision reductions (cuBLAS's split-K) can enter."""
+    parts = [ae.float() @ b[e].float().t() for e, ae in enumerate(a.split(counts)) if len(ae)]
+    return torch.cat(parts).to(_BF16) if parts else a.new_zeros(0, b.shape[1], dtype=_BF16)
+
+
+def _torchao_fwd(x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
+    return _rows_times(_torchao_operand(x, "1x128", counts), _torchao_operand(w, "128x128", counts), counts)
+
+
+class _TorchaoGroupedMM(torch.autograd.Function):
+    """torchao 0.18's _Float8BlockwiseGroupedMM (blockwise_fp8/grouped_mm.py) with its emulated backend
+    (grouped_mm_backend._EmulatedGroupedMMBackend), in torch ops, any device.
+
+    x [M, K] bf16 (rows grouped by expert, counts[e] rows each), w [E, N, K] (bf16 or fp32) -> [M, N] bf16.
+    forward: q1x128(x) @ q128x128(w[e]).T; dgrad: q1x128(g) @ q128x128(w[e]); wgrad: q128x1(g_e).T @ q128x1(x_e)
+    per expert e (zero for an expert without tokens), rounded to bf16 like every output of the GEMM."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
+        ctx.counts = counts
+        ctx.save_for_backward(x, w)
+        return _torchao_fwd(x, w, counts)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, w = ctx.saved_tensors
+        counts, g = ctx.counts, g.to(_BF16).contiguous()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:  # the weight quantized again, from the saved parameter, as torchao does
+            grad_x = _rows_times(_torchao_operand(g, "1x128", counts),
+                                 _torchao_operand(w, "128x128", counts).transpose(-2, -1), counts)
+        if ctx.needs_input_grad[1]:
+            gq, xq = _torchao_operand(g, "128x1", counts), _torchao_operand(x, "128x1", counts)
+            grad_w = torch.zeros(w.shape, dtype=_BF16, device=w.device)
+            for e, (ge, xe) in enumerate(zip(gq.split(counts), xq.split(counts))):
+                if len(ge):
+                    grad_w[e] = (ge.float().t() @ xe.float()).to(_BF16)
+            grad_w = grad_w.to(w.dtype)  # what autograd makes of torchao's bf16 grad_B for an fp32 weight
+        return grad_x, grad_w, None
+
+
+def _grouped_torchao_emulated(x: Tensor, w: Tensor, counts: list[int]) -> Tensor:
+    """_grouped_torchao's numerics in torch ops (torchao's emulated grouped backend): x [M, K] -> [M, N] bf16."""
+    x = x.to(_BF16).contiguous()
+    counts = list(counts)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _TorchaoGroupedMM.apply(x, w, counts)
+    return _torchao_fwd(x, w, counts)
+
+
 @functools.cache
 def _torchao_grouped_mm():
     from torchao.prototype.moe_training.blockwise_fp8.grouped_mm import _to_fp8_blockwise_then_scaled_grouped_mm
@@ -106,8 +223,9 @@ class BlockFP8Experts(nn.Module):
     top_k_index [N, k], top_k_weights [N, k]) -> [N, H]) whose expert GEMMs are block FP8.
 
     Holds the replaced module's Parameter objects under the same names (checkpoints, optimizer and
-    export unchanged). backend: 'emulated' or 'torchao'; act_recipe: 'torchao' (trainer) or 'vllm'
-    (the CPU engine's emulation of vLLM's fused MoE)."""
+    export unchanged). backend: 'emulated' or 'torchao'; act_recipe: 'torchao' (trainer: torchao's grouped
+    recipe on either backend, the expert GEMMs in bf16 whatever the model's dtype) or 'vllm' (the CPU
+    engine's emulation of vLLM's fused MoE, in the model's dtype)."""
 
     fp8_enabled = True  # False inside fp8.linear.bf16_reference()
 
@@ -118,7 +236,7 @@ class BlockFP8Experts(nn.Module):
         self.backend, self.act_recipe = backend, act_recipe
         from fp8.linear import EmulatedKernels
 
-        self.kernels = EmulatedKernels(act_recipe)
+        self.kernels = EmulatedKernels(act_recipe)  # the 'vllm' recipe's GEMMs (_grouped_emulated)
         self._pinned: dict[str, tuple[Tensor, int, int]] = {}  # param -> (dequantized FP8 [E, N, K], version, ptr)
         self.train(experts.training)
 
@@ -141,6 +259,8 @@ class BlockFP8Experts(nn.Module):
             return _grouped_reference(fake_quant_act_1x128(x, self.act_recipe), w, counts).to(x.dtype)
         if self.backend == "torchao":
             return _grouped_torchao(x, w, counts)
+        if self.act_recipe == "torchao":  # the trainer: torchao's grouped numerics (module doc)
+            return _grouped_torchao_emulated(x, w, counts)
         return _grouped_emulated(x, w, counts, self.kernels)
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
