@@ -347,6 +347,10 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    if args.sft_model and not (Path(args.sft_model) / "config.json").is_file():
+        print(f"error: --sft-model {args.sft_model}: not a model dir (no config.json); train one with "
+              f"scripts/sft.py or leave the option out", file=sys.stderr)
+        return 2
     needs_warm_start = not args.sft_model and cfg.model.name_or_path != "tiny"
     t0, out = time.time(), Path(args.out)
     if args.check:
@@ -370,6 +374,8 @@ def main(argv=None) -> int:
         commands = {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}
     files = {(m, s): work / f"{m}_s{s}" / "metrics.jsonl" for s in args.seeds for m in args.modes}
     passed, reasons, means, runs = check(files, steps, sweep=bool(args.sweep))
+    if not args.check and model is None:
+        passed, reasons = False, [f"the warm start failed: see {out / 'learn_sft.log'}", *reasons]
     word = ("finished" if passed else "UNFINISHED") if args.sweep else ("PASS" if passed else "FAIL")
     md = table(runs, means, args.modes) + "\n\n" + word + "".join(f"\n- {r}" for r in reasons)
     print(md, flush=True)

@@ -120,3 +120,22 @@ def test_gate_end_to_end_on_cpu(tmp_path):
         assert r["entropy"] > 0 and 1 <= r["distinct_answers"] <= 8
     assert "fp8.train=false" in res["commands"]["bf16_s0"] and "fp8.train=false" not in res["commands"]["fp8_s0"]
     assert "FAIL" in p.stdout and (out / "fp8_s1_metrics.jsonl").is_file() and (out / "learn_runs.tgz").is_file()
+
+
+def test_bad_sft_model_exits_2_and_writes_nothing(tmp_path, capsys):
+    rc = learn_gate.main(["--sft-model", str(tmp_path / "nope"), "--out", str(tmp_path / "out"),
+                          "--work", str(tmp_path / "work")])
+    assert rc == 2 and "error: --sft-model" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "work").exists()
+
+
+def test_failed_warm_start_fails_the_gate_without_runs(tmp_path):
+    """The quickstart's config names an SFT model: the gate trains it first; if that fails, no run starts
+    and the verdict says why."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    rc = learn_gate.main(["--cpu", "--config", str(ROOT / "configs/quickstart_gpu.yaml"), "--out", str(out),
+                          "--work", str(work), "--sft=--no-such-option"])
+    assert rc == 1
+    result = json.loads((out / "learn_gate.json").read_text())
+    assert result["verdict"] == "FAIL" and result["reasons"][0].startswith("the warm start failed")
+    assert result["commands"] == {} and (out / "learn_sft.log").is_file()
