@@ -1,4 +1,4 @@
-"""Supervised warm start for the convergence study: a small Llama that GRPO can improve.
+"""Supervised warm start for the GPU quickstart and the convergence study: a small Llama that GRPO can improve.
 
     python scripts/sft.py --out /tmp/conv/sft_model                       # one H200, ~3 min
     python scripts/sft.py --out /tmp/sft --toy --minutes 0.2 --device cpu  # CPU smoke test
