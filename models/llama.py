@@ -5,15 +5,7 @@ vLLM packs q/k/v into qkv_proj and gate/up into gate_up_proj, and holds the kv-c
 self_attn.attn (its Attention module). No routers.
 """
 
-from models import VLLM_PACKED, FamilySpec
+from models import FamilySpec
 
-SPEC = FamilySpec(
-    name="llama",
-    config_class="LlamaConfig",
-    model_class="LlamaForCausalLM",
-    fused_groups=VLLM_PACKED,
-    swiglu=("gate_proj", "up_proj", "down_proj", "act_fn"),
-    layers="model.layers",
-    attention="self_attn",
-    kv_scale_module="attn",
-)
+# every other field is FamilySpec's default: the HF decoder layout described above
+SPEC = FamilySpec(name="llama", config_class="LlamaConfig", model_class="LlamaForCausalLM")

@@ -5,15 +5,7 @@ calibration hook sees q/k after both. vLLM packs q/k/v into qkv_proj and gate/up
 and holds the kv-cache scales on self_attn.attn. No routers.
 """
 
-from models import VLLM_PACKED, FamilySpec
+from models import FamilySpec
 
-SPEC = FamilySpec(
-    name="qwen3",
-    config_class="Qwen3Config",
-    model_class="Qwen3ForCausalLM",
-    fused_groups=VLLM_PACKED,
-    swiglu=("gate_proj", "up_proj", "down_proj", "act_fn"),
-    layers="model.layers",
-    attention="self_attn",
-    kv_scale_module="attn",
-)
+# every other field is FamilySpec's default: the HF decoder layout described above
+SPEC = FamilySpec(name="qwen3", config_class="Qwen3Config", model_class="Qwen3ForCausalLM")

@@ -43,11 +43,8 @@ SPEC = FamilySpec(
     name="qwen3_moe",
     config_class="Qwen3MoeConfig",
     model_class="Qwen3MoeForCausalLM",
-    fused_groups=(("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")),  # gate/up: dense layers only
-    swiglu=("gate_proj", "up_proj", "down_proj", "act_fn"),  # dense layers' MLP (mlp_only_layers)
-    layers="model.layers",
-    attention="self_attn",
-    kv_scale_module="attn",
+    # fused_groups, swiglu, layers, attention, kv_scale_module: FamilySpec's defaults (gate/up and the
+    # SwiGLU MLP exist in dense layers only, config.mlp_only_layers)
     experts="mlp.experts",
     router="mlp.gate",
     expert_weights=(("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))),
