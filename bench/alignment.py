@@ -34,7 +34,7 @@ MODES = {"bf16": [], "fp8": ["fp8.rollout=true"], "fp8kv": ["fp8.rollout=true", 
          "fp8kv_calibrated": ["fp8.rollout=true", "fp8.kv_cache=true"]}
 SHAPE = ["model.tiny.hidden_size=1024", "model.tiny.intermediate_size=3072", "model.tiny.num_layers=8",
          "model.tiny.num_heads=16", "model.tiny.num_kv_heads=8", "model.tiny.head_dim=128",
-         f"model.tiny.vocab={''.join(chr(c) for c in range(32, 127))!r}"]
+         "model.tiny.vocab=" + "".join(map(chr, range(32, 127)))]  # a str field takes the raw text
 MOE_LAYERS = 4  # --moe: decoder layers of the Qwen3-30B-A3B width (fast; the routing mismatch grows with depth)
 
 

@@ -8,12 +8,14 @@
 #   bash scripts/gpu_check.sh moe [all|bf16|fp8|fp8_kv[,...]] [ARGS]  scripts/flagship_check.py on the
 #                                      qwen3_30b_a3b_* configs at Qwen3-30B-A3B width cut to 12 of 48 layers, 2 steps
 #                                      each: one config runs with router replay on and off (2 runs), several
-#                                      (default all) with replay on; runs cut at 570 s -> $OUT/moe.{md,json},
+#                                      (default all) with replay on; runs cut at 420 s (a fresh host's first
+#                                      FP8 run autotunes torchao's MoE kernels for minutes), the call at 570 s -> $OUT/moe.{md,json},
 #                                      logs + metrics in $OUT/moe_runs.tgz (e.g. --moe-layers 8, --router-replay on,off)
-#   bash scripts/gpu_check.sh moe_bench [ARGS]  bench/alignment.py --moe (4 layers, router replay off/on per
-#                                      engine/trainer pair) -> $OUT/alignment_moe.json, then bench/rollout.py
-#                                      --models qwen3-30b-a3b (12 layers; bf16, fp8kv, fp8 until 570 s; ARGS go
-#                                      to it) -> $OUT/rollout.json. Needs vLLM's MoE kernels: the offline
+#   bash scripts/gpu_check.sh moe_bench [all|align|rollout] [ARGS]  align: bench/alignment.py --moe (4 layers,
+#                                      router replay off/on per engine/trainer pair, ~4 min) -> $OUT/alignment_moe.json;
+#                                      rollout: bench/rollout.py --models qwen3-30b-a3b (12 layers; bf16, fp8kv, fp8,
+#                                      ~2 min each, until 570 s; ARGS go to it) -> $OUT/rollout.json; all (default):
+#                                      both, which leaves the last rollout mode out of one call. Needs vLLM's MoE kernels: the offline
 #                                      bundle built with make_bundle.sh --moe (as moe and tests/gpu/test_moe_gpu.py)
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
 #   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, its SFT warm start then
@@ -72,13 +74,14 @@ case "$1" in
   moe)   sel=${2:-all}; [ "$sel" = all ] && sel=bf16,fp8,fp8_kv
          replay=on; [[ "$sel" == *,* ]] || replay=on,off  # one config: both rows
          $PY scripts/flagship_check.py --configs "$(echo "$sel" | sed 's/[^,]*/qwen3_30b_a3b_&/g')" \
-           --router-replay $replay --timeout 300 --time-limit 570 --out "$OUT/moe" --runs "$OUT/moe/runs" "${@:3}" \
+           --router-replay $replay --timeout 420 --time-limit 570 --out "$OUT/moe" --runs "$OUT/moe/runs" "${@:3}" \
            2>&1 | tee "$OUT/moe.log"
          rc=${PIPESTATUS[0]}; cp "$OUT"/moe/flagship.md "$OUT"/moe.md 2>/dev/null
          cp "$OUT"/moe/flagship.json "$OUT"/moe.json 2>/dev/null
          tar -czf "$OUT/moe_runs.tgz" -C "$OUT" moe --remove-files; exit $rc ;;
-  moe_bench) $PY bench/alignment.py --moe --out "$OUT" 2>&1 | tee "$OUT/alignment_moe.log"
-         $PY bench/rollout.py --models qwen3-30b-a3b --out "$OUT" --time-limit $((SECONDS < 560 ? 570 - SECONDS : 10)) \
+  moe_bench) part=all; case "${2:-}" in all|align|rollout) part=$2; set -- "$1" "${@:3}" ;; esac
+         [ "$part" = rollout ] || $PY bench/alignment.py --moe --out "$OUT" 2>&1 | tee "$OUT/alignment_moe.log"
+         [ "$part" = align ] || $PY bench/rollout.py --models qwen3-30b-a3b --out "$OUT" --time-limit $((SECONDS < 560 ? 570 - SECONDS : 10)) \
            --workloads '512x256->1024' "${@:2}" 2>&1 | tee "$OUT/bench_rollout_moe.log" ;;
   learn) $PY scripts/learn_gate.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
          exit "${PIPESTATUS[0]}" ;;

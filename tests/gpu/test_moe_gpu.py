@@ -9,6 +9,10 @@ vLLM allows one engine per process, so each mode runs this file as a subprocess
            weight_scale_inv inside vLLM's FusedMoE (w13/w2, gate and up rows apart) are fp8/quant.py's
            bytes for the trainer's 3-D weights, bit for bit; the routers stay BF16 in vLLM; then the
            engine returns each sample's routing, [P + T - 1, layers, k] with ids in [0, E).
+* fp8_wide: fp8's refit at Qwen3-30B-A3B's width (hidden 2048, 32 heads, 4 KV heads, 128 experts of width
+           768, top-8; 2 of its 48 layers): 768 expert linears; routing returned with the right shape
+           (agreement only reported: a BF16 trainer and an FP8 engine route random-init 128-way
+           routers differently on about half the pairs, docs/results.md).
 * bf16:    the same refit in BF16 (per-expert weights equal), and routing return: the trainer's own top-k
            (the HF model on the same sequences) agrees with the engine's on most positions.
 * trainer: fp8/moe.py's torchao backend (SM90) against the emulated one, no vLLM involved: per projection
@@ -35,7 +39,11 @@ TINY_MOE = ["model.tiny.arch=qwen3_moe", "model.tiny.hidden_size=512", "model.ti
             "rollout.engine=vllm", "model.dtype=bfloat16", "optim.lr=1e-4", "data.max_prompt_tokens=16",
             "rollout.max_new_tokens=16", "rollout.gpu_memory_utilization=0.3", "rollout.enforce_eager=true",
             "rollout.sleep_mode=false", "fp8.linear_backend=cutlass"]
-MODES = {"fp8": ["fp8.rollout=true"], "bf16": [], "trainer": []}
+QWEN3_30B_A3B_WIDTH = ["model.tiny.hidden_size=2048", "model.tiny.num_heads=32", "model.tiny.num_kv_heads=4",
+                       "model.tiny.intermediate_size=6144", "model.tiny.num_experts=128",
+                       "model.tiny.num_experts_per_tok=8", "model.tiny.moe_intermediate_size=768"]
+MODES = {"fp8": ["fp8.rollout=true"], "fp8_wide": ["fp8.rollout=true"] + QWEN3_30B_A3B_WIDTH, "bf16": [],
+         "trainer": []}
 PROMPTS = ["1+1=", "23+4=", "7*8=", "(9-3)=", "hello", "x", "42?", "a b c"]
 
 
@@ -74,7 +82,8 @@ def check_refit(mode):
     engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout))
     params = dict(model.named_parameters())
     names = expert_names(model)
-    assert len(names) == 2 * 8 * 3, len(names)
+    t = cfg.model.tiny
+    assert len(names) == t.num_layers * t.num_experts * 3, len(names)
     for linear, (module, param, e, rows) in names.items():
         w, scale = engine.internal_expert_weight(linear + ".weight")
         ref = params[f"{module}.{param}"].detach()[e, rows]
@@ -86,7 +95,7 @@ def check_refit(mode):
         else:
             assert torch.equal(w, ref.to(w.dtype)), f"{linear}: BF16 weight differs"
     log(f"{mode}: {len(names)} expert linears bit-identical to the trainer's" + (" FP8 bytes" if cfg.fp8.rollout else ""))
-    for i in range(2):  # the router stays unquantized inside vLLM (fp8/plan.py puts it in ignored_layers)
+    for i in range(t.num_layers):  # the router stays unquantized inside vLLM (fp8/plan.py puts it in ignored_layers)
         gate = engine._model().get_submodule(f"model.layers.{i}.mlp.gate")
         assert gate.weight.dtype == torch.bfloat16 and getattr(gate, "weight_scale_inv", None) is None
         assert torch.equal(gate.weight, params[f"model.layers.{i}.mlp.gate.weight"])
@@ -99,11 +108,12 @@ def check_routing(cfg, tok, model, engine, min_agree):
 
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     samples = engine.generate(prompts, n=2, temperature=1.0, top_p=1.0, max_new_tokens=16, seed=0)
+    t = cfg.model.tiny
     for s in samples:
         r = s.routed_experts
-        assert r is not None and tuple(r.shape) == (len(s.prompt_ids) + len(s.token_ids) - 1, 2, 2), \
-            (None if r is None else tuple(r.shape), len(s.prompt_ids), len(s.token_ids))
-        assert int(r.min()) >= 0 and int(r.max()) < 8
+        shape = (len(s.prompt_ids) + len(s.token_ids) - 1, t.num_layers, t.num_experts_per_tok)
+        assert r is not None and tuple(r.shape) == shape, (None if r is None else tuple(r.shape), shape)
+        assert int(r.min()) >= 0 and int(r.max()) < t.num_experts
     ids, am, mask, _ = collate(samples, tok.pad_token_id)
     experts = routing.collate_routing(samples, ids.shape[1]).cuda()
     stats = routing.RoutingStats()
@@ -152,19 +162,22 @@ def check_trainer_backend():
     with torch.no_grad():  # the BF16 experts: how far each FP8 backend is from them says whose recipe moved
         ref = experts(x, ids, w).float()
     out = {}
-    for name, m in (("emulated", emu), ("torchao", tao)):
+    g = torch.randn(ref.shape, device="cuda").to(x.dtype)  # one upstream gradient for both: none of out's
+    for name, m in (("emulated", emu), ("torchao", tao)):  # differences is fed back into the backward
         x.grad = None
         for p in (experts.gate_up_proj, experts.down_proj):
             p.grad = None
         y = m(x, ids, w)
-        y.float().square().sum().backward()
+        y.backward(g)
         out[name] = (y.float(), x.grad.float(), experts.gate_up_proj.grad.float(), experts.down_proj.grad.float())
         log(f"{name} experts vs BF16 experts, out: relative {float((out[name][0] - ref).norm() / ref.norm()):.2e}")
     # The whole layer: the only difference left is the GEMMs' fp32 summation order (CUTLASS's grouped bf16 GEMM
     # vs an fp32 GEMM), which moves ~1e-4 of the bf16 GEMM outputs by one step and through them, rarely, an FP8
-    # rounding of the next GEMM's input (h, grad_out). On the CPU (tests/test_moe.py, the same comparison) that
-    # is <= 4e-5 relative with 99.98% of the elements bit-identical; 1e-3 and 99% allowed, 20x under the 2e-2
-    # the dense recipe's emulation was off by.
+    # rounding of the next GEMM's input (h, grad_out). One upstream gradient g for both backends: a gradient
+    # made from each one's own output (d(y^2)/dy) carries the forward's differences into the 1x128 quantization
+    # of grad_out and left 1.1% of dgrad's elements different on an H200. With g: <= 1e-4 relative and 99.96%
+    # bit-identical there, 99.98% on the CPU (tests/test_moe.py); 1e-3 and 99% allowed, 20x under the 2e-2 the
+    # dense recipe's emulation was off by.
     for what, a, b in zip(("out", "dgrad", "wgrad gate_up", "wgrad down"), out["emulated"], out["torchao"]):
         rel, same = float((a - b).norm() / b.norm()), float((a == b).float().mean())
         log(f"torchao vs emulated experts, {what}: relative {rel:.2e}, bit-identical {same:.4f}")
@@ -177,5 +190,5 @@ if __name__ == "__main__":
         check_trainer_backend()
     else:
         cfg, tok, model, engine = check_refit(mode)
-        check_routing(cfg, tok, model, engine, min_agree=0.9 if mode == "bf16" else 0.8)
+        check_routing(cfg, tok, model, engine, min_agree={"bf16": 0.9, "fp8": 0.8}.get(mode, 0.0))
     log(f"{mode}: ok")
