@@ -8,8 +8,8 @@
 #   bash scripts/gpu_check.sh moe [all|bf16|fp8|fp8_kv[,...]] [ARGS]  scripts/flagship_check.py on the
 #                                      qwen3_30b_a3b_* configs at Qwen3-30B-A3B width cut to 12 of 48 layers, 2 steps
 #                                      each: one config runs with router replay on and off (2 runs), several
-#                                      (default all) with replay on; runs cut at 420 s (a fresh host's first
-#                                      FP8 run autotunes torchao's MoE kernels for minutes), the call at 570 s -> $OUT/moe.{md,json},
+#                                      (default all) with replay on; runs cut at 420 s (a host's first FP8 run
+#                                      autotunes what the seed below lacks), the call at 570 s -> $OUT/moe.{md,json},
 #                                      logs + metrics in $OUT/moe_runs.tgz (e.g. --moe-layers 8, --router-replay on,off)
 #   bash scripts/gpu_check.sh moe_bench [all|align|rollout] [ARGS]  align: bench/alignment.py --moe (4 layers,
 #                                      router replay off/on per engine/trainer pair, ~4 min) -> $OUT/alignment_moe.json;
@@ -38,7 +38,8 @@
 #                                      single-file full-gather checkpoint vs sharded DCP at 8B shape
 #                                      (default: up to 8 of 32 layers, fp32 + AdamW) -> $OUT/checkpoint.json
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
-# 8B step shapes, H100: ~190 s of a first FP8 step) and leaves all autotuning results in
+# 8B step shapes, H100: ~190 s of a first FP8 step) and bench/triton_autotune_moe_h200.tgz (the expert
+# GEMMs' quantizers at Qwen3-30B-A3B's shapes, H200: over 300 s of a first run) and leaves all autotuning results in
 # $OUT/triton_autotune.tgz (refresh the shipped file from it when shapes or the bundle change).
 # Child logs of the rollout and align parts: $OUT/logs/. $OUT/smi.csv: nvidia-smi's utilization/clock/power log.
 set -uo pipefail
@@ -46,8 +47,9 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.log"
 TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}  # fp8.linear.keep_triton_autotuning's dir
-mkdir -p "$TRITON_DIR" && tar -xzf bench/triton_autotune_h100.tgz -C "$TRITON_DIR" \
-  && echo "seeded $TRITON_DIR with bench/triton_autotune_h100.tgz" | tee -a "$OUT/env.log"
+for seed in bench/triton_autotune_h100.tgz bench/triton_autotune_moe_h200.tgz; do
+  mkdir -p "$TRITON_DIR" && tar -xzf $seed -C "$TRITON_DIR" && echo "seeded $TRITON_DIR with $seed" | tee -a "$OUT/env.log"
+done
 # GPU utilization, SM clock, power, temperature and clock-limit reasons once a second (throttling?)
 SMI=timestamp,utilization.gpu,clocks.sm,power.draw,temperature.gpu
 ( nvidia-smi --query-gpu=$SMI,clocks_event_reasons.active --format=csv -l 1 \
