@@ -36,7 +36,7 @@ attention), speedup, peak memory, rel_err of the output vs bf16 (same weights, b
 with --profile the GPU time per kernel category and gpu_busy = kernel time / wall time.
 
 Both write OUT/train.json (runs of the same GPU already there are kept unless re-measured) and
-print a table. fp8.linear.keep_triton_autotuning() keeps Triton's autotune results on disk, so a
+print a table. fp8.fast.torchao.keep_triton_autotuning() keeps Triton's autotune results on disk, so a
 later process on the same host skips the ~17 s per kernel and shape.
 """
 
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8.linear import keep_triton_autotuning  # noqa: E402
+from fp8.fast.torchao import keep_triton_autotuning  # noqa: E402
 
 keep_triton_autotuning()  # before torchao's @triton.autotune kernels are defined
 from bench.runner import (RESULTS, add_ratio, cuda_kernels, cuda_time_ms, kernel_category,  # noqa: E402

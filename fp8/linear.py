@@ -237,14 +237,6 @@ class EmulatedFP8Linear(nn.Linear):
 # ------------------------------------------------------------------------------------ conversion
 
 
-def __getattr__(name: str):
-    """The torchao backend's names (fp8/fast/torchao.py), also reachable here as they were before."""
-    if name in ("TorchaoFP8Linear", "TorchaoKernels", "torchao_linear_cls", "keep_triton_autotuning"):
-        from fp8.fast import torchao
-        return getattr(torchao, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def is_fp8_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) and hasattr(type(m), "fp8_enabled")
 

@@ -35,7 +35,7 @@ mix (also never trained on), written with the loss history to <out>/sft_metrics.
 
 --warm-fp8: build the same-shaped model, convert it with fp8.linear.convert_to_fp8_training and
 run forward/backward passes, so that torchao's Triton kernels are compiled and autotuned into
-Triton's disk cache (fp8.linear.keep_triton_autotuning). scripts/convergence.sh runs it next to the
+Triton's disk cache (fp8.fast.torchao.keep_triton_autotuning). scripts/convergence.sh runs it next to the
 SFT so the FP8 GRPO runs skip the ~100 s first-step autotune.
 """
 

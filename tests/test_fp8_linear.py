@@ -459,7 +459,7 @@ def test_inductor_compiles_emulated_fp8_layers(monkeypatch):
 
 AUTOTUNE_PROBE = """
 import json, os
-from fp8.linear import torchao_linear_cls
+from fp8.fast.torchao import torchao_linear_cls
 torchao_linear_cls()
 from torchao.prototype.blockwise_fp8_training import kernels as k
 names = [n for n in dir(k) if n.startswith("triton_fp8_blockwise_") and n.endswith("_kernel")]
@@ -504,7 +504,7 @@ def cpu_torchao_kernels(one_pass: bool):
     (our one-pass quantizer and its SwiGLU modes), with CPU stand-ins of their Triton quantizers
     (fp8/quant.py, == their bytes: tests/gpu) in the layouts their docstrings give, and
     reference_blockwise_mm."""
-    from fp8.linear import TorchaoKernels
+    from fp8.fast.torchao import TorchaoKernels
     from fp8.quant import quantize_act_1x128, quantize_act_128x1, quantize_blockwise
 
     def col_major(t):

@@ -104,7 +104,7 @@ def torchao_linear_cls() -> type:
     _BlockFP8MM with TorchaoKernels, + bf16_reference switch and token padding.
 
     Built on first use: torchao pulls in Triton, and the CPU path never needs it. Reachable as
-    fp8.fast.torchao.TorchaoFP8Linear (and fp8.linear.TorchaoFP8Linear: module __getattr__), so it
+    fp8.fast.torchao.TorchaoFP8Linear (module __getattr__), so it
     pickles by reference.
     """
     keep_triton_autotuning()

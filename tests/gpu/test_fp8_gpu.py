@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(not SM90, reason="needs CUDA on an SM90 (H100/H2
 from config import FP8Config  # noqa: E402
 from fp8.calibrate import QKVCalibrator  # noqa: E402
 from fp8.fast import FusedSwiGLU, refresh_weight_caches, refresh_weight_caches_on_step, swiglu, swiglu_backward  # noqa: E402
-from fp8.linear import EmulatedFP8Linear, bf16_reference, convert_to_fp8_training, torchao_linear_cls  # noqa: E402
+from fp8.fast.torchao import torchao_linear_cls  # noqa: E402
+from fp8.linear import EmulatedFP8Linear, bf16_reference, convert_to_fp8_training  # noqa: E402
 from fp8.quant import E4M3, quantize_act_1x128, quantize_act_128x1, quantize_blockwise  # noqa: E402
 
 
