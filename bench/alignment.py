@@ -32,9 +32,9 @@ from bench.runner import RESULTS, Job, emit, markdown_table, read_records, run_j
 
 MODES = {"bf16": [], "fp8": ["fp8.rollout=true"], "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
          "fp8kv_calibrated": ["fp8.rollout=true", "fp8.kv_cache=true"]}
+VOCAB = "model.tiny.vocab=" + "".join(map(chr, range(32, 127)))  # a str field takes the raw text
 SHAPE = ["model.tiny.hidden_size=1024", "model.tiny.intermediate_size=3072", "model.tiny.num_layers=8",
-         "model.tiny.num_heads=16", "model.tiny.num_kv_heads=8", "model.tiny.head_dim=128",
-         "model.tiny.vocab=" + "".join(map(chr, range(32, 127)))]  # a str field takes the raw text
+         "model.tiny.num_heads=16", "model.tiny.num_kv_heads=8", "model.tiny.head_dim=128", VOCAB]
 MOE_LAYERS = 4  # --moe: decoder layers of the Qwen3-30B-A3B width (fast; the routing mismatch grows with depth)
 
 
@@ -43,7 +43,7 @@ def shape(moe: bool, layers: int | None) -> list[str]:
     `layers` decoder layers (default MOE_LAYERS); the char vocab either way."""
     if not moe:
         return [*SHAPE, *([f"model.tiny.num_layers={layers}"] if layers else [])]
-    return [f"model.tiny={tiny_flow('qwen3-30b-a3b', layers or MOE_LAYERS)}", SHAPE[-1]]
+    return [f"model.tiny={tiny_flow('qwen3-30b-a3b', layers or MOE_LAYERS)}", VOCAB]
 
 
 def measure(mode: str, prompts: int, n: int, new_tokens: int, model_shape: list[str] = SHAPE) -> list[dict]:

@@ -27,11 +27,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tiny_vllm import NEEDS_VLLM_GPU, run_mode# noqa: E402
+from tiny_vllm import NEEDS_VLLM_GPU, PROMPTS, run_mode  # noqa: E402
 
 pytestmark = NEEDS_VLLM_GPU
 
-REPO = Path(__file__).resolve().parents[2]
 TINY_MOE = ["model.tiny.arch=qwen3_moe", "model.tiny.hidden_size=512", "model.tiny.num_layers=2",
             "model.tiny.num_heads=4", "model.tiny.num_kv_heads=4", "model.tiny.head_dim=128",
             "model.tiny.intermediate_size=1024", "model.tiny.num_experts=8", "model.tiny.num_experts_per_tok=2",
@@ -44,7 +43,6 @@ QWEN3_30B_A3B_WIDTH = ["model.tiny.hidden_size=2048", "model.tiny.num_heads=32",
                        "model.tiny.num_experts_per_tok=8", "model.tiny.moe_intermediate_size=768"]
 MODES = {"fp8": ["fp8.rollout=true"], "fp8_wide": ["fp8.rollout=true"] + QWEN3_30B_A3B_WIDTH, "bf16": [],
          "trainer": []}
-PROMPTS = ["1+1=", "23+4=", "7*8=", "(9-3)=", "hello", "x", "42?", "a b c"]
 
 
 @pytest.mark.parametrize("mode", list(MODES))
