@@ -1,5 +1,10 @@
 """Shared helpers: train_grpo.py run as a user runs it (in this process or a child), and one short
-tiny_cpu run that resume and export tests compare against."""
+tiny_cpu run that resume and export tests compare against.
+
+tests/unit: pure functions, the quantizer, FP8 layers, losses, config, reward, data (the everyday loop,
+`pytest tests/unit`, under 2 minutes on 2 cores). tests/e2e: runs of train_grpo.py, the scripts and
+benchmarks, the golden trajectory. Both folders are on sys.path, so an e2e test reuses a unit test's
+model builders (`from test_fp8_linear import tiny_llama`)."""
 
 import contextlib
 import dataclasses
@@ -14,6 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "tests/unit"), str(ROOT / "tests/e2e")]
 # tiny_cpu with the whole recipe (FP8 trainer + W8A8 engine + FP8 KV with recalibrated scales) on a
 # small batch: ~0.2 s per step after ~8 s of start-up on 2 cores. Validation every 3 steps,
 # a checkpoint every 2 (keep 2).

@@ -17,7 +17,7 @@ vLLM allows one engine per process, so each mode runs this file as a subprocess
            (the HF model on the same sequences) agrees with the engine's on most positions.
 * trainer: fp8/moe.py's torchao backend (SM90) against the emulated one, no vLLM involved: per projection
            every dequantized GEMM operand bit-identical and the outputs equal up to fp32 summation order
-           (tests/test_moe.py's compare_grouped_gemm); a whole layer's forward, dgrad and wgrad within 1e-3.
+           (tests/unit/test_moe.py's compare_grouped_gemm); a whole layer's forward, dgrad and wgrad within 1e-3.
 """
 
 import sys
@@ -174,7 +174,7 @@ def check_trainer_backend():
     # rounding of the next GEMM's input (h, grad_out). One upstream gradient g for both backends: a gradient
     # made from each one's own output (d(y^2)/dy) carries the forward's differences into the 1x128 quantization
     # of grad_out and left 1.1% of dgrad's elements different on an H200. With g: <= 1e-4 relative and 99.96%
-    # bit-identical there, 99.98% on the CPU (tests/test_moe.py); 1e-3 and 99% allowed, 20x under the 2e-2 the
+    # bit-identical there, 99.98% on the CPU (tests/unit/test_moe.py); 1e-3 and 99% allowed, 20x under the 2e-2 the
     # dense recipe's emulation was off by.
     for what, a, b in zip(("out", "dgrad", "wgrad gate_up", "wgrad down"), out["emulated"], out["torchao"]):
         rel, same = float((a - b).norm() / b.norm()), float((a == b).float().mean())

@@ -197,7 +197,7 @@ def test_nothing_imports_the_entry_script():
     files = [p for p in [*ROOT.rglob("*.py"), *ROOT.rglob("*.ipynb")]
              if not {".venv", "runs"} & set(p.relative_to(ROOT).parts)]
     names = {str(p.relative_to(ROOT)) for p in files}
-    assert {"analysis.py", "trainer.py", "tests/conftest.py", "tests/test_guards.py", "bench/runner.py",
+    assert {"analysis.py", "trainer.py", "tests/conftest.py", "tests/e2e/test_guards.py", "bench/runner.py",
             "scripts/learn_gate.py"} <= names
     offenders = [str(p.relative_to(ROOT)) for p in files
                  if pattern.search(p.read_text().replace('\\n",', "\n").replace('"', " "))]

@@ -18,7 +18,7 @@ import pytest
 from config import load_config
 from conftest import run_train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 
 

@@ -2,7 +2,7 @@
 
 runner: the results file (schema, atomic write, same-device merge). rollout: workload/model/mode
 parsing, the 8B configs and model dirs (checked by vLLM's own EngineArgs/ModelConfig, as
-tests/test_vllm_args.py does), the worker's records (--dry-run engine), the child processes through
+tests/unit/test_vllm_args.py does), the worker's records (--dry-run engine), the child processes through
 the runner (spawn, stream, partial writes, a failing and a timed-out child), the derived figures
 and the table. train: the stack's FP8 plan per mode, one CPU step, FLOPs, inputs, a failing mode.
 trainer_pass and checkpoint: CPU smoke runs of the real CLI.
@@ -24,7 +24,7 @@ from bench import runner
 from bench import rollout as br
 from bench import train as bt
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _vllm():
@@ -489,7 +489,7 @@ def test_kernel_summary_categories():
 def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
     """bench/trainer_pass.py on the CPU (emulated FP8): every variant timed, the padded batch a
     multiple of 128 tokens (as the FP8 trainer collates it), the unpadded one exactly the rows."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, str(root / "bench/trainer_pass.py"), "--config", str(root / "configs/tiny_cpu.yaml"),
                         "--rows", "2", "--prompt", "5", "--response", "40", "--iters", "1", "--out", str(tmp_path)],
                        capture_output=True, text=True, cwd=root)

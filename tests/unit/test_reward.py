@@ -1,6 +1,6 @@
 """rewards.py on real answer formats (MATH / GSM8K styles), side by side with verl's math-verify reward.
 
-    python tests/test_reward.py        # prints the per-category table that docs/reward.md quotes
+    python tests/unit/test_reward.py        # prints the per-category table that docs/reward.md quotes
 
 Each gold answer comes with equivalent forms (scored right) and near misses (scored wrong); each is
 written into completions the way models write them: boxed, unboxed final-answer statements, and
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # `python tests/test_reward.py` from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # `python tests/unit/test_reward.py` from anywhere
 from data import math_reward  # noqa: E402
 
 # (gold, equivalent forms a model may write, near misses)

@@ -20,7 +20,7 @@ from fp8.export import vllm_quantization_config
 from engines.vllm import (RELOAD_LOGGER, VLLMEngine, kept_env, kv_scale_entry, quiet_rotary_reload, vllm_engine_kwargs,
                           vllm_env, vllm_requests)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MODES = {  # name -> config overrides (the three rollout recipes of configs/, and the engine options)
     "bf16": [],
     "fp8": ["fp8.rollout=true"],

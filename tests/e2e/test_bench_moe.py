@@ -18,7 +18,7 @@ from bench import runner
 from config import load_config
 from modeling import build_char_tokenizer, build_tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MOE = "qwen3-30b-a3b"
 LAYER, OUTER = 623_120_640, 622_331_904  # parameters of one decoder layer; embeddings + lm_head + final norm
 

@@ -6,7 +6,7 @@ import pytest
 
 from config import Config, ConfigError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("path", sorted([*(ROOT / "configs").rglob("*.yaml"), *(ROOT / "bench").glob("*.yaml")]),

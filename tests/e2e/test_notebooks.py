@@ -14,7 +14,7 @@ import analysis as A
 from losses.grpo import LossConfig, grpo_loss
 from losses.mismatch import mismatch_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = {
     "mismatch_analysis": ["log_ratio_hist", "mismatch_by_position", "mismatch_by_step", "is_weights", "is_cap_sweep"],
     "fp8_sensitivity": ["fp8_sensitivity_linear", "fp8_sensitivity_layer_kind", "fp8_keep_topk", "kv_calibration"],

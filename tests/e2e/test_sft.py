@@ -13,7 +13,7 @@ from config import load_config
 from data import load_splits, math_reward, render_prompt, reward_last_number, synthetic_arithmetic
 from modeling import build_char_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import sft  # noqa: E402
 

@@ -16,7 +16,7 @@ import pytest
 from config import DataConfig, load_config
 from data import DataError, data_warnings, load_splits, looks_like_solution
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # rows in the datasets' own formats (openai/gsm8k 'main'; MATH: problem / level / solution / type)
 GSM8K_ROWS = [{"question": f"Natalia sold clips to {n} of her friends in April, and then she sold half as many "

@@ -14,7 +14,7 @@ import torch
 from checkpoint import load_checkpoint
 from config import UserError, load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "log.tensorboard=false", "train.val_every=2",
           "train.steps=3", "rollout.prompts_per_step=8", "train.micro_batch_size=16", "train.device=cpu"]
 

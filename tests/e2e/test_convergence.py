@@ -11,7 +11,7 @@ import pytest
 
 from config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import plot_runs  # noqa: E402
 

@@ -1,0 +1,113 @@
+"""Golden trajectory: tiny_cpu's first steps, metric by metric, against tests/assets/tiny_cpu_golden.json.
+
+A refactor that should keep behaviour identical must keep this test green. Regenerate the file only
+for a change meant to alter the numbers, and say so in the commit:
+
+    python tests/e2e/test_golden.py --write
+
+Host independence. The FP8 emulation rounds to e4m3, so a last-bit difference anywhere upstream of a
+quantizer (a GEMM's summation order, a vectorised exp, a norm's reduction) flips a rounding now and
+then, and from there the trajectories part: on 2 cores, AVX2 and AVX-512 kernels left each other at
+step 3 and disagreed on val/accuracy by step 10. So the run pins the code paths that differ between
+x86-64 hosts (PINNED_ENV): ATen's baseline kernels instead of its AVX2/AVX-512 dispatch, MKL's
+Conditional Numerical Reproducibility mode (the same SSE2 code on any x86 CPU, Intel or AMD), oneDNN
+capped at SSE4.1, one thread. With it the trajectory is bit-identical whatever the host's SIMD width
+or the caller's own ATEN_CPU_CAPABILITY / MKL_ENABLE_INSTRUCTIONS / thread count (checked by
+tests/e2e/test_host_independence.py). The tolerances are for metrics summed in another order by a
+refactor; a changed sample, loss term or update moves them by more, which the two probe tests show.
+Timing metrics (time/, perf/) are left out.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests/assets/tiny_cpu_golden.json"
+OVERRIDES = ["train.steps=10", "train.val_every=5", "train.ckpt_every=0", "log.tensorboard=false",
+             "log.dump_episodes_every=0"]
+RTOL, ATOL = 1e-4, 1e-7
+PINNED_ENV = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
+              "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+# Mutations the golden must catch (run before train_grpo.py, in its process).
+PROBES = {
+    # one more loss term: + 1e-3 * the mean response-token logprob
+    "loss_term": """
+import losses.grpo as g
+_loss = g.grpo_loss
+def grpo_loss(logp, old_logp, rollout_logp, advantages, mask, *a, **k):
+    loss, m = _loss(logp, old_logp, rollout_logp, advantages, mask, *a, **k)
+    return loss + 1e-3 * (logp * mask).sum() / mask.sum(), m
+g.grpo_loss = grpo_loss
+""",
+    # one sampled token of the first rollout replaced by another
+    "sampled_token": """
+import engines.hf as h
+_generate, _done = h.HFEngine.generate, []
+def generate(self, prompt_ids, n, temperature, *a, **k):
+    samples = _generate(self, prompt_ids, n, temperature, *a, **k)
+    if temperature > 0 and not _done:
+        s = samples[0]
+        s.token_ids[0] = 1 + s.token_ids[0] % (len(self.tokenizer) - 1)
+        _done.append(1)
+    return samples
+h.HFEngine.generate = generate
+""",
+}
+
+
+def run_tiny_cpu(out_dir: Path, patch: str = "") -> list[dict]:
+    """tiny_cpu for 10 steps in a child process under PINNED_ENV, `patch` (Python) executed first."""
+    main = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    argv = [str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"),
+            f"train.out_dir={out_dir}", "train.run_name=golden", *OVERRIDES]
+    p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{patch}\n{main}", *argv],
+                       cwd=out_dir, capture_output=True, text=True, timeout=600, env={**os.environ, **PINNED_ENV})
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [json.loads(line) for line in (out_dir / "golden/metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]
+
+
+def differences(rows: list[dict], golden: list[dict]) -> list[str]:
+    """Every metric of every step that is not within RTOL/ATOL of the golden one."""
+    if [r["step"] for r in rows] != [r["step"] for r in golden]:
+        return [f"steps {[r['step'] for r in rows]} != golden {[r['step'] for r in golden]}"]
+    bad = []
+    for got, want in zip(rows, golden):
+        if set(got) != set(want):
+            bad.append(f"step {want['step']}: metrics differ {sorted(set(got) ^ set(want))}")
+        for k, w in want.items():
+            g = got.get(k)
+            if not (g == w or (isinstance(w, float) and isinstance(g, float)
+                               and math.isclose(g, w, rel_tol=RTOL, abs_tol=ATOL))):
+                bad.append(f"step {want['step']} {k}: {g} != golden {w}")
+    return bad
+
+
+def test_tiny_cpu_matches_golden(tmp_path):
+    bad = differences(run_tiny_cpu(tmp_path), json.loads(GOLDEN.read_text()))
+    assert not bad, "\n".join(bad[:20])
+
+
+@pytest.mark.parametrize("probe", sorted(PROBES))
+def test_golden_catches(probe, tmp_path):
+    """The comparison is not vacuous: one extra loss term at 1e-3, or one changed token of 2,048 sampled
+    at step 0, leaves the golden trajectory."""
+    bad = differences(run_tiny_cpu(tmp_path, PROBES[probe]), json.loads(GOLDEN.read_text()))
+    assert bad, f"{probe}: the trajectory still matches the golden one"
+    print(f"{probe}: {len(bad)} differences, first: {bad[0]}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/e2e/test_golden.py --write")
+    with tempfile.TemporaryDirectory() as d:
+        GOLDEN.write_text(json.dumps(run_tiny_cpu(Path(d)), indent=1) + "\n")
+    print(f"wrote {GOLDEN}")
