@@ -1,4 +1,4 @@
-"""Mismatch and FP8-sensitivity analysis: the engine behind notebooks/ (tests/test_notebooks.py).
+"""Mismatch and FP8-sensitivity analysis: the engine behind notebooks/ (tests/e2e/test_notebooks.py).
 
     python train_grpo.py --config configs/llama31_8b_fp8.yaml log.save_batch_every=50   # GPU: save batches
     BATCH_PATH=runs/<run>/batches/step_000050.pt FIG_DIR=figs jupyter execute notebooks/mismatch_analysis.ipynb

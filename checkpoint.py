@@ -54,7 +54,7 @@ the repo's two atomic-write helpers (atomic_write for one file, replace_dir for 
 this module owns what a run leaves on disk, and the exported model dirs, metrics and batch
 dumps need the same all-or-nothing guarantee as checkpoints.
 
-Fault injection (tests/test_resume.py): with GRPO_CKPT_FAULT=<step> in the environment, the
+Fault injection (tests/e2e/test_resume.py): with GRPO_CKPT_FAULT=<step> in the environment, the
 save of that step truncates rank 0's .distcp file in its temp dir to half and SIGKILLs its own
 process.
 """

@@ -3,7 +3,7 @@ sharded DCP (checkpoint.py). Time, peak host RSS and checkpoint size -> OUT/chec
 
     python bench/checkpoint.py --out $OUT                       # GPU: as many layers as fit (<= 8)
     python bench/checkpoint.py --layers 4 --out $OUT            # fewer layers (disk, time)
-    python bench/checkpoint.py --tiny --out /tmp/ckpt_bench     # CPU smoke run (tests/test_bench.py)
+    python bench/checkpoint.py --tiny --out /tmp/ckpt_bench     # CPU smoke run (tests/e2e/test_bench.py)
 
 What is measured: a random-init LlamaForCausalLM at Llama-3.1-8B's shape with --layers decoder
 layers instead of 32, fp32 master weights, FSDP2 over a 1-rank process group (DTensor parameters,

@@ -30,7 +30,7 @@ Backends:
   DeepGEMM installed, AUTO takes DeepGEMM's FP8 kernels instead, whose numerics the emulation does not follow.
 * emulated (CPU, non-SM90, fp8.emulate), act_recipe 'torchao' (the trainer): _TorchaoGroupedMM, the grouped
   recipe above in torch ops: the same bf16 operands bit for bit, multiplied in fp32 and rounded once to bf16;
-  only the fp32 summation order differs from torch._grouped_mm (tests/test_moe.py runs torchao's own grouped
+  only the fp32 summation order differs from torch._grouped_mm (tests/unit/test_moe.py runs torchao's own grouped
   GEMM on the CPU against it).
 * emulated, act_recipe 'vllm' (the CPU engine's stand-in for vLLM's fused MoE): each expert's tokens through
   fp8/linear.py's _BlockFP8MM with EmulatedKernels: fp32-dequantized operands and one fp32 GEMM.
@@ -110,7 +110,7 @@ _BF16 = torch.bfloat16
 @torch.library.custom_op("fp8_grpo::torchao_grouped_operand", mutates_args=())
 def _torchao_operand(x: Tensor, groups: str, counts: list[int]) -> Tensor:
     """One operand of torchao's emulated grouped GEMM, bf16, x's shape: FP8-quantize (fp8/quant.py's torchao
-    recipe: the math of torchao's Triton quantizers, bit for bit, tests/test_fp8_quant.py and tests/gpu), then
+    recipe: the math of torchao's Triton quantizers, bit for bit, tests/unit/test_fp8_quant.py and tests/gpu), then
     dequantize as grouped_kernels._emulated_blockwise_scaled_grouped_mm_impl does: bf16(q) * bf16(scale_inv),
     a bf16 multiply (the exact fp32 product rounded once to bf16).
 

@@ -13,7 +13,7 @@ converted. It gives every FP8 linear fast kernels, then adds what the config swi
 * fp8.cache_weights: each GEMM's quantized weight kept until the optimizer changes it (cache.py);
   the trainer registers its optimizer hook with refresh_weight_caches_on_step.
 
-Module names, Parameters and numerics are those of the recipe (tests/test_fp8_linear.py).
+Module names, Parameters and numerics are those of the recipe (tests/unit/test_fp8_linear.py).
 """
 
 from __future__ import annotations
