@@ -241,12 +241,19 @@ class MoEConfig:
 
 @dataclass
 class OptimConfig:
-    name: Literal["adamw", "adamw8bit"] = "adamw"
+    name: Literal["adamw", "adamw8bit", "adamw8bit_rms"] = "adamw"
     """adamw: torch.optim.AdamW (states in the parameter dtype: 8 bytes per fp32 parameter).
-    adamw8bit: torchao.optim.AdamW8bit, states quantized block-wise to 8 bits (2 bytes per
-    parameter): fp32 master weights of an 8B model next to vLLM on one 141 GB GPU."""
+    adamw8bit_rms: torchao's AdamW8bit storing sqrt(v) instead of v (optimizer.py), states quantized
+    block-wise to 8 bits (2 bytes per parameter): fp32 master weights of an 8B model next to vLLM on
+    one 141 GB GPU, updates within ~1.5 x lr. adamw8bit: torchao.optim.AdamW8bit as is; its v decodes
+    to 0 for entries small next to their block's largest, and their updates reach 10-10,000 x lr."""
+    update_ratio_warn: float = 2.0
+    """Warn when optim/update_ratio_max (the largest |dw| / lr of the step's fp32 weights; Adam's
+    bound is ~1) exceeds this."""
+    update_ratio_stop: float = 50.0
+    """Abort when optim/update_ratio_max exceeds this (0 = never)."""
     bf16_stochastic_round: bool = False
-    """With model.dtype=bfloat16 and optim.name=adamw8bit: round each updated weight to bf16
+    """With model.dtype=bfloat16 and an 8-bit optim.name: round each updated weight to bf16
     stochastically (unbiased), so updates below half a bf16 ulp survive on average (torchao)."""
     lr: float = 1e-6
     weight_decay: float = 0.01
@@ -549,6 +556,8 @@ def validate(cfg: Config) -> None:
         ("optim.warmup_steps", o.warmup_steps, o.warmup_steps >= 0, ">= 0 (a negative warm-up gives a negative lr)"),
         ("optim.max_grad_norm", o.max_grad_norm, o.max_grad_norm is None or o.max_grad_norm > 0,
          "> 0, or null for no clipping (0 would zero every update)"),
+        ("optim.update_ratio_warn", o.update_ratio_warn, o.update_ratio_warn > 0, "> 0"),
+        ("optim.update_ratio_stop", o.update_ratio_stop, o.update_ratio_stop >= 0, ">= 0 (0 = never stop)"),
         ("train.steps", t.steps, t.steps >= 1, ">= 1"),
         ("train.max_rollout_rounds", t.max_rollout_rounds, t.max_rollout_rounds >= 1, ">= 1"),
         ("train.micro_batch_size", t.micro_batch_size, t.micro_batch_size >= 1, ">= 1"),
@@ -610,11 +619,11 @@ std 0.02: half a bf16 ulp is 2^-13 ~ 1.2e-4 for 0.031 <= |w| < 0.0625 (|w| < 2.6
 def _check_updates_survive(cfg: Config) -> None:
     """Refuse settings whose optimizer steps round away (optimizer.py explains the arithmetic)."""
     o, dtype = cfg.optim, cfg.model.dtype
-    if o.bf16_stochastic_round and (o.name != "adamw8bit" or dtype != "bfloat16"):
+    if o.bf16_stochastic_round and (o.name == "adamw" or dtype != "bfloat16"):
         raise ConfigError("optim.bf16_stochastic_round applies to bf16 weights under torchao's optimizer: set "
-                          "model.dtype=bfloat16 and optim.name=adamw8bit, or optim.bf16_stochastic_round=false")
+                          "model.dtype=bfloat16 and optim.name=adamw8bit_rms, or optim.bf16_stochastic_round=false")
     if dtype == "bfloat16" and not o.bf16_stochastic_round and o.lr < BF16_MIN_LR:
         raise ConfigError(
             f"model.dtype=bfloat16 with optim.lr={o.lr:g}: bf16 weights round updates below ~{BF16_MIN_LR:g} away (half "
             "an ulp at |w| ~ 0.03), so they barely move; set model.dtype=float32 (fp32 master weights; "
-            "optim.name=adamw8bit to fit one GPU), or optim.name=adamw8bit optim.bf16_stochastic_round=true")
+            "optim.name=adamw8bit_rms to fit one GPU), or optim.name=adamw8bit_rms optim.bf16_stochastic_round=true")

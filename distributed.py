@@ -198,10 +198,11 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     return {"mem/peak_gib": peak.take() / 2**30, "mem/alloc_retries": float(retries)}
 
 
-def all_sum(x: Tensor, d: Dist) -> Tensor:
+def all_sum(x: Tensor, d: Dist, op=dist.ReduceOp.SUM) -> Tensor:
+    """x reduced over the ranks (sum, or `op`: dist.ReduceOp.MAX, ...); x itself where world == 1."""
     if d.world > 1:
         x = x.clone()
-        dist.all_reduce(x)
+        dist.all_reduce(x, op=op)
     return x
 
 

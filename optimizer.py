@@ -1,4 +1,5 @@
-"""The trainer's optimizer, chosen so that its updates survive at RL learning rates.
+"""The trainer's optimizer, chosen so that its updates survive at RL learning rates and stay within
+Adam's bound.
 
 An Adam step moves a weight by about lr (the normalised update m / sqrt(v) is ~1). Stored in bf16,
 a weight w only takes values on a grid of spacing ulp(w) = 2^(floor(log2 |w|) - 7); a round-to-nearest
@@ -10,27 +11,84 @@ learning-rate-to-magnitude effect, not a small-model one. Two maintained ways ou
 * fp32 master weights (model.dtype=float32; forward/backward under bf16 autocast, and FSDP2's
   MixedPrecisionPolicy all-gathers them as bf16 over several GPUs, as torchtitan does). Every step
   moves every weight. Memory per parameter: 4 (weight) + 4 (grad) + 8 (torch AdamW's two fp32
-  states) = 16 bytes, or 4 + 4 + 2 = 10 with `adamw8bit`.
+  states) = 16 bytes, or 4 + 4 + 2 = 10 with an 8-bit AdamW.
 * bf16 weights with stochastic rounding (optim.bf16_stochastic_round, torchao): each update is
   rounded up or down with the probabilities that keep its expectation, so small updates are kept on
   average; a single step changes only a share ~lr / ulp of the entries.
 
-`adamw8bit` is torchao's AdamW8bit (states quantized block-wise to 8 bits with a per-block scale,
-the bitsandbytes scheme): it is what lets one 141 GB GPU hold fp32 master weights of an 8B model
-next to vLLM (32 + 32 + 16 = 80 GB while training; the gradients are freed before vLLM wakes).
+8-bit states (what lets one 141 GB GPU hold fp32 master weights of an 8B model next to vLLM: 32 + 32
++ 16 = 80 GB while training; the gradients are freed before vLLM wakes). torchao's AdamW8bit
+(`adamw8bit`) stores m and v in blocks of 256 entries, each entry an 8-bit code of a dynamic-exponent
+map times the block's max. v's smallest non-zero code is 3.25e-7 of the block max, so an entry whose v
+is below ~1.6e-7 of its block's largest decodes to v = 0: in gradient units, any entry whose gradient
+history is below ~4e-4 of the block's largest. Its m survives (m's map reaches 2.75e-7 in m's own, not
+squared, units), so the next step divides m by sqrt(0.001 g^2) + eps, or by eps alone where g = 0 (an
+embedding row of a token absent from the batch, an MLP unit that did not fire): updates of 10 to
+10,000 x lr (measured on a 135M model's real gradients). `adamw8bit_rms` (AdamW8bitRMS below) keeps
+torchao's 8-bit container, code map and block size but stores sqrt(v), the gradient's running RMS:
+the map then spans the same 3.25e-7 in gradient units, no entry with a gradient history decodes to 0,
+and its updates stay within ~1.1-1.6 x lr at the same 2 bytes per parameter (tests/unit/
+test_optimizer.py). torchao has no such variant; it is one function and a step() that calls it.
 """
 
 import torch
+from torch import Tensor
 
 from config import OptimConfig
 
 
 def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """cfg.name -> torch.optim.AdamW or torchao.optim.AdamW8bit over `params` (config.validate has
-    already refused combinations whose updates round away)."""
+    """cfg.name -> torch.optim.AdamW, torchao.optim.AdamW8bit or AdamW8bitRMS over `params`
+    (config.validate has already refused combinations whose updates round away)."""
     kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "adamw":
         return torch.optim.AdamW(params, **kw)
     from torchao.optim import AdamW8bit  # compiles its update with torch.compile (inductor)
 
-    return AdamW8bit(params, bf16_stochastic_round=cfg.bf16_stochastic_round, **kw)
+    cls = AdamW8bit if cfg.name == "adamw8bit" else adamw8bit_rms_cls()
+    return cls(params, bf16_stochastic_round=cfg.bf16_stochastic_round, **kw)
+
+
+def adamw_rms_update(p: Tensor, grad: Tensor, step: Tensor, exp_avg: Tensor, exp_avg_rms: Tensor, lr: Tensor,
+                     beta1: float, beta2: float, weight_decay: float, eps: float, bf16_stochastic_round: bool):
+    """torchao's single_param_adam (AdamW, fp32 arithmetic) with the second-moment state holding
+    sqrt(v) = exp_avg_rms: v = lerp(rms^2, g^2, 1 - beta2), stored back as sqrt(v)."""
+    from torchao.optim.quant_utils import _fp32_to_bf16_sr
+
+    p_f32, grad_f32 = p.float(), grad.float()
+    p_f32 = p_f32 - lr * weight_decay * p_f32
+    bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+    m = exp_avg.float().lerp(grad_f32, 1 - beta1)
+    # the 8-bit state implements lerp and copy_ only; lerp(x, y, 0) is x dequantized (y keeps DTensor-ness)
+    rms = exp_avg_rms.float().lerp(grad_f32, 0.0).square().lerp(grad_f32.square(), 1 - beta2).sqrt()
+    exp_avg.copy_(m)
+    exp_avg_rms.copy_(rms)
+    p_f32 = p_f32 - lr * (m / bias_correction1) / (rms / bias_correction2.sqrt() + eps)
+    p.copy_(_fp32_to_bf16_sr(p_f32) if bf16_stochastic_round else p_f32)
+
+
+def adamw8bit_rms_cls():
+    """AdamW8bitRMS: torchao's AdamW8bit whose 'exp_avg_sq' state holds sqrt(v) (module docstring)."""
+    from torchao.optim import AdamW8bit
+
+    class AdamW8bitRMS(AdamW8bit):
+        @torch.no_grad()
+        def step(self, closure=None):
+            assert closure is None, "AdamW8bitRMS.step takes no closure"
+            update = torch.compile(adamw_rms_update, fullgraph=True, dynamic=False)
+            with torch._dynamo.utils.disable_cache_limit():  # one compile per parameter shape, as torchao
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is None:
+                            continue
+                        state = self.state[p]
+                        if not state:
+                            state["step"] = torch.tensor(0.0)
+                            state["exp_avg"] = self._new_buffer(p, True)
+                            state["exp_avg_sq"] = self._new_buffer(p, False)  # sqrt(v)
+                        state["step"] += 1
+                        update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], group["lr"],
+                               group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],
+                               self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+
+    return AdamW8bitRMS

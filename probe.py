@@ -2,8 +2,10 @@
 
 * WeightChange: the share of trainable weights a training step changed (optim/changed_frac). bf16
   weights under a round-to-nearest optimizer at RL learning rates change well under 1% (optimizer.py);
-  fp32 master weights change ~all. Counted on up to `k` fixed entries per tensor, so it costs a few
-  small gathers per step at 8B (exact for tensors of at most k entries).
+  fp32 master weights change ~all. And the largest move of an fp32 weight in units of the step's
+  learning rate (optim/update_ratio_max): Adam's bound is ~1, an 8-bit state that decodes to 0 gives
+  10-10,000 (optimizer.py). Counted on up to `k` fixed entries per tensor, so it costs a few small
+  gathers per step at 8B (exact for tensors of at most k entries).
 * train.probe: rewards replaced by a synthetic one with variance in every group (probe_rewards), and
   after the step's updates one more no-grad forward over its batch: policy_gain says whether the
   policy moved toward the positive-advantage samples (> 0) or away (< 0).
@@ -26,13 +28,19 @@ class WeightChange:
     Entries with no such gradient are not counted: embedding rows of tokens absent from the batch, or
     lm_head rows of tokens the policy never gives mass to, which Adam's eps keeps still by design."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, k: int = 65536, seed: int = 0):
+    def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module | None = None, k: int = 65536,
+                 seed: int = 0):
         g = torch.Generator().manual_seed(seed)
+        self.optimizer = optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self.names = [names.get(id(p), f"param {i}") for i, p in enumerate(self.params)]
         self.eps = optimizer.param_groups[0].get("eps", 0.0)
         self.index = [None if _local(p).numel() <= k else  # with replacement: randperm of 0.5B entries takes minutes
                       torch.randint(_local(p).numel(), (k,), generator=g).to(_local(p).device) for p in self.params]
         self.before = self.moved = None
+        self.lr_sum = 0.0  # the step's optimizer steps' learning rates, summed
+        self.worst: tuple[float, str] | None = None  # (largest |dw| / lr_sum, its tensor's name) of the last step
         optimizer.register_step_pre_hook(lambda *_: self._mark_gradients())
 
     def _sampled(self, t: Tensor, i: Tensor | None) -> Tensor:
@@ -43,11 +51,13 @@ class WeightChange:
     def start(self) -> None:
         self.before = [self._sampled(p, i).clone() for p, i in zip(self.params, self.index)]
         self.moved = [torch.zeros_like(b, dtype=torch.bool) for b in self.before]
+        self.lr_sum = 0.0
 
     @torch.no_grad()
     def _mark_gradients(self) -> None:
         if self.moved is None:
             return
+        self.lr_sum += float(self.optimizer.param_groups[0]["lr"])
         for p, i, m in zip(self.params, self.index, self.moved):
             if p.grad is not None:
                 m |= self._sampled(p.grad, i).abs() > self.eps
@@ -56,10 +66,17 @@ class WeightChange:
     def finish(self) -> float | None:
         """The share; None when no entry had a gradient above eps (all advantages 0, say)."""
         changed = counted = 0.0
-        for p, i, b, m in zip(self.params, self.index, self.before, self.moved):
+        self.worst = None
+        for p, i, b, m, name in zip(self.params, self.index, self.before, self.moved, self.names):
+            now = self._sampled(p, i)
             scale = _local(p).numel() / b.numel()  # a sampled tensor stands for all its entries
-            changed += scale * int(((self._sampled(p, i) != b) & m).sum())
+            changed += scale * int(((now != b) & m).sum())
             counted += scale * int(m.sum())
+            if p.dtype in (torch.float32, torch.float64) and self.lr_sum > 0 and now.numel():
+                # bf16 weights move by whole ulps (1e-4 at |w| ~ 0.02), which says nothing of the optimizer
+                ratio = float((now - b).abs().max()) / self.lr_sum
+                if self.worst is None or ratio > self.worst[0]:
+                    self.worst = (ratio, name)
         self.before = self.moved = None
         return changed / counted if counted else None
 

@@ -73,7 +73,7 @@ def train(args) -> Path:
         if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     run = trainer.Run(cfg, d, run_dir, logger, model, ref_model, tokenizer, engine, model_dir, calibrator, optimizer,
-                      weight_change=WeightChange(optimizer),  # optim/changed_frac: did the step move the weights?
+                      weight_change=WeightChange(optimizer, model),  # optim/changed_frac, optim/update_ratio_max
                       scheduler=trainer.lr_schedule(optimizer, cfg.optim.warmup_steps),
                       sampler=PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed),
                       train_set=train_set, val_set=val_set, fp8_tokens=fp8_tokens, mixed=mixed)

@@ -103,6 +103,7 @@ def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int
             "mem_peak_gib": round(max(m.get("mem/peak_gib", 0) for m in steps), 1),
             "smi_peak_gib": round(max(smi_mib, default=0) / 1024, 1),
             "changed_frac": min(m["optim/changed_frac"] for m in steps),
+            "update_ratio_max": round(max(m.get("optim/update_ratio_max", 0) for m in steps), 3),
             "token_mult_prob_error": round(last["mismatch/token_mult_prob_error"], 4), **moe,
             "policy_gain": [m["probe/policy_gain"] for m in steps],
             "skipped_steps": sum(m.get("optim/skipped_steps", 0) for m in steps)}
@@ -203,12 +204,13 @@ def main():
     (out / "flagship.json").write_text(json.dumps(results, indent=1))
     moe_cols = ["routing_mismatch", "routing_mismatch_tokens"] if any("routing_mismatch" in r for r in results) else []
     cols = ["config", "ok", "step_s", *[f"{p}_s" for p in PHASES], "mem_peak_gib", "smi_peak_gib", "changed_frac",
-            "token_mult_prob_error", *moe_cols, "policy_gain"]
+            "update_ratio_max", "token_mult_prob_error", *moe_cols, "policy_gain"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in results]
     (out / "flagship.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     sys.exit(0 if all(r["ok"] and r.get("changed_frac", 0) >= 0.99 and min(r.get("policy_gain", [0])) > 0
+                      and r.get("update_ratio_max", 0) <= 2.0
                       for r in results) else 1)
 
 

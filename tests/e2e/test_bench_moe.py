@@ -82,7 +82,7 @@ def test_flagship_moe_plan_and_commands(tmp_path):
         assert (t.arch, t.num_layers, t.hidden_size, t.num_experts, t.vocab_size) == ("qwen3_moe", 8, 2048, 128, 151936)
         assert cfg.moe.router_replay == (not run.endswith("_noreplay")) and cfg.train.seed == 3
         assert cfg.fp8.train == cfg.fp8.rollout == ("fp8" in config) and cfg.fp8.kv_cache == config.endswith("kv")
-        assert cfg.optim.name == "adamw8bit" and cfg.model.dtype == "float32" and cfg.rollout.sleep_mode
+        assert cfg.optim.name == "adamw8bit_rms" and cfg.model.dtype == "float32" and cfg.rollout.sleep_mode
         assert cfg.train.run_name == run and cfg.rollout.max_new_tokens == 1024
     # the 8B configs' command is unchanged: their family's shape, no layer override
     cmd = fc.command("llama31_8b_fp8", "x", [], fc.SHORT_RUN, 2, tmp_path, 8, [])
