@@ -24,7 +24,7 @@ def test_inductor_compiles_emulated_fp8_layers(monkeypatch):
         pytest.skip("inductor's CPU backend needs a C++ compiler")
     # AVX2-width vector code on every host: torch 2.11's AVX-512 code for these layers corrupted the heap
     # (glibc abort) on an AMD EPYC host with AVX-512; AVX2 and scalar code run clean
-    monkeypatch.setattr(torch._inductor.config.cpp, "simdlen", 256)
+    monkeypatch.setattr(torch._inductor.config, "cpp.simdlen", 256)
     calls = {"1x128": 0, "128x1": 0}
     for groups, name in (("1x128", "fake_quant_act_1x128"), ("128x1", "fake_quant_act_128x1")):
         orig = getattr(fl, name)
