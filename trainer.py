@@ -402,9 +402,9 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         metrics["optim/changed_frac"] = changed
     if run.weight_change.worst is not None:  # the largest |dw| / lr: Adam's bound is ~1 (every rank agrees)
         ratio, name = run.weight_change.worst
-        metrics["optim/update_ratio_max"] = float(distributed.all_sum(torch.tensor([ratio], device=d.device), d,
-                                                                      torch.distributed.ReduceOp.MAX))
-        update_guard(metrics["optim/update_ratio_max"], name, step, cfg.optim, run.logger)
+        top = float(distributed.all_sum(torch.tensor([ratio], device=d.device), d, torch.distributed.ReduceOp.MAX))
+        metrics["optim/update_ratio_max"] = top
+        update_guard(top, name if ratio == top else "a tensor of another rank's shard", step, cfg.optim, run.logger)
     if cfg.train.probe:  # did the update raise the positive-advantage samples relative to the negative ones?
         metrics["probe/policy_gain"] = policy_gain(bf16_logprobs(run, b), probe_before, b.advantages, b.mask)
 

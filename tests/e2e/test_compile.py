@@ -1,30 +1,35 @@
 """inductor (C++ codegen on CPU) compiles the emulated FP8 decoder layers, forward and backward."""
 
+import shutil
 
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config
+
+import fp8.linear as fl
+from batch import token_logprobs
 from config import FP8Config
+from distributed import compile_layers
 from fp8.linear import convert_to_fp8_training
 from test_fp8_linear import tiny_llama
 
 
-def test_inductor_compiles_emulated_fp8_layers(monkeypatch):
+@pytest.fixture
+def avx2_width_code():
+    """AVX2-width vector code on every host: torch 2.11's AVX-512 code for these layers corrupted the heap
+    (glibc abort) on an AMD EPYC host with AVX-512; AVX2 and scalar code run clean. config.patch restores
+    the key afterwards (monkeypatch's undo deletes it from inductor's config)."""
+    with torch._inductor.config.patch({"cpp.simdlen": 256}):
+        yield
+
+
+def test_inductor_compiles_emulated_fp8_layers(monkeypatch, avx2_width_code):
     """inductor (C++ codegen on CPU) compiles FP8 decoder layers, forward and backward: the fake
     quantizers run inside the compiled code as opaque ops (as torchao's do on GPU), once per GEMM
     operand, and the result is eager's up to FP8's sensitivity to fp32 reassociation."""
-    import shutil
-
-    import pytest
-    import torch._dynamo
-    import torch._inductor.config
-
-    import fp8.linear as fl
-    from distributed import compile_layers
-    from batch import token_logprobs
-
     if not (shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")):
         pytest.skip("inductor's CPU backend needs a C++ compiler")
-    # AVX2-width vector code on every host: torch 2.11's AVX-512 code for these layers corrupted the heap
-    # (glibc abort) on an AMD EPYC host with AVX-512; AVX2 and scalar code run clean
-    monkeypatch.setattr(torch._inductor.config, "cpp.simdlen", 256)
     calls = {"1x128": 0, "128x1": 0}
     for groups, name in (("1x128", "fake_quant_act_1x128"), ("128x1", "fake_quant_act_128x1")):
         orig = getattr(fl, name)
