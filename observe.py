@@ -1,4 +1,4 @@
-"""What a run leaves to look at: metrics, profiles, saved batches, episodes; and the mismatch guard.
+"""What a run leaves to look at: metrics, profiles, saved batches, episodes; and the guards.
 
 * RunLogger: metrics.jsonl + TensorBoard in the run dir, silent off rank 0 (no `if rank == 0` in
   the loop).
@@ -8,7 +8,8 @@
   notebooks/ through analysis.py (whose docstring lists the fields and shapes).
 * Episodes (log.dump_episodes_every): a few samples per step as JSONL, to read what the model writes.
 * mismatch_guard: warn (train.mismatch_warn) or stop (train.mismatch_stop) on a step whose
-  rollout/trainer token_mult_prob_error is too high.
+  rollout/trainer token_mult_prob_error is too high; update_guard: the same (optim.update_ratio_warn,
+  optim.update_ratio_stop) for a step that moved a weight far beyond Adam's ~lr bound.
 """
 
 import bisect
@@ -88,17 +89,33 @@ class RunLogger:
                 self.tb.close()
 
 
+def _guard(value: float, shown: str, step: int, warn: tuple[str, float], stop: tuple[str, float], why: str,
+           fix: str, logger) -> None:
+    """Print a warning when value > warn's bound; raise UserError when value > stop's bound (0 = never).
+    shown: 'metric=value' as printed; warn, stop: (config key, bound)."""
+    if value > warn[1]:
+        logger.print(f"WARNING step {step}: {shown} > {warn[0]}={warn[1]}: {why}")
+    if stop[1] and value > stop[1]:
+        raise UserError(f"step {step}: {shown} > {stop[0]}={stop[1]}: {why}; {fix}, or raise {stop[0]} "
+                        "(0 = never stop)")
+
+
 def mismatch_guard(metrics: dict, step: int, cfg, logger: RunLogger) -> None:
     """cfg: TrainConfig. Warn when mismatch/token_mult_prob_error exceeds train.mismatch_warn; raise
     UserError when it exceeds train.mismatch_stop (0 = never)."""
     mult_err = metrics["mismatch/token_mult_prob_error"]
-    if mult_err > cfg.mismatch_warn:
-        logger.print(f"WARNING step {step}: mismatch/token_mult_prob_error={mult_err:.4f} > "
-                     f"train.mismatch_warn={cfg.mismatch_warn}: rollout and trainer disagree")
-    if cfg.mismatch_stop and mult_err > cfg.mismatch_stop:
-        raise UserError(f"step {step}: mismatch/token_mult_prob_error={mult_err:.4f} > train.mismatch_stop="
-                        f"{cfg.mismatch_stop}: rollout and trainer disagree; check the weight sync and the "
-                        "fp8.* settings of both sides, or raise train.mismatch_stop (0 = never stop)")
+    _guard(mult_err, f"mismatch/token_mult_prob_error={mult_err:.4f}", step, ("train.mismatch_warn", cfg.mismatch_warn),
+           ("train.mismatch_stop", cfg.mismatch_stop), "rollout and trainer disagree",
+           "check the weight sync and the fp8.* settings of both sides", logger)
+
+
+def update_guard(ratio: float, name: str, step: int, cfg, logger) -> None:
+    """cfg: OptimConfig. Warn when the step moved a weight (tensor `name`) by more than
+    optim.update_ratio_warn x lr, raise UserError above optim.update_ratio_stop (0 = never): Adam moves a
+    weight by at most ~lr per step (optimizer.py)."""
+    _guard(ratio, f"optim/update_ratio_max={ratio:.3g} ({name})", step,
+           ("optim.update_ratio_warn", cfg.update_ratio_warn), ("optim.update_ratio_stop", cfg.update_ratio_stop),
+           "an update far beyond Adam's ~lr bound", "with optim.name=adamw8bit use adamw8bit_rms (optimizer.py)", logger)
 
 
 # ----------------------------------------------------------------------------- profiling

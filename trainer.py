@@ -31,7 +31,7 @@ import distributed
 import routing
 from batch import StepBatch, amp, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
 from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
-from config import Config, OptimConfig, UserError
+from config import Config, UserError
 from data import data_warnings, load_splits, reward_last_number, reward_stats
 from fp8.calibrate import QKVCalibrator, token_mask
 from fp8.export import export_weights
@@ -40,7 +40,7 @@ from losses import collapse
 from losses.advantages import group_advantages
 from losses.grpo import grpo_loss
 from losses.mismatch import mismatch_metrics
-from observe import RunLogger, gc_timer
+from observe import RunLogger, gc_timer, update_guard
 from probe import WeightChange, policy_gain, probe_rewards
 from rewards import REWARDS, format_reward
 
@@ -407,19 +407,6 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         update_guard(top, name if ratio == top else "a tensor of another rank's shard", step, cfg.optim, run.logger)
     if cfg.train.probe:  # did the update raise the positive-advantage samples relative to the negative ones?
         metrics["probe/policy_gain"] = policy_gain(bf16_logprobs(run, b), probe_before, b.advantages, b.mask)
-
-
-def update_guard(ratio: float, name: str, step: int, cfg: OptimConfig, logger) -> None:
-    """Warn when the step moved a weight by more than optim.update_ratio_warn x lr, stop (UserError) above
-    optim.update_ratio_stop (0 = never): Adam moves a weight by at most ~lr per step (optimizer.py)."""
-    if ratio > cfg.update_ratio_warn:
-        logger.print(f"WARNING step {step}: optim/update_ratio_max={ratio:.3g} ({name}) > optim.update_ratio_warn="
-                     f"{cfg.update_ratio_warn}: an update far beyond Adam's ~lr bound")
-    if cfg.update_ratio_stop and ratio > cfg.update_ratio_stop:
-        raise UserError(f"step {step}: optim/update_ratio_max={ratio:.3g} ({name}) > optim.update_ratio_stop="
-                        f"{cfg.update_ratio_stop}: the optimizer moved a weight by {ratio:.3g} x lr; with "
-                        "optim.name=adamw8bit use adamw8bit_rms (optimizer.py), or raise optim.update_ratio_stop "
-                        "(0 = never stop)")
 
 
 # ----------------------------------------------------------------------------- engine refit

@@ -1,5 +1,5 @@
 """optimizer.py: every update of an fp32 weight stays within Adam's bound (~lr) under the 8-bit states the
-8B configs use; probe.WeightChange measures it (optim/update_ratio_max) and trainer.update_guard acts on it."""
+8B configs use; probe.WeightChange measures it (optim/update_ratio_max) and observe.update_guard acts on it."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ import torch
 from config import OptimConfig, UserError
 from optimizer import build_optimizer
 from probe import WeightChange
-from trainer import update_guard
+from observe import update_guard
 
 LR = 1e-5
 
