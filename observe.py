@@ -115,7 +115,8 @@ def update_guard(ratio: float, name: str, step: int, cfg, logger) -> None:
     weight by at most ~lr per step (optimizer.py)."""
     _guard(ratio, f"optim/update_ratio_max={ratio:.3g} ({name})", step,
            ("optim.update_ratio_warn", cfg.update_ratio_warn), ("optim.update_ratio_stop", cfg.update_ratio_stop),
-           "an update far beyond Adam's ~lr bound", "with optim.name=adamw8bit use adamw8bit_rms (optimizer.py)", logger)
+           "an update far beyond Adam's ~lr bound", "with optim.name=adamw8bit use adamw8bit_rms (optimizer.py)",
+           logger)
 
 
 # ----------------------------------------------------------------------------- profiling
