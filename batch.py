@@ -52,6 +52,21 @@ def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+def by_length(attention_mask: Tensor, rows: Tensor, size: int, multiple: int = 1) -> list[tuple[Tensor, int]]:
+    """`rows` (indices into the batch) as micro-batches of `size`, longest first, each with the length
+    it needs: its longest row rounded up to `multiple` (at most the batch's L). Rows of like length
+    share a micro-batch, so a batch of varied lengths (reasoning RL: a long tail up to the budget)
+    computes little padding. The rows' order inside a mini-batch changes no sum but a float rounding."""
+    lengths = attention_mask[rows].sum(1).tolist()  # one host sync
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
+    L = attention_mask.shape[1]
+    out = []
+    for s in micro_batches(len(order), size):
+        need = lengths[order[s.start]]
+        out.append((rows[torch.tensor(order[s], device=rows.device)], min(L, -(-need // multiple) * multiple)))
+    return out
+
+
 def amp(mixed: bool):
     """The trainer's compute context: bf16 autocast over fp32 master weights on CUDA (mixed), else none."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
@@ -80,18 +95,27 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy
 
 @torch.no_grad()
 def logprob_pass(model, input_ids, attention_mask, temperature: float, micro_batch: int, *,
-                 entropy: bool = False, mixed: bool = False, device=None, forward_context=None):
-    """No-grad token_logprobs of a whole batch, micro_batch rows per forward: logp [B, L], or
-    (logp, entropy) [B, L] each with entropy=True. mixed: amp(). device: move each micro-batch
-    there first (a batch kept on the CPU, scored on the GPU); the result stays where it was computed.
-    forward_context: rows slice -> a context each micro-batch's forward runs in (routing.forward_context)."""
-    parts = []
-    for s in micro_batches(len(input_ids), micro_batch):
-        ids, am = (input_ids[s], attention_mask[s]) if device is None else \
-            (input_ids[s].to(device), attention_mask[s].to(device))
-        with amp(mixed), (forward_context(s) if forward_context else contextlib.nullcontext()):
-            parts.append(token_logprobs(model, ids, am, temperature, entropy=entropy))
-    return tuple(torch.cat(x) for x in zip(*parts)) if entropy else torch.cat(parts)
+                 entropy: bool = False, mixed: bool = False, device=None, forward_context=None, multiple: int = 1):
+    """No-grad token_logprobs of a whole batch, micro_batch rows per forward (by_length: rows of like
+    length together, each micro-batch cut to its own length, a multiple of `multiple`): logp [B, L], or
+    (logp, entropy) [B, L] each with entropy=True (0 past a row's micro-batch length). mixed: amp().
+    device: move each micro-batch there first (a batch kept on the CPU, scored on the GPU); the result
+    stays where it was computed. forward_context: (rows, columns) index -> a context each micro-batch's
+    forward runs in (routing.forward_context)."""
+    B, L = input_ids.shape
+    outs = None
+    for rows, n in by_length(attention_mask, torch.arange(B, device=input_ids.device), micro_batch, multiple):
+        ids, am = input_ids[rows, :n], attention_mask[rows, :n]
+        if device is not None:
+            ids, am = ids.to(device), am.to(device)
+        with amp(mixed), (forward_context((rows, slice(0, n))) if forward_context else contextlib.nullcontext()):
+            parts = token_logprobs(model, ids, am, temperature, entropy=entropy)
+        parts = parts if entropy else (parts,)
+        if outs is None:
+            outs = [torch.zeros(B, L, dtype=p.dtype, device=p.device) for p in parts]
+        for out, p in zip(outs, parts):
+            out[rows.to(p.device), :n] = p
+    return tuple(outs) if entropy else outs[0]
 
 
 @dataclass
@@ -112,6 +136,7 @@ class StepBatch:
     old_logp: Tensor | None = None  # [B, L] trainer logprobs of the behaviour weights
     ref_logp: Tensor | None = None  # [B, L] KL reference (loss.kl_coef > 0)
     routed_experts: Tensor | None = None  # [B, L, moe layers, k] int16 engine routing, -1 = none (routing.py)
+    multiple: int = 1           # a micro-batch's length is a multiple of this (collate's; FP8 GEMMs' tokens)
 
     @property
     def answers(self) -> list[str]:

@@ -149,6 +149,12 @@ class RolloutConfig:
     max_new_tokens: int = 256
     ignore_eos: bool = False
     """Benchmarks only: every sample runs to max_new_tokens (vLLM engine; fixed-length workloads)."""
+    ignore_eos_median: int = 0
+    """Benchmarks with ignore_eos: 0 = every sample is max_new_tokens long; N > 0 = each sample's
+    length is drawn from a log-normal with median N tokens and sigma ignore_eos_sigma, cut at
+    max_new_tokens (the cut tail is the truncated share), the same draw for every engine and precision
+    (seeded by the step's seed): a reasoning-RL length distribution on random weights."""
+    ignore_eos_sigma: float = 0.6
     # vLLM knobs
     gpu_memory_utilization: float = 0.5
     """vLLM's share of the GPU's memory while it is awake (weights + activations + KV cache; the KV
@@ -528,6 +534,10 @@ def validate(cfg: Config) -> None:
         ("rollout.n", r.n, r.n >= 2, ">= 2: group-normalised advantages need 2+ samples per prompt "
          "(with 1 every advantage is 0 and nothing is learned)"),
         ("rollout.max_new_tokens", r.max_new_tokens, r.max_new_tokens >= 1, ">= 1"),
+        ("rollout.ignore_eos_median", r.ignore_eos_median, r.ignore_eos_median == 0 or (
+            r.ignore_eos and r.engine == "vllm" and r.ignore_eos_median >= 1),
+         "0, or >= 1 with rollout.ignore_eos=true and rollout.engine=vllm (a benchmark's length draw)"),
+        ("rollout.ignore_eos_sigma", r.ignore_eos_sigma, r.ignore_eos_sigma > 0, "> 0"),
         ("rollout.temperature", r.temperature, r.temperature > 0, "> 0 (training samples; validation is greedy anyway)"),
         ("rollout.top_p", r.top_p, 0 < r.top_p <= 1, "in (0, 1]"),
         ("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0 < r.gpu_memory_utilization <= 1, "in (0, 1]"),

@@ -106,7 +106,7 @@ def train(args) -> Path:
         observe.mismatch_guard(metrics, step, cfg.train, logger)
         trainer.train_phase(run, state, batch, step, metrics)         # policy forward, grpo_loss, optimizer steps
         trainer.refit_phase(run, state, batch, metrics)               # recalibrate q/k/v, sync the engine
-        metrics.update(trainer.step_metrics(run, batch, t_step))
+        metrics.update(trainer.step_metrics(run, batch, t_step, metrics))
         prof.finish(run_dir, d.rank, logger)
         logger.log(step, metrics)
         pbar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in

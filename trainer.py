@@ -29,7 +29,7 @@ import torch
 
 import distributed
 import routing
-from batch import StepBatch, amp, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
+from batch import StepBatch, amp, by_length, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
 from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
 from config import Config, UserError
 from data import data_warnings, load_splits, reward_last_number, reward_stats
@@ -277,13 +277,14 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
     metrics["rollout/rounds"] = len(rounds)
     # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
     B, mb = len(groups.samples), cfg.train.micro_batch_size
+    multiple = length_multiple(min(mb, B), run.fp8_tokens)
     input_ids, attention_mask, mask, rollout_logp = (x.to(d.device) for x in collate(
-        groups.samples, run.tokenizer.pad_token_id, length_multiple(min(mb, B), run.fp8_tokens)))
+        groups.samples, run.tokenizer.pad_token_id, multiple))
     loss_mask = mask * keep.repeat_interleave(n).to(d.device)[:, None]  # [B, L]
     routed = routing.collate_routing(groups.samples, input_ids.shape[1])  # MoE: the engine's experts, else None
     return StepBatch(groups.prompts, groups.samples, groups.texts, groups.rewards, groups.correct, keep,
                      advantages.to(d.device), input_ids, attention_mask, mask, loss_mask, rollout_logp,
-                     routed_experts=None if routed is None else routed.to(d.device))
+                     routed_experts=None if routed is None else routed.to(d.device), multiple=multiple)
 
 
 # ----------------------------------------------------------------------------- trainer passes
@@ -300,10 +301,10 @@ def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
     with capture, torch.profiler.record_function("logprobs"):
         b.old_logp, entropy = logprob_pass(run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
                                            cfg.train.micro_batch_size, entropy=True, mixed=run.mixed,
-                                           forward_context=routed)  # [B, L]
+                                           forward_context=routed, multiple=b.multiple)  # [B, L]
     if run.ref_model is not None:
         b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
-                                  cfg.train.micro_batch_size, mixed=run.mixed)
+                                  cfg.train.micro_batch_size, mixed=run.mixed, multiple=b.multiple)
     metrics["time/logprobs"] = time.perf_counter() - t0
     metrics["policy/entropy"] = float(distributed.all_sum((entropy * b.mask).sum(), d)
                                       / distributed.all_sum(b.mask.sum(), d).clamp(min=1))
@@ -319,7 +320,7 @@ def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
     """No-grad logprobs [B, L] of the master weights, linears not quantized (train.probe)."""
     with bf16_reference(run.model):
         return logprob_pass(run.model, b.input_ids, b.attention_mask, run.cfg.rollout.temperature,
-                            run.cfg.train.micro_batch_size, mixed=run.mixed)
+                            run.cfg.train.micro_batch_size, mixed=run.mixed, multiple=b.multiple)
 
 
 def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) -> None:
@@ -350,15 +351,15 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                 mini_all_tokens = distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1)
             optimizer.zero_grad(set_to_none=True)
             nonfinite_loss = torch.zeros((), device=d.device)
-            for micro in micro_batches(len(idx), mb):
-                j = idx[micro]
+            for rows, n in by_length(b.attention_mask, idx, mb, b.multiple):  # rows of like length, cut to n
+                j = (rows, slice(0, n))
                 routed = routing.prepare(model, None if b.routed_experts is None else b.routed_experts[j],
                                          cfg.moe.router_replay, keep_logits=cfg.moe.aux_loss_coef > 0)  # MoE
                 with amp(run.mixed):  # the policy forward, with grad
                     logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
                                           entropy=entropy_coef > 0)
                 logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
-                loss, m = grpo_loss(logp, b.old_logp[j], b.rollout_logp[j], b.advantages[j], b.loss_mask[j], cfg.loss,
+                loss, m = grpo_loss(logp, b.old_logp[j], b.rollout_logp[j], b.advantages[rows], b.loss_mask[j], cfg.loss,
                                     ref_logp=None if b.ref_logp is None else b.ref_logp[j])
                 # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
                 weight = b.loss_mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else \
@@ -471,8 +472,12 @@ def validate(run: Run) -> float:
     return float(distributed.all_sum(correct, d)) / len(val)
 
 
-def step_metrics(run: Run, b: StepBatch, t_step: float) -> dict:
-    """Rewards, lengths, lr, time and memory of the step, over all ranks' samples."""
+PHASE_TIMES = ("time/rollout", "time/reward", "time/logprobs", "time/train", "time/recalibrate", "time/refit")
+
+
+def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
+    """Rewards, lengths, lr, time and memory of the step, over all ranks' samples. time/other: the step's
+    seconds outside its timed phases (validation, batch assembly, metrics, host syncs, the probe)."""
     d, n = run.d, run.cfg.rollout.n
     truncated = torch.tensor([float(s.finish_reason == "length") for s in b.samples])
     rewards, correct, lengths, truncated = (distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu()
@@ -484,6 +489,7 @@ def step_metrics(run: Run, b: StepBatch, t_step: float) -> dict:
         "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
         "response/truncated_frac": float(truncated.mean()),
         "optim/lr": float(run.scheduler.get_last_lr()[0]), "time/step": time.perf_counter() - t_step,
+        "time/other": time.perf_counter() - t_step - sum(v for k, v in metrics.items() if k in PHASE_TIMES),
         "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
         "time/gc": gc_timer().take(), **reward_stats(), **distributed.memory_metrics(d.device),
     }

@@ -102,28 +102,41 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
     return kw
 
 
+def drawn_lengths(count: int, median: int, sigma: float, cap: int, seed: int) -> list[int]:
+    """`count` generation lengths from a log-normal (median, sigma) in tokens, cut to [1, cap]:
+    rollout.ignore_eos_median's benchmark workload (the same seed gives the same lengths anywhere)."""
+    import numpy as np
+    draw = np.random.default_rng(seed).lognormal(np.log(median), sigma, count)
+    return [int(x) for x in np.clip(np.rint(draw), 1, cap)]
+
+
 def vllm_requests(prompt_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                  max_new_tokens: int, seed: int | None = None, ignore_eos: bool = False):
+                  max_new_tokens: int, seed: int | None = None, ignore_eos: bool = False,
+                  lengths: list[int] | None = None):
     """[(prompt_index, TokensPrompt, SamplingParams)] for LLM.generate.
 
     Greedy (temperature 0) is one request per sample (vLLM refuses n > 1 when greedy); sampling
     is one request with n samples per prompt, seeded seed + i * n for prompt i (vLLM gives its
     j-th sample seed + i * n + j: all distinct). logprobs=0 returns only the sampled token's
     logprob; flat_logprobs keeps it in plain lists; no detokenization (the trainer decodes).
-    ignore_eos: fixed-length generation, for benchmarks.
+    ignore_eos: fixed-length generation, for benchmarks. lengths: (with ignore_eos) each sample's own
+    max_tokens, prompt by prompt: one request per sample, the j-th of prompt i seeded seed + i * n + j
+    as vLLM would seed it inside an n-sample request.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     greedy = temperature == 0
-    per = 1 if greedy else n
+    per = 1 if greedy or lengths is not None else n
     out = []
     for i, ids in enumerate(prompt_ids):
-        params = SamplingParams(n=per, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
-                                max_tokens=max_new_tokens, logprobs=0, flat_logprobs=True, detokenize=False,
-                                ignore_eos=ignore_eos,
-                                seed=None if greedy or seed is None else seed + i * n)
-        out += [(i, TokensPrompt(prompt_token_ids=list(ids)), params)] * (n // per)
+        for j in range(n // per):
+            k = i * n + j if per == 1 else i * n  # the first sample's index (and seed offset)
+            params = SamplingParams(n=per, temperature=0.0 if greedy else temperature, top_p=1.0 if greedy else top_p,
+                                    max_tokens=max_new_tokens if lengths is None else lengths[k], logprobs=0,
+                                    flat_logprobs=True, detokenize=False, ignore_eos=ignore_eos,
+                                    seed=None if greedy or seed is None else seed + k)
+            out.append((i, TokensPrompt(prompt_token_ids=list(ids)), params))
     return out
 
 
@@ -352,15 +365,18 @@ class VLLMEngine:
             raise RuntimeError("VLLMEngine.generate before update_weights (the engine starts from dummy "
                                "weights, and sleep level 2 discards them)")
         self._wake()
+        r = self.cfg.rollout
+        lengths = drawn_lengths(len(prompt_ids) * n, r.ignore_eos_median, r.ignore_eos_sigma, max_new_tokens,
+                                seed or 0) if r.ignore_eos and r.ignore_eos_median else None
         if self.v2_runner:  # per-request seeds: free in V2, and no draw from the trainer's numpy RNG
             base = seed if seed is not None else self._seeds.getrandbits(62)
-            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens, base, self.cfg.rollout.ignore_eos)
+            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens, base, r.ignore_eos, lengths)
             outs = self.llm.generate([p for _, p, _ in reqs], [s for _, _, s in reqs], use_tqdm=False)
         else:  # V1 (vLLM 0.26 topk_topp_sampler.random_sample): seeded rows go one by one in Python;
             # unseeded rows use the device's default CUDA generator, in-process ours: seed it for this
             # call, then restore the trainer's RNG state.
-            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens,
-                                 ignore_eos=self.cfg.rollout.ignore_eos)
+            reqs = vllm_requests(prompt_ids, n, temperature, top_p, max_new_tokens, ignore_eos=r.ignore_eos,
+                                 lengths=lengths)
             with torch.random.fork_rng(devices=[torch.cuda.current_device()], enabled=seed is not None):
                 if seed is not None:
                     torch.cuda.manual_seed(seed)

@@ -5,7 +5,7 @@ import torch
 from config import load_config
 from modeling import load_model_and_tokenizer
 from rollout import HFEngine, Sample
-from batch import collate, token_logprobs
+from batch import by_length, collate, logprob_pass, token_logprobs
 
 # 95 printable characters: a vocab larger than transformers' default top_k=50, so a sampler
 # that silently applied top-k would renormalise and fail the convention test.
@@ -50,6 +50,24 @@ def test_token_logprobs_of_a_right_padded_batch_need_no_mask():
             alone = token_logprobs(model, input_ids[i: i + 1, :n], attention_mask[i: i + 1, :n], 0.7)
             torch.testing.assert_close(logp[i: i + 1, :n], alone, atol=1e-5, rtol=0)
     assert seen == [None] and logp.isfinite().all()
+
+
+def test_logprob_pass_groups_rows_by_length_and_cuts_the_padding():
+    """by_length: micro-batches of rows of like length, longest first, each as long as its longest row
+    rounded to the multiple; logprob_pass over them gives every row its own full-batch logprobs."""
+    cfg, model, tok, engine = make()
+    lengths = [3, 40, 7, 38, 12, 5]
+    samples = [Sample(0, [5, 6], [7 + i % 50 for i in range(n)], [-1.0] * n, "stop") for n in lengths]
+    input_ids, attention_mask, mask, _ = collate(samples, tok.pad_token_id, multiple=8)
+    assert input_ids.shape == (6, 48)
+    groups = by_length(attention_mask, torch.arange(6), 2, multiple=8)
+    assert [(rows.tolist(), n) for rows, n in groups] == [([1, 3], 48), ([4, 2], 16), ([5, 0], 8)]
+    assert [n for _, n in by_length(attention_mask, torch.tensor([0, 2, 5]), 2)] == [9, 5]  # within given rows
+    with torch.no_grad():
+        full = token_logprobs(model, input_ids, attention_mask, 0.7)
+    cut, entropy = logprob_pass(model, input_ids, attention_mask, 0.7, micro_batch=2, entropy=True, multiple=8)
+    torch.testing.assert_close(cut * mask, full * mask, atol=1e-5, rtol=0)
+    assert entropy.shape == (6, 48) and not entropy[0, 8:].any() and entropy[1].gt(0).sum() >= 40
 
 
 def test_collate_rounds_length_for_fp8_tokens():

@@ -17,8 +17,8 @@ import torch
 
 from config import load_config
 from fp8.export import vllm_quantization_config
-from engines.vllm import (RELOAD_LOGGER, VLLMEngine, kept_env, kv_scale_entry, quiet_rotary_reload, vllm_engine_kwargs,
-                          vllm_env, vllm_requests)
+from engines.vllm import (RELOAD_LOGGER, VLLMEngine, drawn_lengths, kept_env, kv_scale_entry, quiet_rotary_reload,
+                          vllm_engine_kwargs, vllm_env, vllm_requests)
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = {  # name -> config overrides (the three rollout recipes of configs/, and the engine options)
@@ -226,6 +226,22 @@ def test_sampling_requests():
     assert all(sp.seed is None for _, _, sp in vllm_requests(prompts, 2, 0.0, 1.0, 4, seed=5))  # greedy
     for _, _, sp in greedy + sampled + seeded:
         assert sp.logprobs == 0 and sp.flat_logprobs and not sp.detokenize  # sampled token's logprob only
+
+
+def test_drawn_lengths_give_each_sample_its_own_budget():
+    """rollout.ignore_eos_median: one request per sample with its drawn max_tokens, seeded as vLLM seeds
+    the children of an n-sample request; the draw is a function of the seed, cut at the budget."""
+    _vllm()
+    lengths = drawn_lengths(4000, 1400, 0.6, 3584, seed=7)
+    assert lengths == drawn_lengths(4000, 1400, 0.6, 3584, seed=7) != drawn_lengths(4000, 1400, 0.6, 3584, seed=8)
+    assert min(lengths) >= 1 and max(lengths) == 3584
+    assert 1300 < sorted(lengths)[2000] < 1500  # the median
+    assert 0.03 < sum(x == 3584 for x in lengths) / 4000 < 0.09  # P(lognormal > 3584) = 5.9%: the truncated
+    reqs = vllm_requests([[1, 5], [1, 7, 8]], n=3, temperature=1.0, top_p=1.0, max_new_tokens=9, seed=100,
+                         ignore_eos=True, lengths=[3, 1, 4, 1, 5, 9])
+    assert [(i, sp.n, sp.seed, sp.max_tokens) for i, _, sp in reqs] == [
+        (0, 1, 100, 3), (0, 1, 101, 1), (0, 1, 102, 4), (1, 1, 103, 1), (1, 1, 104, 5), (1, 1, 105, 9)]
+    assert all(sp.ignore_eos for _, _, sp in reqs)
 
 
 def test_wake_returns_the_trainers_cached_memory_first(monkeypatch):
