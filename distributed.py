@@ -183,6 +183,15 @@ class DevicePeak:
 _PEAKS: dict[torch.device, DevicePeak] = {}
 
 
+def peak_gib(device: torch.device) -> float:
+    """The device memory in use at its peak since the previous call (DevicePeak), GiB; 0 off CUDA."""
+    if device.type != "cuda":
+        return 0.0
+    if device not in _PEAKS:
+        _PEAKS[device] = DevicePeak(device)
+    return _PEAKS[device].take() / 2**30
+
+
 def memory_metrics(device: torch.device) -> dict[str, float]:
     """Since the previous call: mem/peak_gib, the device memory in use at its peak (DevicePeak), and
     mem/alloc_retries, the allocator's cudaMalloc retries (each one frees cached blocks and
@@ -190,12 +199,9 @@ def memory_metrics(device: torch.device) -> dict[str, float]:
     {} off CUDA."""
     if device.type != "cuda":
         return {}
-    if device not in _PEAKS:
-        _PEAKS[device] = DevicePeak(device)
-    peak = _PEAKS[device]
     retries = torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
     torch.cuda.reset_accumulated_memory_stats(device)
-    return {"mem/peak_gib": peak.take() / 2**30, "mem/alloc_retries": float(retries)}
+    return {"mem/peak_gib": peak_gib(device), "mem/alloc_retries": float(retries)}
 
 
 def all_sum(x: Tensor, d: Dist, op=dist.ReduceOp.SUM) -> Tensor:

@@ -258,6 +258,8 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     while cfg.train.dynamic_sampling == "resample" and len(rounds) < cfg.train.max_rollout_rounds and \
             distributed.all_sum(torch.tensor(float(collapse.deficit(rounds, n)), device=run.d.device), run.d) > 0:
         rounds.append(rollout_round(run, step, len(rounds), metrics))
+    if run.d.device.type == "cuda":  # the step's peak splits into the rollout's and the rest's (step_metrics)
+        metrics["mem/rollout_peak_gib"] = distributed.peak_gib(run.d.device)
     run.engine.sleep()
     metrics["time/rollout"] = time.perf_counter() - t0 - metrics["time/reward"]
     return rounds
@@ -483,6 +485,10 @@ def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
     rewards, correct, lengths, truncated = (distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu()
                                             for x in (b.rewards, b.correct, b.mask.sum(1), truncated))
     tokens = float(distributed.all_sum(b.attention_mask.sum(), d))
+    memory = distributed.memory_metrics(d.device)  # mem/peak_gib: since the rollout's (mem/rollout_peak_gib)
+    if memory:
+        memory["mem/trainer_peak_gib"] = memory["mem/peak_gib"]
+        memory["mem/peak_gib"] = max(memory["mem/peak_gib"], metrics.get("mem/rollout_peak_gib", 0.0))
     return {
         "reward/mean": float(rewards.mean()), "reward/accuracy": float(correct.mean()),
         "reward/solved_groups": float((correct.view(-1, n).max(1).values > 0).float().mean()),
@@ -491,5 +497,4 @@ def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
         "optim/lr": float(run.scheduler.get_last_lr()[0]), "time/step": time.perf_counter() - t_step,
         "time/other": time.perf_counter() - t_step - sum(v for k, v in metrics.items() if k in PHASE_TIMES),
         "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
-        "time/gc": gc_timer().take(), **reward_stats(), **distributed.memory_metrics(d.device),
-    }
+        "time/gc": gc_timer().take(), **reward_stats(), **memory}

@@ -16,6 +16,19 @@ time by phase (last step; step 0 also autotunes and captures), mem/peak_gib next
 memory.used over the run, the share of weights the last optimizer step changed, the mismatch and the
 probe. Writes OUT/flagship.json, OUT/flagship.md and each run's log.
 
+--shipped runs the FP8 configs and their BF16 twins (SHIPPED_PAIRS) at their own workload: the config's
+n (32), generation budget (3584 new tokens) and micro-batch, its number of optimizer steps per step (4)
+with mini-batches scaled to --prompts prompts (default 8: 256 samples, more than BF16's KV share holds
+at once), train.probe off (the users' setting), and response lengths drawn per sample
+(rollout.ignore_eos_median): log-normal, median 1400 tokens, sigma 0.6, cut at the budget, so the
+mean is ~1,640 tokens, a tail reaches the budget and ~6% are truncated, the shape of reasoning-RL
+rollouts at a 4k budget (DAPO's and Skywork-OR1's 7B-8B runs report means of ~1-3k tokens with a few
+percent clipped). Every config draws the same lengths (seeded by the step). Step 1 is timed (step 0
+also compiles, autotunes and captures). Writes OUT/shipped_<gpu>.json: a row per pair,
+{config, baseline, ratio = baseline step s / config step s, step_s, baseline_step_s, gpus, gpu,
+workload, date, command, phases}. --merge F... adds the run rows of earlier flagship.json files
+(one config per device call: a pair's runs need not share a call, but must share a host kind).
+
 --data DIR runs the data configs (gsm8k, math) on real-format files instead of synthetic prompts:
 DIR/train.jsonl and DIR/test.jsonl in the dataset's own fields, through the config's loader, answer
 extraction and reward, with a character tokenizer over printable ASCII (the random-init model has no
@@ -58,13 +71,69 @@ SHAPES = {  # the real models' dims (config.json of the hub checkpoints)
              "num_kv_heads: 8, head_dim: 128, vocab_size: 151936, max_position_embeddings: 8192}",
     "qwen3_moe": tiny_flow("qwen3-30b-a3b"),  # the layer count from --moe-layers (model.tiny.num_layers)
 }
+SHIPPED_PAIRS = {"llama31_8b_fp8": "llama31_8b_bf16", "qwen3_8b_fp8_kv": "qwen3_8b_bf16", "qwen3_8b_fp8": "qwen3_8b_bf16"}
+LENGTHS = (1400, 0.6)  # --shipped: the response lengths' log-normal (median tokens, sigma)
 MIN_RUN_S = 120  # --time-limit: no run starts with less left
 SHORT_RUN = ["model.name_or_path=tiny", "data.source=synthetic", "data.template=plain", "data.instruction=",
              "data.max_prompt_tokens=128", "rollout.prompts_per_step=8", "rollout.n=8",
              "rollout.max_new_tokens=1024", "rollout.ignore_eos=true", "train.mini_batch_size=32",
              "train.val_every=0", "train.ckpt_every=0", "train.save_final=false", "train.probe=true",
              "log.tensorboard=false", "log.dump_episodes_every=0"]
-PHASES = ("rollout", "logprobs", "train", "recalibrate", "refit")
+PHASES = ("rollout", "logprobs", "train", "recalibrate", "refit", "other")
+
+
+def shipped_run(config: str, prompts: int) -> list[str]:
+    """--shipped: a config's own workload at `prompts` prompts (see above) as overrides."""
+    from config import load_config
+    cfg = load_config(ROOT / "configs" / f"{config}.yaml")
+    r, t = cfg.rollout, cfg.train
+    samples = prompts * r.n
+    opt_steps = r.prompts_per_step * r.n // (t.mini_batch_size or r.prompts_per_step * r.n)
+    if samples % opt_steps or (samples // opt_steps) % t.micro_batch_size:
+        print(f"error: --prompts {prompts}: {samples} samples do not split into {opt_steps} optimizer steps of whole "
+              f"micro-batches of {t.micro_batch_size} ({config}); pick a multiple of {opt_steps}", file=sys.stderr)
+        sys.exit(2)
+    return ["model.name_or_path=tiny", "data.source=synthetic", "data.template=plain", "data.instruction=",
+            f"rollout.prompts_per_step={prompts}", "rollout.ignore_eos=true", f"rollout.ignore_eos_median={LENGTHS[0]}",
+            f"rollout.ignore_eos_sigma={LENGTHS[1]}", f"train.mini_batch_size={samples // opt_steps}",
+            "train.val_every=0", "train.ckpt_every=0", "train.save_final=false", "train.probe=false",
+            "log.tensorboard=false", "log.dump_episodes_every=0"]
+
+
+def workload(config: str, prompts: int, result: dict) -> str:
+    """--shipped: the workload in words, with the step's measured response lengths."""
+    from config import load_config
+    r = load_config(ROOT / "configs" / f"{config}.yaml").rollout
+    return (f"{prompts} prompts x {r.n} samples, lengths log-normal (median {LENGTHS[0]}, sigma {LENGTHS[1]}) cut at "
+            f"{r.max_new_tokens}: mean {result.get('response_mean')} tokens, {result.get('truncated')} truncated; "
+            f"random-init weights at full shape, synthetic prompts")
+
+
+def gpu_name() -> str:
+    """'H200' / 'H100' (nvidia-smi's first GPU without 'NVIDIA' and the memory suffix), '' without one."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.splitlines()
+    except FileNotFoundError:
+        return ""
+    words = out[0].replace("NVIDIA", "").split() if out else []
+    return words[0] if words else ""
+
+
+def shipped_rows(results: list[dict], command_line: str) -> list[dict]:
+    """A row per SHIPPED_PAIRS pair whose two runs both finished, on the same GPU kind."""
+    by = {r["config"]: r for r in results if r.get("ok")}
+    rows = []
+    for config, baseline in SHIPPED_PAIRS.items():
+        a, b = by.get(config), by.get(baseline)
+        if not a or not b or a.get("gpu") != b.get("gpu"):
+            continue
+        rows.append({"config": config, "baseline": baseline, "ratio": round(b["step_s"] / a["step_s"], 3),
+                     "step_s": a["step_s"], "baseline_step_s": b["step_s"], "gpus": 1, "gpu": a.get("gpu", ""),
+                     "workload": a.get("workload", ""), "date": time.strftime("%Y-%m-%d"), "command": command_line,
+                     "phases": {c: {k: r[k] for k in r if k.endswith("_s") or k.endswith("_gib")} for c, r in
+                                ((config, a), (baseline, b))}})
+    return rows
 
 
 def smi_peak_watcher(path: Path) -> subprocess.Popen | None:
@@ -98,14 +167,18 @@ def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int
     moe = {k.split("/", 1)[1]: round(last[k], 4) for k in ("moe/routing_mismatch", "moe/routing_mismatch_tokens")
            if k in last}
     return {"config": name, "ok": rc == 0, "rc": rc, "steps": len(steps), "wall_s": round(wall, 1),
-            "step0_s": round(steps[0]["time/step"], 1), "step_s": round(last["time/step"], 1),
+            "step0_s": round(steps[0]["time/step"], 1), "step_s": round(last["time/step"], 2),
             **{f"{p}_s": round(last[f"time/{p}"], 2) for p in PHASES if f"time/{p}" in last},
             "mem_peak_gib": round(max(m.get("mem/peak_gib", 0) for m in steps), 1),
+            "rollout_peak_gib": round(max(m.get("mem/rollout_peak_gib", 0) for m in steps), 1),
+            "trainer_peak_gib": round(max(m.get("mem/trainer_peak_gib", 0) for m in steps), 1),
+            "response_mean": round(last["response/length_mean"], 1), "truncated": round(last["response/truncated_frac"], 3),
+            "tokens_per_s": round(last["perf/tokens_per_s"]),
             "smi_peak_gib": round(max(smi_mib, default=0) / 1024, 1),
             "changed_frac": min(m["optim/changed_frac"] for m in steps),
             "update_ratio_max": round(max(m.get("optim/update_ratio_max", 0) for m in steps), 3),
             "token_mult_prob_error": round(last["mismatch/token_mult_prob_error"], 4), **moe,
-            "policy_gain": [m["probe/policy_gain"] for m in steps],
+            "policy_gain": [m["probe/policy_gain"] for m in steps if "probe/policy_gain" in m],
             "skipped_steps": sum(m.get("optim/skipped_steps", 0) for m in steps)}
 
 
@@ -159,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--moe-layers", type=int, default=MOE_LAYERS, help="decoder layers of the Qwen3-30B-A3B shape")
     p.add_argument("--router-replay", type=parse_replay, default=["on"],
                    help="MoE configs: on, off or on,off (a run per value)")
+    p.add_argument("--shipped", action="store_true", help="FP8 configs vs BF16 twins at their own workload (above)")
+    p.add_argument("--prompts", type=int, default=8, help="--shipped: prompts per step")
+    p.add_argument("--merge", nargs="+", default=[], metavar="FILE", help="--shipped: earlier flagship.json files")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every config")
     return p
 
@@ -167,12 +243,22 @@ def main():
     args = build_parser().parse_args()
     t_start = time.time()
     out, runs = Path(args.out), Path(args.runs)
+    if args.shipped and args.configs == build_parser().get_default("configs"):
+        args.configs = ",".join(dict.fromkeys(c for pair in SHIPPED_PAIRS.items() for c in pair))
     for _, config, _ in plan(args.configs, args.router_replay):
         if not (ROOT / "configs" / f"{config}.yaml").is_file():
             print(f"error: --configs: no configs/{config}.yaml; give shipped config names or 8b, moe", file=sys.stderr)
             sys.exit(2)
+    for f in args.merge:
+        if not Path(f).is_file():
+            print(f"error: --merge {f}: no such file (a flagship.json of an earlier run)", file=sys.stderr)
+            sys.exit(2)
     out.mkdir(parents=True, exist_ok=True)
     results = json.loads((out / "flagship.json").read_text()) if (out / "flagship.json").is_file() else []
+    for f in args.merge:
+        merged = json.loads(Path(f).read_text())
+        results = [r for r in results if r["config"] not in {m["config"] for m in merged}] + merged
+    gpu = gpu_name()
     short_run = SHORT_RUN if not args.data else \
         [o for o in SHORT_RUN if not o.startswith(("data.source", "data.instruction"))] + real_data(Path(args.data))
     for name, config, extra in plan(args.configs, args.router_replay):
@@ -184,7 +270,8 @@ def main():
                 results = [r for r in results if r["config"] != name] + [
                     {"config": name, "ok": False, "rc": "not started (--time-limit)"}]
                 continue
-        cmd = command(config, name, extra, short_run, args.steps, runs, args.moe_layers, args.overrides)
+        run_short = shipped_run(config, args.prompts) if args.shipped else short_run
+        cmd = command(config, name, extra, run_short, args.steps, runs, args.moe_layers, args.overrides)
         subprocess.run(["rm", "-rf", str(runs / name)])
         smi = smi_peak_watcher(out / f"smi_{name}.txt")
         t0 = time.time()
@@ -198,7 +285,10 @@ def main():
         metrics_file = runs / name / "metrics.jsonl"
         metrics = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
         mib = [int(x) for x in (out / f"smi_{name}.txt").read_text().split() if x.isdigit()]
-        results = [r for r in results if r["config"] != name] + [row(name, metrics, mib, time.time() - t0, rc)]
+        result = {**row(name, metrics, mib, time.time() - t0, rc), "gpu": gpu}
+        if args.shipped:
+            result["workload"] = workload(config, args.prompts, result)
+        results = [r for r in results if r["config"] != name] + [result]
         print(json.dumps(results[-1]), flush=True)
         (out / "flagship.json").write_text(json.dumps(results, indent=1))
     (out / "flagship.json").write_text(json.dumps(results, indent=1))
@@ -207,9 +297,15 @@ def main():
             "update_ratio_max", "token_mult_prob_error", *moe_cols, "policy_gain"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in results]
+    if args.shipped:
+        pairs = shipped_rows(results, " ".join(["python", "scripts/flagship_check.py", *sys.argv[1:]]))
+        (out / f"shipped_{(gpu or 'cpu').lower()}.json").write_text(json.dumps(pairs, indent=1))
+        lines += ["", "| config | baseline | ratio | step s | baseline step s |", "|---|---|---|---|---|"]
+        lines += [f"| {p['config']} | {p['baseline']} | {p['ratio']} | {p['step_s']} | {p['baseline_step_s']} |"
+                  for p in pairs]
     (out / "flagship.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    sys.exit(0 if all(r["ok"] and r.get("changed_frac", 0) >= 0.99 and min(r.get("policy_gain", [0])) > 0
+    sys.exit(0 if all(r["ok"] and r.get("changed_frac", 0) >= 0.99 and min(r.get("policy_gain") or [1]) > 0
                       and r.get("update_ratio_max", 0) <= 2.0
                       for r in results) else 1)
 

@@ -5,6 +5,10 @@
 #   bash scripts/gpu_check.sh align    bench/alignment.py
 #   bash scripts/gpu_check.sh flagship [ARGS]  scripts/flagship_check.py: the shipped 8B configs at full shape, a few
 #                                      steps each -> $OUT/flagship.{md,json}, logs in $OUT/flagship_runs.tgz
+#   bash scripts/gpu_check.sh shipped [ARGS]  scripts/flagship_check.py --shipped: FP8 configs vs their BF16 twins at
+#                                      their own workload (e.g. --configs llama31_8b_fp8 --timeout 560; --merge
+#                                      earlier flagship.json files) -> $OUT/shipped_<gpu>.json, flagship.{md,json},
+#                                      logs + metrics in $OUT/shipped_runs.tgz
 #   bash scripts/gpu_check.sh moe [all|bf16|fp8|fp8_kv[,...]] [ARGS]  scripts/flagship_check.py on the
 #                                      qwen3_30b_a3b_* configs at Qwen3-30B-A3B width cut to 12 of 48 layers, 2 steps
 #                                      each: one config runs with router replay on and off (2 runs), several
@@ -73,6 +77,10 @@ case "$1" in
   flagship) $PY scripts/flagship_check.py --out "$OUT/flagship" "${@:2}" 2>&1 | tee "$OUT/flagship.log"
          rc=${PIPESTATUS[0]}; cp "$OUT"/flagship/flagship.{md,json} "$OUT"/ 2>/dev/null
          tar -czf "$OUT/flagship_runs.tgz" -C "$OUT" flagship --remove-files; exit $rc ;;
+  shipped) $PY scripts/flagship_check.py --shipped --out "$OUT/shipped" --runs "$OUT/shipped/runs" "${@:2}" 2>&1 \
+           | tee "$OUT/shipped.log"
+         rc=${PIPESTATUS[0]}; cp "$OUT"/shipped/{flagship.md,flagship.json,shipped_*.json} "$OUT"/ 2>/dev/null
+         tar -czf "$OUT/shipped_runs.tgz" -C "$OUT" shipped --remove-files; exit $rc ;;
   moe)   sel=${2:-all}; [ "$sel" = all ] && sel=bf16,fp8,fp8_kv
          replay=on; [[ "$sel" == *,* ]] || replay=on,off  # one config: both rows
          $PY scripts/flagship_check.py --configs "$(echo "$sel" | sed 's/[^,]*/qwen3_30b_a3b_&/g')" \
@@ -96,5 +104,5 @@ case "$1" in
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|moe|moe_bench|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac

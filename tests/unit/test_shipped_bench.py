@@ -1,0 +1,49 @@
+"""scripts/flagship_check.py --shipped: each FP8 config and its BF16 twin at the config's own workload
+(n, generation budget, micro-batch, optimizer steps per step), and the pair rows of
+bench/results/shipped_<gpu>.json."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _flagship():
+    spec = importlib.util.spec_from_file_location("flagship_check", REPO / "scripts/flagship_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("config", ["llama31_8b_fp8", "llama31_8b_bf16", "qwen3_8b_fp8_kv", "qwen3_8b_bf16"])
+def test_shipped_run_keeps_the_configs_own_workload(config):
+    fc = _flagship()
+    own = load_config(REPO / "configs" / f"{config}.yaml")
+    cfg = load_config(REPO / "configs" / f"{config}.yaml", fc.shipped_run(config, 8))
+    r, t = cfg.rollout, cfg.train
+    assert (r.n, r.max_new_tokens, t.micro_batch_size) == (own.rollout.n, own.rollout.max_new_tokens,
+                                                           own.train.micro_batch_size) == (32, 3584, 4)
+    assert r.prompts_per_step * r.n // t.mini_batch_size == \
+        own.rollout.prompts_per_step * own.rollout.n // own.train.mini_batch_size == 4  # optimizer steps per step
+    assert r.ignore_eos and (r.ignore_eos_median, r.ignore_eos_sigma) == fc.LENGTHS and not t.probe
+    assert (cfg.fp8, cfg.optim, cfg.loss, r.gpu_memory_utilization, cfg.model.dtype) == \
+        (own.fp8, own.optim, own.loss, own.rollout.gpu_memory_utilization, own.model.dtype)
+
+
+def test_shipped_rows_pair_runs_of_one_gpu_kind():
+    fc = _flagship()
+    run = {"ok": True, "step_s": 100.0, "rollout_s": 60.0, "mem_peak_gib": 120.0, "gpu": "H200", "workload": "w"}
+    results = [{**run, "config": "llama31_8b_bf16", "step_s": 125.0}, {**run, "config": "llama31_8b_fp8"},
+               {**run, "config": "qwen3_8b_bf16", "gpu": "H100"}, {**run, "config": "qwen3_8b_fp8_kv"},
+               {**run, "config": "qwen3_8b_fp8", "ok": False}]
+    rows = fc.shipped_rows(results, "cmd")
+    assert len(rows) == 1  # qwen3: another GPU kind's baseline; qwen3_8b_fp8 failed
+    row = rows[0]
+    assert (row["config"], row["baseline"], row["ratio"], row["step_s"], row["baseline_step_s"]) == \
+        ("llama31_8b_fp8", "llama31_8b_bf16", 1.25, 100.0, 125.0)
+    assert (row["gpu"], row["gpus"], row["workload"], row["command"]) == ("H200", 1, "w", "cmd")
+    assert row["phases"]["llama31_8b_bf16"]["rollout_s"] == 60.0 and set(row) >= {"date"}
