@@ -52,6 +52,7 @@ run's timeout to what is left (scripts/gpu_check.sh moe: 570, one device call).
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -120,8 +121,9 @@ def gpu_name() -> str:
     return words[0] if words else ""
 
 
-def shipped_rows(results: list[dict], command_line: str) -> list[dict]:
-    """A row per SHIPPED_PAIRS pair whose two runs both finished, on the same GPU kind."""
+def shipped_rows(results: list[dict]) -> list[dict]:
+    """A row per SHIPPED_PAIRS pair whose two runs both finished, on the same GPU kind; its command: the
+    runs' (one, or the two that ran side by side)."""
     by = {r["config"]: r for r in results if r.get("ok")}
     rows = []
     for config, baseline in SHIPPED_PAIRS.items():
@@ -130,17 +132,20 @@ def shipped_rows(results: list[dict], command_line: str) -> list[dict]:
             continue
         rows.append({"config": config, "baseline": baseline, "ratio": round(b["step_s"] / a["step_s"], 3),
                      "step_s": a["step_s"], "baseline_step_s": b["step_s"], "gpus": 1, "gpu": a.get("gpu", ""),
-                     "workload": a.get("workload", ""), "date": time.strftime("%Y-%m-%d"), "command": command_line,
+                     "workload": a.get("workload", ""), "date": a.get("date", ""),
+                     "command": " & ".join(dict.fromkeys(r.get("command", "") for r in (a, b))),
                      "phases": {c: {k: r[k] for k in r if k.endswith("_s") or k.endswith("_gib")} for c, r in
                                 ((config, a), (baseline, b))}})
     return rows
 
 
 def smi_peak_watcher(path: Path) -> subprocess.Popen | None:
-    """nvidia-smi's memory.used (MiB) every 200 ms into `path` (None without nvidia-smi)."""
+    """nvidia-smi's memory.used (MiB) every 200 ms into `path` (None without nvidia-smi), of the GPUs in
+    CUDA_VISIBLE_DEVICES if set (runs side by side on one host each watch their own)."""
+    only = ["--id=" + os.environ["CUDA_VISIBLE_DEVICES"]] if os.environ.get("CUDA_VISIBLE_DEVICES") else []
     try:
         return subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
-                                 "-lms", "200"], stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+                                 "-lms", "200", *only], stdout=open(path, "w"), stderr=subprocess.DEVNULL)
     except FileNotFoundError:
         path.write_text("")
         return None
@@ -287,7 +292,8 @@ def main():
         mib = [int(x) for x in (out / f"smi_{name}.txt").read_text().split() if x.isdigit()]
         result = {**row(name, metrics, mib, time.time() - t0, rc), "gpu": gpu}
         if args.shipped:
-            result["workload"] = workload(config, args.prompts, result)
+            result.update(workload=workload(config, args.prompts, result), date=time.strftime("%Y-%m-%d"),
+                          command=" ".join(["bash scripts/gpu_check.sh shipped --configs", name, *args.overrides]))
         results = [r for r in results if r["config"] != name] + [result]
         print(json.dumps(results[-1]), flush=True)
         (out / "flagship.json").write_text(json.dumps(results, indent=1))
@@ -298,8 +304,8 @@ def main():
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in results]
     if args.shipped:
-        pairs = shipped_rows(results, " ".join(["python", "scripts/flagship_check.py", *sys.argv[1:]]))
-        (out / f"shipped_{(gpu or 'cpu').lower()}.json").write_text(json.dumps(pairs, indent=1))
+        pairs = shipped_rows(results)
+        (out / f"shipped_{(pairs[0]['gpu'] if pairs else gpu or 'cpu').lower()}.json").write_text(json.dumps(pairs, indent=1))
         lines += ["", "| config | baseline | ratio | step s | baseline step s |", "|---|---|---|---|---|"]
         lines += [f"| {p['config']} | {p['baseline']} | {p['ratio']} | {p['step_s']} | {p['baseline_step_s']} |"
                   for p in pairs]

@@ -36,14 +36,16 @@ def test_shipped_run_keeps_the_configs_own_workload(config):
 
 def test_shipped_rows_pair_runs_of_one_gpu_kind():
     fc = _flagship()
-    run = {"ok": True, "step_s": 100.0, "rollout_s": 60.0, "mem_peak_gib": 120.0, "gpu": "H200", "workload": "w"}
+    run = {"ok": True, "step_s": 100.0, "rollout_s": 60.0, "mem_peak_gib": 120.0, "gpu": "H200", "workload": "w",
+           "date": "2026-11-26", "command": "c"}
     results = [{**run, "config": "llama31_8b_bf16", "step_s": 125.0}, {**run, "config": "llama31_8b_fp8"},
                {**run, "config": "qwen3_8b_bf16", "gpu": "H100"}, {**run, "config": "qwen3_8b_fp8_kv"},
                {**run, "config": "qwen3_8b_fp8", "ok": False}]
-    rows = fc.shipped_rows(results, "cmd")
+    results[0]["command"] = "c0"
+    rows = fc.shipped_rows(results)
     assert len(rows) == 1  # qwen3: another GPU kind's baseline; qwen3_8b_fp8 failed
     row = rows[0]
     assert (row["config"], row["baseline"], row["ratio"], row["step_s"], row["baseline_step_s"]) == \
         ("llama31_8b_fp8", "llama31_8b_bf16", 1.25, 100.0, 125.0)
-    assert (row["gpu"], row["gpus"], row["workload"], row["command"]) == ("H200", 1, "w", "cmd")
-    assert row["phases"]["llama31_8b_bf16"]["rollout_s"] == 60.0 and set(row) >= {"date"}
+    assert (row["gpu"], row["gpus"], row["workload"], row["command"], row["date"]) == ("H200", 1, "w", "c & c0", "2026-11-26")
+    assert row["phases"]["llama31_8b_bf16"]["rollout_s"] == 60.0
