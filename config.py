@@ -316,14 +316,15 @@ class TrainConfig:
     max_rollout_rounds: int = 3
     """dynamic_sampling=resample: most rollout rounds per step (each a fresh prompts_per_step
     prompts); if the batch is still short after them, zero-variance groups fill it, masked out."""
-    compile: Literal["none", "inductor", "aot_eager"] = "none"
+    compile: Literal["none", "auto", "inductor", "aot_eager"] = "none"
     """torch.compile each decoder layer of the trainer (as torchtitan does; the layers share one
     graph): 'inductor' fuses norms, RoPE, SiLU*mul, residual adds and the glue around the FP8
     GEMMs into few Triton kernels and cuts launch overhead (GPU; on CPU it needs a C compiler and
     buys little); 'aot_eager' traces without code generation, to debug compile problems. The
     first step pays the compilation, and the second distinct sequence length one more (a
     dynamic-shape graph); q/k/v calibration records inside the compiled layers (a second graph
-    variant: recording on). Off: eager PyTorch."""
+    variant: recording on). Off: eager PyTorch. 'auto': inductor on a GPU, eager on CPU (the 8B
+    configs: one file for their GPU runs and their CPU test)."""
 
 
 @dataclass

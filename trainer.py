@@ -159,14 +159,17 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
     if cfg.fp8.train:
         from fp8.linear import convert_to_fp8_training, use_torchao
         from fp8.quant import BLOCK
-        if cfg.fp8.cache_weights and d.world > 1:
-            raise UserError(f"fp8.cache_weights keeps unsharded FP8 weights, which defeats FSDP over {d.world} "
-                            "ranks: set fp8.cache_weights=false, or run on one GPU")
-        converted = convert_to_fp8_training(model, cfg.fp8)
+        fp8 = cfg.fp8
+        if fp8.cache_weights and d.world > 1:
+            logger.print(f"fp8.cache_weights: off over {d.world} ranks (the cache would hold unsharded FP8 weights, "
+                         "defeating FSDP)")
+            fp8 = dataclasses.replace(fp8, cache_weights=False)
+        converted = convert_to_fp8_training(model, fp8)
         logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
         fp8_tokens = BLOCK if use_torchao(cfg.fp8, d.device) else 1
-    if cfg.train.compile != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
-        distributed.compile_layers(model, cfg.train.compile)
+    backend = cfg.train.compile if cfg.train.compile != "auto" else "inductor" if d.device.type == "cuda" else "none"
+    if backend != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
+        distributed.compile_layers(model, backend)
     # after FP8 conversion: FSDP2 all-gathers the weight each FP8 linear then quantizes, as on one GPU
     distributed.shard(model, d, bf16_compute=mixed)
     if ref_model is not None:
@@ -253,6 +256,10 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     groups with reward variance (every rank runs the same rounds: losses/collapse.py)."""
     cfg, n = run.cfg, run.cfg.rollout.n
     t0 = time.perf_counter()
+    cached = cfg.fp8.train and cfg.fp8.cache_weights  # the FP8 weight cache makes room for the KV cache
+    if cached:
+        from fp8.fast.cache import refill_weight_caches, release_weight_caches
+        release_weight_caches(run.model)
     run.engine.wake()
     rounds = [rollout_round(run, step, 0, metrics)]
     while cfg.train.dynamic_sampling == "resample" and len(rounds) < cfg.train.max_rollout_rounds and \
@@ -261,6 +268,8 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     if run.d.device.type == "cuda":  # the step's peak splits into the rollout's and the rest's (step_metrics)
         metrics["mem/rollout_peak_gib"] = distributed.peak_gib(run.d.device)
     run.engine.sleep()
+    if cached:
+        refill_weight_caches(run.model)
     metrics["time/rollout"] = time.perf_counter() - t0 - metrics["time/reward"]
     return rounds
 

@@ -55,6 +55,22 @@ class WeightCache:
                 dst.copy_(src)
         self.key = self._key()
 
+    def _operands(self) -> list[Tensor]:
+        shared = self.dgrad_op is self.fwd_op
+        return list(self.fwd_op or ()) + ([] if shared else list(self.dgrad_op or ()))
+
+    def release(self) -> None:
+        """Give the operands' memory back (while the engine's KV cache needs it); the tensors stay the
+        same objects (compiled graphs hold them), empty until refill()."""
+        self._sizes = [t.untyped_storage().nbytes() for t in self._operands()]
+        for t in self._operands():
+            t.untyped_storage().resize_(0)
+
+    def refill(self) -> None:
+        for t, n in zip(self._operands(), getattr(self, "_sizes", [])):
+            t.untyped_storage().resize_(n)
+        self.refresh()
+
     # the rest is the wrapped kernels'
     def fwd(self, x2, w_op, save=False):
         return self.kernels.fwd(x2, w_op, save)
@@ -104,3 +120,15 @@ def refresh_weight_caches_on_step(model: nn.Module, optimizer: torch.optim.Optim
     if n:
         optimizer.register_step_post_hook(lambda *_: refresh_weight_caches(model))
     return n
+
+
+def release_weight_caches(model: nn.Module) -> None:
+    """Free every WeightCache's memory while the engine's KV cache is awake (2 bytes per FP8 parameter,
+    16 GB at 8B); refill_weight_caches before the trainer's next forward."""
+    for c in weight_caches(model):
+        c.release()
+
+
+def refill_weight_caches(model: nn.Module) -> None:
+    for c in weight_caches(model):
+        c.refill()

@@ -238,14 +238,16 @@ def test_moe_router_replay_under_fsdp2_and_compile(tmp_path):
     torch.testing.assert_close(by_step(eager, "optim/grad_norm"), by_step(one, "optim/grad_norm"), rtol=0.02, atol=0)
 
 
-def test_weight_cache_is_refused_with_fsdp(tmp_path):
-    """fp8.cache_weights would hold unsharded FP8 weights on every rank: one line naming the fix."""
+def test_weight_cache_is_off_with_fsdp(tmp_path):
+    """fp8.cache_weights would hold unsharded FP8 weights on every rank: under FSDP the run goes on
+    without it and says so (the 8B FP8 configs set it for one GPU and name torchrun for more)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "train_grpo.py"), *COMMON, f"train.out_dir={tmp_path}", "fp8.cache_weights=true"]
+           str(ROOT / "train_grpo.py"), *COMMON, f"train.out_dir={tmp_path}", "fp8.cache_weights=true",
+           "train.steps=1", "train.val_every=0"]
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode != 0
-    assert "fp8.cache_weights keeps unsharded FP8 weights" in p.stderr and "fp8.cache_weights=false" in p.stderr
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "fp8.cache_weights: off over 2 ranks" in p.stdout
 
 
 def test_prompts_must_split_into_whole_groups(monkeypatch):

@@ -550,9 +550,10 @@ def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need, dua
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
 
 
-def _cache_run(cache: bool, compiled: bool = False, steps: int = 2):
+def _cache_run(cache: bool, compiled: bool = False, steps: int = 2, release: bool = False):
     """A 2-layer FP8 Llama through `steps` x (2 micro-batches of forward + backward, AdamW step):
-    each step's token logprobs and the final weights."""
+    each step's token logprobs and the final weights. release: the caches emptied and refilled after
+    each step, as around the engine's rollout."""
     from distributed import compile_layers
     from fp8.fast import refresh_weight_caches_on_step
     from batch import token_logprobs
@@ -575,6 +576,12 @@ def _cache_run(cache: bool, compiled: bool = False, steps: int = 2):
             token_logprobs(model, ids, torch.ones_like(ids), 1.0).sum().backward()
         opt.step()
         opt.zero_grad()
+        if release:
+            from fp8.fast.cache import refill_weight_caches, release_weight_caches, weight_caches
+            release_weight_caches(model)
+            ops = [t for c in weight_caches(model) for t in c._operands()]
+            assert len(ops) >= 8 and all(t.untyped_storage().nbytes() == 0 for t in ops)
+            refill_weight_caches(model)
     torch._dynamo.reset()
     return logps, [p.detach().clone() for p in model.parameters()]
 
@@ -595,6 +602,16 @@ def test_weight_cache_changes_nothing_but_the_quantization_count(compiled, monke
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     # 2 layers x 4 GEMMs (qkv, o, gate_up, down): at the start and after each of the 2 steps
     assert len(calls) == 8 * 3, len(calls)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_weight_cache_released_for_the_rollout_refills_the_same_operands(compiled):
+    """release_weight_caches frees the cached operands while the engine runs (the tensors stay, empty);
+    refill_weight_caches re-quantizes into the same tensors: the run is bit for bit the uncached one."""
+    ref_logps, ref_params = _cache_run(cache=False, compiled=compiled)
+    logps, params = _cache_run(cache=True, compiled=compiled, release=True)
+    assert all(torch.equal(a, b) for a, b in zip(logps, ref_logps))
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
 def _checkpointed_grads(fp8: FP8Config, checkpointing: bool, compile_backend: str | None):
