@@ -268,6 +268,7 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     if run.d.device.type == "cuda":  # the step's peak splits into the rollout's and the rest's (step_metrics)
         metrics["mem/rollout_peak_gib"] = distributed.peak_gib(run.d.device)
     run.engine.sleep()
+    distributed.peak_gib(run.d.device)  # the trainer's interval starts with the engine asleep
     if cached:
         refill_weight_caches(run.model)
     metrics["time/rollout"] = time.perf_counter() - t0 - metrics["time/reward"]

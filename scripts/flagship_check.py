@@ -52,6 +52,7 @@ run's timeout to what is left (scripts/gpu_check.sh moe: 570, one device call).
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -105,8 +106,9 @@ def workload(config: str, prompts: int, result: dict) -> str:
     """--shipped: the workload in words, with the step's measured response lengths."""
     from config import load_config
     r = load_config(ROOT / "configs" / f"{config}.yaml").rollout
+    cut = 0.5 * math.erfc(math.log(r.max_new_tokens / LENGTHS[0]) / LENGTHS[1] / math.sqrt(2))  # P(draw > budget)
     return (f"{prompts} prompts x {r.n} samples, lengths log-normal (median {LENGTHS[0]}, sigma {LENGTHS[1]}) cut at "
-            f"{r.max_new_tokens}: mean {result.get('response_mean')} tokens, {result.get('truncated')} truncated; "
+            f"{r.max_new_tokens} ({cut:.1%} of the draw): mean {result.get('response_mean')} tokens; "
             f"random-init weights at full shape, synthetic prompts")
 
 
