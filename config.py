@@ -23,14 +23,11 @@ from typing import Literal
 
 import yaml
 
+from errors import UserError
 from losses.advantages import AdvantageConfig
 from losses.grpo import LossConfig
 from models import FAMILIES
 from rewards import REWARDS
-
-
-class UserError(Exception):
-    """Bad input from the user (config, paths, data). train_grpo prints it as one line, exit 2."""
 
 
 class ConfigError(UserError):

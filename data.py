@@ -64,7 +64,8 @@ import re
 from pathlib import Path
 
 import rewards
-from config import DataConfig, UserError
+from config import DataConfig
+from errors import UserError
 from rewards import extract_answer, format_reward, last_boxed, reward_stats  # noqa: F401 - re-exported
 
 log = logging.getLogger(__name__)

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import models
-from config import Config, UserError
+from config import Config
+from errors import UserError
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 import distributed
 from batch import StepBatch, logprob_pass
 from checkpoint import atomic_write
-from config import UserError
+from errors import UserError
 from fp8.linear import bf16_reference
 
 BATCH_FORMAT = "fp8-grpo/rollout-batch/v1"

@@ -32,8 +32,9 @@ import distributed
 import observe
 import trainer
 from checkpoint import remove_unstarted_run
-from config import UserError, to_dict
+from config import to_dict
 from data import PromptSampler
+from errors import UserError
 from fp8.calibrate import QKVCalibrator
 from optimizer import build_optimizer
 from probe import WeightChange

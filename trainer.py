@@ -31,8 +31,9 @@ import distributed
 import routing
 from batch import StepBatch, amp, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
 from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
-from config import Config, UserError
+from config import Config
 from data import data_warnings, load_splits, reward_last_number, reward_stats
+from errors import UserError
 from fp8.calibrate import QKVCalibrator, token_mask
 from fp8.export import export_weights
 from fp8.linear import bf16_reference

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from config import UserError, load_config
+from config import load_config
+from errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "log.tensorboard=false", "train.val_every=2",

@@ -12,8 +12,9 @@ import pytest
 
 import data
 import rewards
-from config import DataConfig, SyntheticConfig, TinyModelConfig, UserError
+from config import DataConfig, SyntheticConfig, TinyModelConfig
 from data import (DataError, PromptSampler, extract_answer, filter_long_prompts, format_reward,
+from errors import UserError
                   load_splits, math_reward, render_prompt, reward_stats, synthetic_arithmetic,
                   uses_chat_template)
 

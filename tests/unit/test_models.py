@@ -10,7 +10,8 @@ from torch import nn
 
 import distributed
 import models
-from config import TinyModelConfig, UserError
+from config import TinyModelConfig
+from errors import UserError
 from fp8.export import kv_scale_names
 from modeling import build_char_tokenizer, build_tiny_model
 
