@@ -55,7 +55,7 @@ from fp8.plan import clean_name
 from fp8.quant import FP8_MAX, fake_quant_per_tensor
 from losses.grpo import IS_CORRECTIONS, LossConfig, is_weights
 from losses.mismatch import masked_mean, mismatch_metrics
-from observe import BATCH_FORMAT, TENSOR_FIELDS, load_rollout_batch, save_rollout_batch  # noqa: F401 - the batch format
+from observe import load_rollout_batch
 
 ROOT = Path(__file__).resolve().parent
 PAIRS = {  # name -> (a, b): d = a - b

@@ -326,7 +326,7 @@ class LogConfig:
     save_batch_every: int = 0
     """Save the full rollout batch (token ids, mask, engine / trainer (as used) / trainer-BF16
     logprobs, rewards, advantages, config) to <run_dir>/batches/step_N.pt every N steps, for
-    notebooks/ (analysis.load_rollout_batch); costs one extra no-grad BF16 forward. 0 = off."""
+    notebooks/ (observe.load_rollout_batch); costs one extra no-grad BF16 forward. 0 = off."""
     profile_step: int = -1
     """Run this step under torch.profiler (CPU + CUDA, in-process vLLM included): writes
     <run_dir>/profile/step_N_rankR.json (trace for Perfetto / chrome://tracing) and .txt (each

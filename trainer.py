@@ -32,7 +32,7 @@ import routing
 from batch import StepBatch, amp, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
 from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
 from config import Config
-from data import data_warnings, load_splits, reward_last_number, reward_stats
+from data import data_warnings, load_splits, reward_last_number
 from errors import UserError
 from fp8.calibrate import QKVCalibrator, token_mask
 from fp8.export import export_weights
@@ -43,10 +43,10 @@ from losses.grpo import grpo_loss
 from losses.mismatch import mismatch_metrics
 from observe import RunLogger, gc_timer, update_guard
 from probe import WeightChange, policy_gain, probe_rewards
-from rewards import REWARDS, format_reward
+from rewards import REWARDS, format_reward, reward_stats
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Run:
     """What setup built for the run; the phases read it and never rebind its fields."""
     cfg: Config

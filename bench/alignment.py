@@ -53,7 +53,7 @@ def measure(mode: str, prompts: int, n: int, new_tokens: int, model_shape: list[
     from fp8.linear import convert_to_fp8_training
     from losses.mismatch import mismatch_metrics
     from modeling import load_model_and_tokenizer
-    from rollout import VLLMEngine
+    from engines.vllm import VLLMEngine
     from batch import collate, logprob_pass, micro_batches
     import routing
 

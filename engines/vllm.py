@@ -1,6 +1,6 @@
 """VLLMEngine: vLLM in-process, colocated with the trainer (the GPU engine of rollout.py).
 
-Everything vLLM-specific is imported lazily: importing this module (CPU CI, `rollout.VLLMEngine`)
+Everything vLLM-specific is imported lazily: importing this module (CPU CI, the tests of this module)
 never imports vLLM. Internals used below are those of vLLM 0.26.0 (requirements.txt pins it);
 each such use says so.
 """

@@ -56,8 +56,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import FP8Config, TinyModelConfig, load_config  # noqa: E402
-from data import load_splits, math_reward, render_prompt, reward_last_number, synthetic_arithmetic  # noqa: E402
+from data import load_splits, render_prompt, reward_last_number, synthetic_arithmetic  # noqa: E402
 from modeling import build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
+from rewards import math_reward  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64)
