@@ -314,9 +314,15 @@ def load_batch_model(batch: dict, device="cpu", checkpoint=None):
 
 
 def convert_fp8(model, cfg) -> list[str]:
-    """Emulated block-FP8 linears on the run's skip list (fp8.keep_bf16, ...); their HF names.
-    Inside fp8.linear.bf16_reference(model) the converted model computes exactly as before."""
-    return convert_to_fp8_training(model, dataclasses.replace(cfg.fp8, emulate=True))
+    """Emulated block-FP8 linears on the run's skip list (fp8.keep_bf16, ...), with fp8/fast's structure
+    where the run had it (trainer.prepare_trainer); their HF names. Inside fp8.linear.bf16_reference(model)
+    the converted model computes exactly as before."""
+    fp8 = dataclasses.replace(cfg.fp8, emulate=True)
+    names = convert_to_fp8_training(model, fp8)
+    if fp8.uses_fast:
+        from fp8 import fast
+        fast.apply(model, fp8)
+    return names
 
 
 def batch_logprobs(model, batch: dict, rows=None, micro_batch: int = 64) -> Tensor:

@@ -219,6 +219,12 @@ class FP8Config:
     """Samples of the step's batch the recalibration forward runs over (calib_pass=separate; also
     the prompts of the calibration before the first rollout)."""
 
+    @property
+    def uses_fast(self) -> bool:
+        """A speed-only switch is on, so the trainer's FP8 model gets fp8/fast's structure (fp8.fast.apply);
+        with all of them off the recipe runs without fp8/fast."""
+        return self.train and (self.fuse_projections or self.cache_weights)
+
 
 @dataclass
 class MoEConfig:

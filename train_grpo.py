@@ -69,7 +69,7 @@ def train(args) -> Path:
         if cfg.model.name_or_path == "tiny" else cfg.model.name_or_path
     engine = make_engine(cfg, model, tokenizer, device, model_dir)
     ref_model = trainer.reference_model(model, cfg)
-    fp8_tokens = trainer.prepare_trainer(model, ref_model, cfg, d, mixed, logger)  # FP8 linears, compile, FSDP2
+    fp8_tokens = trainer.prepare_trainer(model, ref_model, cfg, d, mixed, logger)  # FP8 (+ fp8/fast), compile, FSDP2
     calibrator = QKVCalibrator(model, cfg.fp8.calib_percentile, cfg.fp8.calib_margin) \
         if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
     optimizer = build_optimizer(model.parameters(), cfg.optim)
@@ -81,10 +81,7 @@ def train(args) -> Path:
                       train_set=train_set, val_set=val_set, fp8_tokens=fp8_tokens, mixed=mixed)
     state = trainer.resume(run, resume_dir, args.overrides) if resume_dir else \
         trainer.State(entropy_control=trainer.entropy_control(cfg))
-    if cfg.fp8.train and cfg.fp8.cache_weights:  # fp8.cache_weights: filled now, re-quantized after every step
-        from fp8.fast import refresh_weight_caches_on_step
-        refresh_weight_caches_on_step(model, optimizer)
-    trainer.first_refit(run, state)  # the first rollout already gets calibrated scales
+    trainer.first_refit(run, state)  # FP8 weight caches filled, the first rollout gets calibrated scales
 
     # ---- the steps
     from tqdm import tqdm

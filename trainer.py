@@ -151,8 +151,10 @@ def reference_model(model, cfg: Config):
 
 
 def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: bool, logger: RunLogger) -> int:
-    """FP8 linears (fp8.train), compiled layers (train.compile), FSDP2 (world > 1), in that order;
-    returns the token multiple the trainer's FP8 GEMMs want (1 = any)."""
+    """FP8 linears (fp8.train) with fp8/fast's speed-only structure where a switch asks for it,
+    compiled layers (train.compile), FSDP2 (world > 1), in that order; returns the token multiple the
+    trainer's FP8 GEMMs want (1 = any). Without fp8.uses_fast (fuse_projections and cache_weights
+    off), fp8/fast is never imported: the recipe runs without it."""
     fp8_tokens = 1
     if (cfg.moe.router_replay or cfg.moe.aux_loss_coef) and not routing.is_moe(model):
         raise UserError("moe.router_replay / moe.aux_loss_coef need a mixture-of-experts model (a family with "
@@ -165,6 +167,9 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
                             "ranks: set fp8.cache_weights=false, or run on one GPU")
         converted = convert_to_fp8_training(model, cfg.fp8)
         logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
+        if cfg.fp8.uses_fast:
+            from fp8 import fast
+            logger.print("fp8.fast: " + (", ".join(fast.apply(model, cfg.fp8)) or "fast kernels"))
         fp8_tokens = BLOCK if use_torchao(cfg.fp8, d.device) else 1
     if cfg.train.compile != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
         distributed.compile_layers(model, cfg.train.compile)
@@ -432,8 +437,13 @@ def refit(run: Run, state: State) -> float:
 
 
 def first_refit(run: Run, state: State) -> None:
-    """Before step 0 (or on resume): scales from the training prompts if none were saved, so the first
-    rollout is calibrated too, then the weight sync."""
+    """Before step 0 (or on resume): fp8.cache_weights' caches filled and hooked to the optimizer
+    (here, once the weights are final, and before the first forward, which a compiled layer cannot
+    fill them in); scales from the training prompts if none were saved, so the first rollout is
+    calibrated too; then the weight sync."""
+    if run.cfg.fp8.train and run.cfg.fp8.cache_weights:
+        from fp8.fast.cache import refresh_weight_caches_on_step
+        refresh_weight_caches_on_step(run.model, run.optimizer)
     if run.calibrator is not None and state.kv_scales is None:
         from rollout import Sample
         prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in run.train_set[: run.cfg.fp8.calib_samples]]

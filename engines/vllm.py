@@ -131,7 +131,7 @@ def vllm_requests(prompt_ids: list[list[int]], n: int, temperature: float, top_p
 def kept_env(name: str):
     """Restore os.environ[name] (or its absence) on exit. vLLM's engine start points the process-wide
     TRITON_CACHE_DIR into its per-config compile cache (vllm/compilation/compiler_interface.py), so
-    torchao's autotuning in the colocated trainer would not land in fp8.fast.torchao.keep_triton_autotuning's
+    torchao's autotuning in the colocated trainer would not land in fp8.torchao.keep_triton_autotuning's
     fixed dir (H100, 2026-11-23: 0 autotune files there after a first FP8 step that autotuned)."""
     before = os.environ.get(name)
     try:

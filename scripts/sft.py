@@ -35,7 +35,7 @@ mix (also never trained on), written with the loss history to <out>/sft_metrics.
 
 --warm-fp8: build the same-shaped model, convert it with fp8.linear.convert_to_fp8_training and
 run forward/backward passes, so that torchao's Triton kernels are compiled and autotuned into
-Triton's disk cache (fp8.fast.torchao.keep_triton_autotuning). scripts/convergence.sh runs it next to the
+Triton's disk cache (fp8.torchao.keep_triton_autotuning). scripts/convergence.sh runs it next to the
 SFT so the FP8 GRPO runs skip the ~100 s first-step autotune.
 """
 
@@ -364,6 +364,7 @@ def warm_fp8(args) -> None:
     """Compile + autotune torchao's block-FP8 kernels for this model's shapes (trainer code path:
     fp32 master weights, bf16 autocast, forward + backward + a no-grad forward)."""
     device = pick_device(args.device)
+    from fp8 import fast
     from fp8.linear import convert_to_fp8_training, use_torchao
     if device.type != "cuda" or not use_torchao(FP8Config(train=True), device):
         print("warm-fp8: no SM90 GPU, nothing to warm", flush=True)
@@ -371,6 +372,7 @@ def warm_fp8(args) -> None:
     t0 = time.perf_counter()
     model, tokenizer = build(args, device)
     convert_to_fp8_training(model, FP8Config(train=True))
+    fast.apply(model, FP8Config(train=True))  # as trainer.prepare_trainer
     ids = torch.randint(3, len(tokenizer), (64, 100), device=device)
     for _ in range(2):
         with torch.autocast("cuda", dtype=torch.bfloat16):
