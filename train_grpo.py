@@ -103,7 +103,7 @@ def train(args) -> Path:
                                     cfg.rollout.temperature, cfg.train.micro_batch_size, mixed, to_dict(cfg),
                                     tokenizer, model_dir, d)
         observe.mismatch_guard(metrics, step, cfg.train, logger)
-        trainer.train_phase(run, state, batch, step, metrics)         # policy forward, grpo_loss, optimizer steps
+        trainer.train_phase(run, state, batch, step, metrics)         # policy forward, the objective, optimizer steps
         trainer.refit_phase(run, state, batch, metrics)               # recalibrate q/k/v, sync the engine
         metrics.update(trainer.step_metrics(run, batch, t_step))
         prof.finish(run_dir, d.rank, logger)

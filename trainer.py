@@ -5,8 +5,9 @@
     assemble_batch  group advantages, the kept groups, the padded [B, L] tensors (batch.StepBatch)
     old_logprob_phase  trainer logprobs of the behaviour weights (old_logp), the KL reference,
                     entropy and the rollout/trainer mismatch
-    train_phase     mini-batches of micro-batches: the policy forward, grpo_loss, one optimizer step
-                    per mini-batch (non-finite steps skipped and counted)
+    train_phase     mini-batches of micro-batches: the policy forward, the objective (losses/grpo.py's
+                    micro_batch_loss), one optimizer step per mini-batch (non-finite steps skipped
+                    and counted)
     refit_phase     q/k/v scale recalibration (FP8 KV cache), then the weight sync into the engine
     validate        greedy accuracy on the held-out prompts
     save            a checkpoint of the run state
@@ -39,7 +40,7 @@ from fp8.export import export_weights
 from fp8.linear import bf16_reference
 from losses import collapse
 from losses.advantages import group_advantages
-from losses.grpo import grpo_loss
+from losses.grpo import LossInputs, MiniBatchTotals, micro_batch_loss
 from losses.mismatch import mismatch_metrics
 from observe import RunLogger, gc_timer, update_guard
 from probe import WeightChange, policy_gain, probe_rewards
@@ -350,10 +351,10 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
         for mini_slice in micro_batches(B, mini):
             idx = order[mini_slice]
-            mini_tokens = distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1)
-            mini_rows = float(distributed.all_sum(b.loss_mask[idx].amax(1).sum(), d))  # rows that count
-            if entropy_coef > 0:  # the bonus averages over every response token, kept group or not
-                mini_all_tokens = distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1)
+            totals = MiniBatchTotals(  # over every rank's share of the mini-batch
+                tokens=distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1),
+                rows=float(distributed.all_sum(b.loss_mask[idx].amax(1).sum(), d)),  # rows that count
+                response_tokens=distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1) if entropy_coef > 0 else None)
             optimizer.zero_grad(set_to_none=True)
             nonfinite_loss = torch.zeros((), device=d.device)
             for micro in micro_batches(len(idx), mb):
@@ -364,22 +365,16 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                     logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
                                           entropy=entropy_coef > 0)
                 logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
-                loss, m = grpo_loss(logp, b.old_logp[j], b.rollout_logp[j], b.advantages[j], b.loss_mask[j], cfg.loss,
-                                    ref_logp=None if b.ref_logp is None else b.ref_logp[j])
-                # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
-                weight = b.loss_mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else \
-                    float(b.loss_mask[j].amax(1).sum()) / max(mini_rows, 1.0)
-                loss = loss * weight
-                if entropy_coef > 0:  # the bonus: mean entropy over all the mini-batch's response tokens
-                    loss = loss - entropy_coef * (policy_entropy * b.mask[j]).sum() / mini_all_tokens
-                if routed is not None and cfg.moe.aux_loss_coef > 0:  # MoE load balancing, over the real tokens
-                    aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j])
-                    loss = loss + cfg.moe.aux_loss_coef * aux * weight
-                    m = {**m, "moe/aux_loss": float(aux.detach())}
-                (loss * distributed.grad_scale(d)).backward()
-                nonfinite_loss += (~torch.isfinite(loss.detach())).float()
-                for k, v in m.items():
-                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / n_mini
+                aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j]) \
+                    if routed is not None and cfg.moe.aux_loss_coef > 0 else None  # MoE, over the real tokens
+                out = micro_batch_loss(LossInputs(
+                    logp, b.old_logp[j], b.rollout_logp[j], b.advantages[j], b.loss_mask[j],
+                    ref_logp=None if b.ref_logp is None else b.ref_logp[j], entropy=policy_entropy,
+                    response_mask=b.mask[j], aux_loss=aux), totals, cfg.loss, entropy_coef, cfg.moe.aux_loss_coef)
+                (out.loss * distributed.grad_scale(d)).backward()
+                nonfinite_loss += (~torch.isfinite(out.loss.detach())).float()
+                for k, v in out.metrics.items():
+                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(out.weight) / n_mini
             max_norm = math.inf if cfg.optim.max_grad_norm is None else cfg.optim.max_grad_norm  # null: no clip
             grad_norm = distributed.clip_grad_norm(model.parameters(), max_norm)
             if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees
