@@ -66,7 +66,7 @@ PAIRS = {  # name -> (a, b): d = a - b
 
 
 # ----------------------------------------------------------------------------- batches on disk
-# written by the trainer (observe.save_step_batch -> save_rollout_batch), read by load_rollout_batch
+# written by the trainer (trainer.save_batch -> observe.save_step_batch), read by observe.load_rollout_batch
 
 def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "configs" / "tiny_cpu.yaml",
                        quiet: bool = True, threads: int | None = 1) -> Path:

@@ -99,9 +99,7 @@ def train(args) -> Path:
         batch = trainer.assemble_batch(run, rounds, metrics)          # advantages, [B, L] tensors
         trainer.old_logprob_phase(run, batch, metrics)                # old_logp, ref_logp, mismatch
         if cfg.log.save_batch_every and step % cfg.log.save_batch_every == 0:  # for notebooks/ (analysis.py)
-            observe.save_step_batch(run_dir / "batches" / f"step_{step:06d}.pt", step, model, batch,
-                                    cfg.rollout.temperature, cfg.train.micro_batch_size, mixed, to_dict(cfg),
-                                    tokenizer, model_dir, d)
+            trainer.save_batch(run, batch, step)                      # with BF16 logprobs
         observe.mismatch_guard(metrics, step, cfg.train, logger)
         trainer.train_phase(run, state, batch, step, metrics)         # policy forward, the objective, optimizer steps
         trainer.refit_phase(run, state, batch, metrics)               # recalibrate q/k/v, sync the engine

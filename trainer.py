@@ -32,7 +32,7 @@ import distributed
 import routing
 from batch import StepBatch, amp, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
 from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
-from config import Config
+from config import Config, to_dict
 from data import data_warnings, load_splits, reward_last_number
 from errors import UserError
 from fp8.calibrate import QKVCalibrator, token_mask
@@ -42,7 +42,7 @@ from losses import collapse
 from losses.advantages import group_advantages
 from losses.grpo import LossInputs, MiniBatchTotals, micro_batch_loss
 from losses.mismatch import mismatch_metrics
-from observe import RunLogger, gc_timer, update_guard
+from observe import RunLogger, gc_timer, save_step_batch, update_guard
 from probe import WeightChange, policy_gain, probe_rewards
 from rewards import REWARDS, format_reward, reward_stats
 
@@ -221,13 +221,19 @@ def save(run: Run, state: State, step: int) -> None:
 
 # ----------------------------------------------------------------------------- rollout and reward
 
+def judge(run: Run, samples, answers: list[str]) -> tuple[list[str], list[float]]:
+    """(texts, verdicts): each sample decoded, and data.reward's verdict on it against its gold answer."""
+    texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+    reward, last_number = REWARDS[run.cfg.data.reward], reward_last_number(run.cfg.data)
+    return texts, [reward(t, a, finish_reason=s.finish_reason, last_number=last_number)
+                   for t, a, s in zip(texts, answers, samples)]
+
+
 def score(run: Run, prompts: list[dict], samples) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """(texts, rewards [B], correct [B]): data.reward's verdict per sample, plus the format bonus."""
     cfg = run.cfg
-    texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-    reward, last_number = REWARDS[cfg.data.reward], reward_last_number(cfg.data)
-    correct = torch.tensor([reward(t, prompts[s.prompt_index]["answer"], finish_reason=s.finish_reason,
-                                   last_number=last_number) for t, s in zip(texts, samples)])  # [B]
+    texts, verdicts = judge(run, samples, [prompts[s.prompt_index]["answer"] for s in samples])
+    correct = torch.tensor(verdicts)  # [B]
     rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
     if cfg.train.probe:  # a synthetic reward with variance: the update direction is checkable on any model
         rewards = probe_rewards(samples)
@@ -323,10 +329,16 @@ def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
 
 
 def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
-    """No-grad logprobs [B, L] of the master weights, linears not quantized (train.probe)."""
+    """No-grad logprobs [B, L] of the master weights, linears not quantized (train.probe, saved batches)."""
     with bf16_reference(run.model):
         return logprob_pass(run.model, b.input_ids, b.attention_mask, run.cfg.rollout.temperature,
                             run.cfg.train.micro_batch_size, mixed=run.mixed)
+
+
+def save_batch(run: Run, b: StepBatch, step: int) -> None:
+    """The step's batch with its BF16 logprobs, for notebooks/ (observe.save_step_batch); collective."""
+    save_step_batch(run.run_dir / "batches" / f"step_{step:06d}.pt", step, b, bf16_logprobs(run, b),
+                    to_dict(run.cfg), run.tokenizer, run.model_dir, run.d)
 
 
 def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) -> None:
@@ -469,11 +481,9 @@ def validate(run: Run) -> float:
     mine = val[d.rank // d.tp:: d.world // d.tp]  # one share per engine (a TP group generates it together)
     samples = run.engine.generate([ex["prompt_ids"] for ex in mine], n=1, temperature=0.0, top_p=1.0,
                                   max_new_tokens=cfg.rollout.max_new_tokens)
-    texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     counted = d.rank % d.tp == 0  # the group's first rank scores its engine's answers; the others add 0
-    reward, last_number = REWARDS[cfg.data.reward], reward_last_number(cfg.data)
-    correct = torch.tensor(float(sum(reward(t, ex["answer"], finish_reason=s.finish_reason, last_number=last_number)
-                                     for t, ex, s in zip(texts, mine, samples)) if counted else 0), device=d.device)
+    correct = torch.tensor(float(sum(judge(run, samples, [ex["answer"] for ex in mine])[1]) if counted else 0),
+                           device=d.device)
     return float(distributed.all_sum(correct, d)) / len(val)
 
 

@@ -268,9 +268,20 @@ def _warn_not_sm90(name: str, capability: tuple[int, int]) -> None:
     print_rank0(msg, file=sys.stderr)
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+def convert_planned(model: nn.Module, cfg: FP8Config, plan: dict[str, tuple[bool, str]], make_linear,
+                    act_recipe: str) -> list[str]:
+    """The walk the trainer's and the CPU engine's conversions share: each nn.Linear the plan makes FP8
+    (and not FP8 yet) replaced in place by make_linear(linear), then the MoE experts (fp8/moe.py, with
+    act_recipe); returns their HF names."""
+    from fp8.moe import convert_experts  # MoE experts: 3-D weights; fp8/moe.py builds on this module
+
+    converted = []
+    for raw_name, mod in list(model.named_modules()):
+        name = clean_name(raw_name)
+        if isinstance(mod, nn.Linear) and not is_fp8_linear(mod) and plan.get(name, (False,))[0]:
+            model.set_submodule(raw_name, make_linear(mod))
+            converted.append(name)
+    return converted + convert_experts(model, cfg, plan, act_recipe)
 
 
 def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
@@ -283,25 +294,18 @@ def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
     """
     from fp8.torchao import torchao_linear_cls  # fp8/torchao.py builds on this module's _BlockFP8MM
 
-    plan = fp8_plan(model, cfg)
-    converted, kinds = [], set()
-    for raw_name, mod in list(model.named_modules()):
-        name = clean_name(raw_name)
-        if not isinstance(mod, nn.Linear) or is_fp8_linear(mod) or not plan.get(name, (False,))[0]:
-            continue
-        if use_torchao(cfg, mod.weight.device) and mod.weight.dtype in (torch.bfloat16, torch.float32):
-            new, kind = torchao_linear_cls().from_float(mod), "torchao"
-            new.train(mod.training)
-        else:
-            new, kind = EmulatedFP8Linear.from_linear(mod, "torchao"), "emulated"
-        _replace(model, raw_name, new)
-        converted.append(name)
-        kinds.add(kind)
-    from fp8.moe import convert_experts  # MoE experts: 3-D weights, fp8/moe.py
+    kinds = set()
 
-    converted += convert_experts(model, cfg, plan)
-    kind = "block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")"
-    log_summary(kind, plan)
+    def make_linear(mod: nn.Linear) -> nn.Linear:
+        if use_torchao(cfg, mod.weight.device) and mod.weight.dtype in (torch.bfloat16, torch.float32):
+            kinds.add("torchao")
+            return torchao_linear_cls().from_float(mod).train(mod.training)
+        kinds.add("emulated")
+        return EmulatedFP8Linear.from_linear(mod, "torchao")
+
+    plan = fp8_plan(model, cfg)
+    converted = convert_planned(model, cfg, plan, make_linear, "torchao")
+    log_summary("block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")", plan)
     return converted
 
 
