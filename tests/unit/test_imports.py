@@ -23,13 +23,13 @@ def module_name(path: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def module_level_imports(tree: ast.Module) -> list[str]:
-    """Dotted names imported outside functions and TYPE_CHECKING blocks: `import a.b` -> a.b,
-    `from a.b import c` -> a.b and a.b.c (c may be a submodule)."""
+def imports_in(tree: ast.Module, in_functions: bool = False) -> list[str]:
+    """Dotted names imported outside functions (in_functions: anywhere) and TYPE_CHECKING blocks:
+    `import a.b` -> a.b, `from a.b import c` -> a.b and a.b.c (c may be a submodule)."""
     names, todo = [], list(tree.body)
     while todo:
         node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not in_functions:
             continue
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             todo += node.orelse
@@ -42,7 +42,7 @@ def module_level_imports(tree: ast.Module) -> list[str]:
     return names
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(in_functions: bool = False) -> dict[str, set[str]]:
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
     files = [f for f in files if not f.startswith("tests/") and (ROOT / f).is_file()]
@@ -50,7 +50,7 @@ def import_graph() -> dict[str, set[str]]:
     graph = {}
     for name, f in modules.items():
         deps = set()
-        for imported in module_level_imports(ast.parse((ROOT / f).read_text(), f)):
+        for imported in imports_in(ast.parse((ROOT / f).read_text(), f), in_functions):
             parts = imported.split(".")
             deps |= {m for i in range(1, len(parts) + 1) if (m := ".".join(parts[:i])) in modules}
         own_packages = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
@@ -88,9 +88,17 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_only_the_trainer_setup_imports_fp8_fast():
+    """fp8/fast/ is speed only: of the library (not bench/, scripts/), only trainer.prepare_trainer and
+    analysis.convert_fp8 (the same model as the run's) import it, each behind fp8.uses_fast, at any level."""
+    graph = import_graph(in_functions=True)
+    users = {m for m, deps in graph.items() if any(d.startswith("fp8.fast") for d in deps)}
+    assert {m for m in users if not m.startswith(("fp8.fast", "bench.", "scripts."))} == {"trainer", "analysis"}
+
+
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
     tree = ast.parse("import x.y\nfrom p import q\nif TYPE_CHECKING:\n    import t\ndef f():\n    import u\n"
                      "class C:\n    import v\n")
-    assert sorted(module_level_imports(tree)) == ["p", "p.q", "v", "x.y"]
+    assert sorted(imports_in(tree)) == ["p", "p.q", "v", "x.y"]
