@@ -75,7 +75,8 @@ def train(args) -> Path:
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     run = trainer.Run(cfg=cfg, d=d, run_dir=run_dir, logger=logger, model=model, ref_model=ref_model,
                       tokenizer=tokenizer, engine=engine, model_dir=model_dir, calibrator=calibrator,
-                      optimizer=optimizer, weight_change=WeightChange(optimizer, model),  # optim/changed_frac, optim/update_ratio_max
+                      optimizer=optimizer,
+                      weight_change=WeightChange(optimizer, model),  # optim/changed_frac, optim/update_ratio_max
                       scheduler=trainer.lr_schedule(optimizer, cfg.optim.warmup_steps),
                       sampler=PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed),
                       train_set=train_set, val_set=val_set, fp8_tokens=fp8_tokens, mixed=mixed)

@@ -1,4 +1,5 @@
-"""data.py and the rewards it resolves: math/format rewards, synthetic arithmetic, JSONL / local HF datasets, templates, sampler."""
+"""data.py and the rewards it resolves: math/format rewards, synthetic arithmetic, JSONL / local HF
+datasets, templates, sampler."""
 
 import json
 import os
