@@ -55,7 +55,7 @@ from fp8.plan import clean_name
 from fp8.quant import FP8_MAX, fake_quant_per_tensor
 from losses.grpo import IS_CORRECTIONS, LossConfig, is_weights
 from losses.mismatch import masked_mean, mismatch_metrics
-from observe import BATCH_FORMAT, TENSOR_FIELDS, load_rollout_batch, save_rollout_batch  # noqa: F401 - the batch format
+from observe import load_rollout_batch
 
 ROOT = Path(__file__).resolve().parent
 PAIRS = {  # name -> (a, b): d = a - b
@@ -66,7 +66,7 @@ PAIRS = {  # name -> (a, b): d = a - b
 
 
 # ----------------------------------------------------------------------------- batches on disk
-# written by the trainer (observe.save_step_batch -> save_rollout_batch), read by load_rollout_batch
+# written by the trainer (trainer.save_batch -> observe.save_step_batch), read by observe.load_rollout_batch
 
 def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "configs" / "tiny_cpu.yaml",
                        quiet: bool = True, threads: int | None = 1) -> Path:
@@ -314,9 +314,15 @@ def load_batch_model(batch: dict, device="cpu", checkpoint=None):
 
 
 def convert_fp8(model, cfg) -> list[str]:
-    """Emulated block-FP8 linears on the run's skip list (fp8.keep_bf16, ...); their HF names.
-    Inside fp8.linear.bf16_reference(model) the converted model computes exactly as before."""
-    return convert_to_fp8_training(model, dataclasses.replace(cfg.fp8, emulate=True))
+    """Emulated block-FP8 linears on the run's skip list (fp8.keep_bf16, ...), with fp8/fast's structure
+    where the run had it (trainer.prepare_trainer); their HF names. Inside fp8.linear.bf16_reference(model)
+    the converted model computes exactly as before."""
+    fp8 = dataclasses.replace(cfg.fp8, emulate=True)
+    names = convert_to_fp8_training(model, fp8)
+    if fp8.uses_fast:
+        from fp8 import fast
+        fast.apply(model, fp8)
+    return names
 
 
 def batch_logprobs(model, batch: dict, rows=None, micro_batch: int = 64) -> Tensor:

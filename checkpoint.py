@@ -77,8 +77,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import distributed
-from config import UserError, load_config, to_dict
+from config import load_config, to_dict
 from distributed import Dist
+from errors import UserError
 
 META, LEGACY = "meta.pt", "state.pt"
 _STEP_DIR = re.compile(r"step_(\d+)")

@@ -23,14 +23,11 @@ from typing import Literal
 
 import yaml
 
+from errors import UserError
 from losses.advantages import AdvantageConfig
 from losses.grpo import LossConfig
 from models import FAMILIES
 from rewards import REWARDS
-
-
-class UserError(Exception):
-    """Bad input from the user (config, paths, data). train_grpo prints it as one line, exit 2."""
 
 
 class ConfigError(UserError):
@@ -228,6 +225,12 @@ class FP8Config:
     """Samples of the step's batch the recalibration forward runs over (calib_pass=separate; also
     the prompts of the calibration before the first rollout)."""
 
+    @property
+    def uses_fast(self) -> bool:
+        """A speed-only switch is on, so the trainer's FP8 model gets fp8/fast's structure (fp8.fast.apply);
+        with all of them off the recipe runs without fp8/fast."""
+        return self.train and (self.fuse_projections or self.cache_weights)
+
 
 @dataclass
 class MoEConfig:
@@ -336,7 +339,7 @@ class LogConfig:
     save_batch_every: int = 0
     """Save the full rollout batch (token ids, mask, engine / trainer (as used) / trainer-BF16
     logprobs, rewards, advantages, config) to <run_dir>/batches/step_N.pt every N steps, for
-    notebooks/ (analysis.load_rollout_batch); costs one extra no-grad BF16 forward. 0 = off."""
+    notebooks/ (observe.load_rollout_batch); costs one extra no-grad BF16 forward. 0 = off."""
     profile_step: int = -1
     """Run this step under torch.profiler (CPU + CUDA, in-process vLLM included): writes
     <run_dir>/profile/step_N_rankR.json (trace for Perfetto / chrome://tracing) and .txt (each

@@ -1,12 +1,10 @@
-"""Prompts and rewards: synthetic arithmetic, JSONL / HF datasets, prompt templates, math reward.
+"""Prompts: synthetic arithmetic, JSONL / HF datasets, prompt templates; which reward rules apply.
 
     train, val = load_splits(cfg.data)                       # lists of {"question", "answer"}
     sampler = PromptSampler(train, cfg.rollout.prompts_per_step, seed=cfg.data.seed)
     batch = next(sampler)                                    # resumable: sampler.state_dict()
     prompt = render_prompt(batch[0]["question"], tokenizer, cfg.data)
     kept, n_dropped = filter_long_prompts(train, tokenizer, cfg.data)   # adds "prompt"
-    r = math_reward(completion, batch[0]["answer"], finish_reason="stop")   # 1.0 / 0.0, never raises
-    log(reward_stats())                                      # errors / timeouts / skipped, reset
     for w in data_warnings(kept, n_dropped, cfg.data): print("WARNING", w)
 
 Sources (`data.source`):
@@ -63,17 +61,11 @@ import random
 import re
 from pathlib import Path
 
-import rewards
-from config import DataConfig, UserError
-from rewards import extract_answer, format_reward, last_boxed, reward_stats  # noqa: F401 - re-exported
+from config import DataConfig
+from errors import UserError
+from rewards import last_boxed
 
 log = logging.getLogger(__name__)
-
-
-def math_reward(completion: str, answer: str, *, finish_reason: str | None = None, last_number: bool = False) -> float:
-    """The reward contract: 1.0 if the completion's final answer equals `answer` per math-verify, else 0.0;
-    never raises. The rules (what counts as a final answer, truncation, units) are rewards.py's."""
-    return rewards.math_reward(completion, answer, finish_reason=finish_reason, last_number=last_number)
 
 
 class DataError(UserError):

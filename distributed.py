@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import models
-from config import Config, UserError
+from config import Config
+from errors import UserError
 
 
 @dataclass
@@ -88,8 +89,9 @@ def init(cfg: Config) -> Dist:
     return Dist(rank, world, device, tp)
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The transformer blocks of an HF causal LM (its family's layers, models/: model.model.layers)."""
+def required_decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """models.decoder_layers of an HF causal LM (model.model.layers), or a UserError: compile and FSDP2
+    wrap each of them, a model without them cannot be run."""
     layers = models.decoder_layers(model)
     if not layers:
         path = models.family_of(model).layers
@@ -102,7 +104,7 @@ def compile_layers(model: nn.Module, backend: str) -> None:
     """torch.compile each decoder layer's forward in place. Module names (so checkpoints and the
     export) are unchanged, module hooks (FSDP2's, calibration's) run outside the compiled code,
     and the layers share one graph (with use_cache=False: no per-layer cache state to guard on)."""
-    for layer in decoder_layers(model):
+    for layer in required_decoder_layers(model):
         layer.forward = torch.compile(layer.forward, backend=backend)
 
 
@@ -120,7 +122,7 @@ def shard(model: nn.Module, d: Dist, bf16_compute: bool) -> nn.Module:
 
     mesh = init_device_mesh(d.device.type, (d.world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16_compute else None, reduce_dtype=torch.float32)
-    for layer in decoder_layers(model):
+    for layer in required_decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import fsync, is_checkpoint, latest_checkpoint, load_checkpoint, replace_dir, resume_config
-from config import UserError
+from errors import UserError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from config import ModelConfig, TinyModelConfig, UserError
+from config import ModelConfig, TinyModelConfig
+from errors import UserError
 from models import family
 
 SPECIALS = ["<pad>", "<bos>", "<eos>"]

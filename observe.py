@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 import distributed
-from batch import StepBatch, logprob_pass
+from batch import StepBatch
 from checkpoint import atomic_write
-from config import UserError
-from fp8.linear import bf16_reference
+from errors import UserError
 
 BATCH_FORMAT = "fp8-grpo/rollout-batch/v1"
 TENSOR_FIELDS = ("input_ids", "attention_mask", "mask", "rollout_logp", "old_logp", "bf16_logp",
@@ -270,12 +270,10 @@ def load_rollout_batch(path) -> dict:
     return batch
 
 
-def save_step_batch(path: Path, step: int, model, b: StepBatch, temperature: float, micro_batch: int, mixed: bool,
-                    config: dict, tokenizer, tokenizer_dir, d: distributed.Dist) -> None:
-    """save_rollout_batch of every rank's rows (rank 0 writes them, in rank order), with bf16_logp
-    from one more no-grad pass of the same weights, linears not quantized. Collective."""
-    with bf16_reference(model):
-        bf16_logp = logprob_pass(model, b.input_ids, b.attention_mask, temperature, micro_batch, mixed=mixed)  # [B, L]
+def save_step_batch(path: Path, step: int, b: StepBatch, bf16_logp: Tensor, config: dict, tokenizer, tokenizer_dir,
+                    d: distributed.Dist) -> None:
+    """save_rollout_batch of every rank's rows (rank 0 writes them, in rank order); bf16_logp [B, L]: this
+    rank's logprobs of the same weights, linears not quantized (trainer.bf16_logprobs). Collective."""
     rows = [distributed.gather_rows(x, d, pad=tokenizer.pad_token_id if x is b.input_ids else 0)
             for x in (b.input_ids, b.attention_mask, b.mask, b.rollout_logp, b.old_logp, bf16_logp)]
     rows += [distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu() for x in (b.rewards, b.advantages)]

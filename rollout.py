@@ -66,17 +66,3 @@ def make_engine(cfg: Config, model, tokenizer, device, model_dir=None) -> Engine
     from engines.vllm import VLLMEngine
 
     return VLLMEngine(cfg, model, tokenizer, device, model_dir)
-
-
-def __getattr__(name: str):
-    """`rollout.HFEngine` / `rollout.VLLMEngine`, the names the design doc gives, imported on first use
-    (engines/ imports this module for Sample)."""
-    if name == "HFEngine":
-        from engines.hf import HFEngine
-
-        return HFEngine
-    if name == "VLLMEngine":
-        from engines.vllm import VLLMEngine
-
-        return VLLMEngine
-    raise AttributeError(f"module 'rollout' has no attribute {name!r}")

@@ -32,8 +32,9 @@ import distributed
 import observe
 import trainer
 from checkpoint import remove_unstarted_run
-from config import UserError, to_dict
+from config import to_dict
 from data import PromptSampler
+from errors import UserError
 from fp8.calibrate import QKVCalibrator
 from optimizer import build_optimizer
 from probe import WeightChange
@@ -68,21 +69,20 @@ def train(args) -> Path:
         if cfg.model.name_or_path == "tiny" else cfg.model.name_or_path
     engine = make_engine(cfg, model, tokenizer, device, model_dir)
     ref_model = trainer.reference_model(model, cfg)
-    fp8_tokens = trainer.prepare_trainer(model, ref_model, cfg, d, mixed, logger)  # FP8 linears, compile, FSDP2
+    fp8_tokens = trainer.prepare_trainer(model, ref_model, cfg, d, mixed, logger)  # FP8 (+ fp8/fast), compile, FSDP2
     calibrator = QKVCalibrator(model, cfg.fp8.calib_percentile, cfg.fp8.calib_margin) \
         if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
     optimizer = build_optimizer(model.parameters(), cfg.optim)
-    run = trainer.Run(cfg, d, run_dir, logger, model, ref_model, tokenizer, engine, model_dir, calibrator, optimizer,
+    run = trainer.Run(cfg=cfg, d=d, run_dir=run_dir, logger=logger, model=model, ref_model=ref_model,
+                      tokenizer=tokenizer, engine=engine, model_dir=model_dir, calibrator=calibrator,
+                      optimizer=optimizer,
                       weight_change=WeightChange(optimizer, model),  # optim/changed_frac, optim/update_ratio_max
                       scheduler=trainer.lr_schedule(optimizer, cfg.optim.warmup_steps),
                       sampler=PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed),
                       train_set=train_set, val_set=val_set, fp8_tokens=fp8_tokens, mixed=mixed)
     state = trainer.resume(run, resume_dir, args.overrides) if resume_dir else \
         trainer.State(entropy_control=trainer.entropy_control(cfg))
-    if cfg.fp8.train and cfg.fp8.cache_weights:  # fp8.cache_weights: filled now, re-quantized after every step
-        from fp8.fast import refresh_weight_caches_on_step
-        refresh_weight_caches_on_step(model, optimizer)
-    trainer.first_refit(run, state)  # the first rollout already gets calibrated scales
+    trainer.first_refit(run, state)  # FP8 weight caches filled, the first rollout gets calibrated scales
 
     # ---- the steps
     from tqdm import tqdm
@@ -100,11 +100,9 @@ def train(args) -> Path:
         batch = trainer.assemble_batch(run, rounds, metrics)          # advantages, [B, L] tensors
         trainer.old_logprob_phase(run, batch, metrics)                # old_logp, ref_logp, mismatch
         if cfg.log.save_batch_every and step % cfg.log.save_batch_every == 0:  # for notebooks/ (analysis.py)
-            observe.save_step_batch(run_dir / "batches" / f"step_{step:06d}.pt", step, model, batch,
-                                    cfg.rollout.temperature, cfg.train.micro_batch_size, mixed, to_dict(cfg),
-                                    tokenizer, model_dir, d)
+            trainer.save_batch(run, batch, step)                      # with BF16 logprobs
         observe.mismatch_guard(metrics, step, cfg.train, logger)
-        trainer.train_phase(run, state, batch, step, metrics)         # policy forward, grpo_loss, optimizer steps
+        trainer.train_phase(run, state, batch, step, metrics)         # policy forward, the objective, optimizer steps
         trainer.refit_phase(run, state, batch, metrics)               # recalibrate q/k/v, sync the engine
         metrics.update(trainer.step_metrics(run, batch, t_step, metrics))
         prof.finish(run_dir, d.rank, logger)

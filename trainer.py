@@ -5,8 +5,9 @@
     assemble_batch  group advantages, the kept groups, the padded [B, L] tensors (batch.StepBatch)
     old_logprob_phase  trainer logprobs of the behaviour weights (old_logp), the KL reference,
                     entropy and the rollout/trainer mismatch
-    train_phase     mini-batches of micro-batches: the policy forward, grpo_loss, one optimizer step
-                    per mini-batch (non-finite steps skipped and counted)
+    train_phase     mini-batches of micro-batches: the policy forward, the objective (losses/grpo.py's
+                    micro_batch_loss), one optimizer step per mini-batch (non-finite steps skipped
+                    and counted)
     refit_phase     q/k/v scale recalibration (FP8 KV cache), then the weight sync into the engine
     validate        greedy accuracy on the held-out prompts
     save            a checkpoint of the run state
@@ -31,21 +32,22 @@ import distributed
 import routing
 from batch import StepBatch, amp, by_length, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
 from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
-from config import Config, UserError
-from data import data_warnings, load_splits, reward_last_number, reward_stats
+from config import Config, to_dict
+from data import data_warnings, load_splits, reward_last_number
+from errors import UserError
 from fp8.calibrate import QKVCalibrator, token_mask
 from fp8.export import export_weights
 from fp8.linear import bf16_reference
 from losses import collapse
 from losses.advantages import group_advantages
-from losses.grpo import grpo_loss
+from losses.grpo import LossInputs, MiniBatchTotals, micro_batch_loss
 from losses.mismatch import mismatch_metrics
-from observe import RunLogger, gc_timer, update_guard
+from observe import RunLogger, gc_timer, save_step_batch, update_guard
 from probe import WeightChange, policy_gain, probe_rewards
-from rewards import REWARDS, format_reward
+from rewards import REWARDS, format_reward, reward_stats
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class Run:
     """What setup built for the run; the phases read it and never rebind its fields."""
     cfg: Config
@@ -150,8 +152,10 @@ def reference_model(model, cfg: Config):
 
 
 def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: bool, logger: RunLogger) -> int:
-    """FP8 linears (fp8.train), compiled layers (train.compile), FSDP2 (world > 1), in that order;
-    returns the token multiple the trainer's FP8 GEMMs want (1 = any)."""
+    """FP8 linears (fp8.train) with fp8/fast's speed-only structure where a switch asks for it,
+    compiled layers (train.compile), FSDP2 (world > 1), in that order; returns the token multiple the
+    trainer's FP8 GEMMs want (1 = any). Without fp8.uses_fast (fuse_projections and cache_weights
+    off), fp8/fast is never imported: the recipe runs without it."""
     fp8_tokens = 1
     if (cfg.moe.router_replay or cfg.moe.aux_loss_coef) and not routing.is_moe(model):
         raise UserError("moe.router_replay / moe.aux_loss_coef need a mixture-of-experts model (a family with "
@@ -166,7 +170,10 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
             fp8 = dataclasses.replace(fp8, cache_weights=False)
         converted = convert_to_fp8_training(model, fp8)
         logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
-        fp8_tokens = BLOCK if use_torchao(cfg.fp8, d.device) else 1
+        if fp8.uses_fast:
+            from fp8 import fast
+            logger.print("fp8.fast: " + (", ".join(fast.apply(model, fp8)) or "fast kernels"))
+        fp8_tokens = BLOCK if use_torchao(fp8, d.device) else 1
     backend = cfg.train.compile if cfg.train.compile != "auto" else "inductor" if d.device.type == "cuda" else "none"
     if backend != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
         distributed.compile_layers(model, backend)
@@ -217,13 +224,19 @@ def save(run: Run, state: State, step: int) -> None:
 
 # ----------------------------------------------------------------------------- rollout and reward
 
+def judge(run: Run, samples, answers: list[str]) -> tuple[list[str], list[float]]:
+    """(texts, verdicts): each sample decoded, and data.reward's verdict on it against its gold answer."""
+    texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+    reward, last_number = REWARDS[run.cfg.data.reward], reward_last_number(run.cfg.data)
+    return texts, [reward(t, a, finish_reason=s.finish_reason, last_number=last_number)
+                   for t, a, s in zip(texts, answers, samples)]
+
+
 def score(run: Run, prompts: list[dict], samples) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """(texts, rewards [B], correct [B]): data.reward's verdict per sample, plus the format bonus."""
     cfg = run.cfg
-    texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-    reward, last_number = REWARDS[cfg.data.reward], reward_last_number(cfg.data)
-    correct = torch.tensor([reward(t, prompts[s.prompt_index]["answer"], finish_reason=s.finish_reason,
-                                   last_number=last_number) for t, s in zip(texts, samples)])  # [B]
+    texts, verdicts = judge(run, samples, [prompts[s.prompt_index]["answer"] for s in samples])
+    correct = torch.tensor(verdicts)  # [B]
     rewards = correct + cfg.data.format_reward * torch.tensor([format_reward(t) for t in texts])
     if cfg.train.probe:  # a synthetic reward with variance: the update direction is checkable on any model
         rewards = probe_rewards(samples)
@@ -329,10 +342,16 @@ def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
 
 
 def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
-    """No-grad logprobs [B, L] of the master weights, linears not quantized (train.probe)."""
+    """No-grad logprobs [B, L] of the master weights, linears not quantized (train.probe, saved batches)."""
     with bf16_reference(run.model):
         return logprob_pass(run.model, b.input_ids, b.attention_mask, run.cfg.rollout.temperature,
                             run.cfg.train.micro_batch_size, mixed=run.mixed, multiple=b.multiple)
+
+
+def save_batch(run: Run, b: StepBatch, step: int) -> None:
+    """The step's batch with its BF16 logprobs, for notebooks/ (observe.save_step_batch); collective."""
+    save_step_batch(run.run_dir / "batches" / f"step_{step:06d}.pt", step, b, bf16_logprobs(run, b),
+                    to_dict(run.cfg), run.tokenizer, run.model_dir, run.d)
 
 
 def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) -> None:
@@ -357,10 +376,10 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
         for mini_slice in micro_batches(B, mini):
             idx = order[mini_slice]
-            mini_tokens = distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1)
-            mini_rows = float(distributed.all_sum(b.loss_mask[idx].amax(1).sum(), d))  # rows that count
-            if entropy_coef > 0:  # the bonus averages over every response token, kept group or not
-                mini_all_tokens = distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1)
+            totals = MiniBatchTotals(  # over every rank's share of the mini-batch
+                tokens=distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1),
+                rows=float(distributed.all_sum(b.loss_mask[idx].amax(1).sum(), d)),  # rows that count
+                response_tokens=distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1) if entropy_coef > 0 else None)
             optimizer.zero_grad(set_to_none=True)
             nonfinite_loss = torch.zeros((), device=d.device)
             for rows, n in by_length(b.attention_mask, idx, mb, b.multiple):  # rows of like length, cut to n
@@ -371,22 +390,16 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                     logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
                                           entropy=entropy_coef > 0)
                 logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
-                loss, m = grpo_loss(logp, b.old_logp[j], b.rollout_logp[j], b.advantages[rows], b.loss_mask[j], cfg.loss,
-                                    ref_logp=None if b.ref_logp is None else b.ref_logp[j])
-                # weight micro-batches so the accumulated loss equals the mini-batch's aggregate
-                weight = b.loss_mask[j].sum() / mini_tokens if cfg.loss.agg == "token_mean" else \
-                    float(b.loss_mask[j].amax(1).sum()) / max(mini_rows, 1.0)
-                loss = loss * weight
-                if entropy_coef > 0:  # the bonus: mean entropy over all the mini-batch's response tokens
-                    loss = loss - entropy_coef * (policy_entropy * b.mask[j]).sum() / mini_all_tokens
-                if routed is not None and cfg.moe.aux_loss_coef > 0:  # MoE load balancing, over the real tokens
-                    aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j])
-                    loss = loss + cfg.moe.aux_loss_coef * aux * weight
-                    m = {**m, "moe/aux_loss": float(aux.detach())}
-                (loss * distributed.grad_scale(d)).backward()
-                nonfinite_loss += (~torch.isfinite(loss.detach())).float()
-                for k, v in m.items():
-                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(weight) / n_mini
+                aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j]) \
+                    if routed is not None and cfg.moe.aux_loss_coef > 0 else None  # MoE, over the real tokens
+                out = micro_batch_loss(LossInputs(
+                    logp, b.old_logp[j], b.rollout_logp[j], b.advantages[rows], b.loss_mask[j],
+                    ref_logp=None if b.ref_logp is None else b.ref_logp[j], entropy=policy_entropy,
+                    response_mask=b.mask[j], aux_loss=aux), totals, cfg.loss, entropy_coef, cfg.moe.aux_loss_coef)
+                (out.loss * distributed.grad_scale(d)).backward()
+                nonfinite_loss += (~torch.isfinite(out.loss.detach())).float()
+                for k, v in out.metrics.items():
+                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v * float(out.weight) / n_mini
             max_norm = math.inf if cfg.optim.max_grad_norm is None else cfg.optim.max_grad_norm  # null: no clip
             grad_norm = distributed.clip_grad_norm(model.parameters(), max_norm)
             if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees
@@ -444,8 +457,13 @@ def refit(run: Run, state: State) -> float:
 
 
 def first_refit(run: Run, state: State) -> None:
-    """Before step 0 (or on resume): scales from the training prompts if none were saved, so the first
-    rollout is calibrated too, then the weight sync."""
+    """Before step 0 (or on resume): fp8.cache_weights' caches filled and hooked to the optimizer
+    (here, once the weights are final, and before the first forward, which a compiled layer cannot
+    fill them in); scales from the training prompts if none were saved, so the first rollout is
+    calibrated too; then the weight sync."""
+    if run.cfg.fp8.train and run.cfg.fp8.cache_weights:
+        from fp8.fast.cache import refresh_weight_caches_on_step
+        refresh_weight_caches_on_step(run.model, run.optimizer)
     if run.calibrator is not None and state.kv_scales is None:
         from rollout import Sample
         prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in run.train_set[: run.cfg.fp8.calib_samples]]
@@ -476,11 +494,9 @@ def validate(run: Run) -> float:
     mine = val[d.rank // d.tp:: d.world // d.tp]  # one share per engine (a TP group generates it together)
     samples = run.engine.generate([ex["prompt_ids"] for ex in mine], n=1, temperature=0.0, top_p=1.0,
                                   max_new_tokens=cfg.rollout.max_new_tokens)
-    texts = run.tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
     counted = d.rank % d.tp == 0  # the group's first rank scores its engine's answers; the others add 0
-    reward, last_number = REWARDS[cfg.data.reward], reward_last_number(cfg.data)
-    correct = torch.tensor(float(sum(reward(t, ex["answer"], finish_reason=s.finish_reason, last_number=last_number)
-                                     for t, ex, s in zip(texts, mine, samples)) if counted else 0), device=d.device)
+    correct = torch.tensor(float(sum(judge(run, samples, [ex["answer"] for ex in mine])[1]) if counted else 0),
+                           device=d.device)
     return float(distributed.all_sum(correct, d)) / len(val)
 
 

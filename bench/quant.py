@@ -90,7 +90,7 @@ def sweep_swiglu(tokens=(16384,), inter=14336, configs=SWIGLU_CONFIGS) -> tuple[
     quantized, backward) per config at a Llama-3.1-8B MLP, against what they replace: inductor's
     silu*mul (backward) kernel writing BF16, then quant_dual reading it. Best: least fwd + bwd time."""
     from fp8.fast.kernels import CONFIG, _launch, quant_dual_with
-    from fp8.fast import swiglu, swiglu_backward
+    from fp8.fast.swiglu import swiglu, swiglu_backward
 
     fwd_ref, bwd_ref = torch.compile(swiglu), torch.compile(swiglu_backward)
     named = {",".join(map(str, c)): c for c in configs}

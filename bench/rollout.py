@@ -1,4 +1,4 @@
-"""Rollout throughput of rollout.VLLMEngine at 8B shapes (random weights): BF16 vs FP8 vs FP8 + FP8 KV.
+"""Rollout throughput of engines.vllm.VLLMEngine at 8B shapes (random weights): BF16 vs FP8 vs FP8 + FP8 KV.
 
     python bench/rollout.py                          # Llama-3.1-8B shape, bf16/fp8kv/fp8, 2 workloads
     python bench/rollout.py --models qwen3           # Qwen3-8B shape
@@ -9,7 +9,7 @@
     python bench/rollout.py --modes fp8kv --set rollout.block_size=128  # a config override, every mode
     python bench/rollout.py --merge a/rollout.json b/rollout.json --out bench/results   # combine calls
 
-What runs: the trainer's engine (rollout.VLLMEngine: in-process vLLM 0.26, dummy load, CUDA
+What runs: the trainer's engine (engines.vllm.VLLMEngine: in-process vLLM 0.26, dummy load, CUDA
 graphs, then `update_weights(export_weights(...))`) on a dir of config.json + the repo's char
 tokenizer; fp8 = block W8A8 linears (cutlass), fp8kv = + FP8 KV cache and FA3 FP8 attention
 (q/k/v scales 1.0); in the MoE shape the experts are vLLM's FusedMoE (block FP8 in fp8 / fp8kv, routers
@@ -328,7 +328,7 @@ def run_worker(args) -> int:
         if args.dry_run:
             engine = _DryEngine(cfg, args)
         else:
-            from rollout import VLLMEngine
+            from engines.vllm import VLLMEngine
 
             engine = VLLMEngine(cfg, model, tokenizer, torch.device("cuda"), model_dir=str(model_dir))
         cap = engine_capacity(engine) if not args.dry_run else engine.capacity()

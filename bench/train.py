@@ -36,7 +36,7 @@ attention), speedup, peak memory, rel_err of the output vs bf16 (same weights, b
 with --profile the GPU time per kernel category and gpu_busy = kernel time / wall time.
 
 Both write OUT/train.json (runs of the same GPU already there are kept unless re-measured) and
-print a table. fp8.fast.torchao.keep_triton_autotuning() keeps Triton's autotune results on disk, so a
+print a table. fp8.torchao.keep_triton_autotuning() keeps Triton's autotune results on disk, so a
 later process on the same host skips the ~17 s per kernel and shape.
 """
 
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8.fast.torchao import keep_triton_autotuning  # noqa: E402
+from fp8.torchao import keep_triton_autotuning  # noqa: E402
 
 keep_triton_autotuning()  # before torchao's @triton.autotune kernels are defined
 from bench.runner import (RESULTS, add_ratio, cuda_kernels, cuda_time_ms, kernel_category,  # noqa: E402
@@ -135,6 +135,7 @@ def build_stack(hf_cfg, mode: str, device, seed: int = 0):
     """(LlamaModel in bf16, train mode, on device; converted linear names). Same seed, same weights."""
     from transformers import LlamaModel
 
+    from fp8 import fast
     from fp8.linear import convert_to_fp8_training
 
     if mode not in STACK_MODES:
@@ -145,6 +146,8 @@ def build_stack(hf_cfg, mode: str, device, seed: int = 0):
         model = LlamaModel(hf_cfg)
     model = model.to(torch.bfloat16).train()
     converted = convert_to_fp8_training(model, fp8) if fp8.train else []
+    if fp8.train:
+        fast.apply(model, fp8)  # as trainer.prepare_trainer
     if mode.startswith("fp8_two_pass"):
         use_two_pass_quant(model)
     if mode.endswith(COMPILED):
@@ -191,7 +194,7 @@ def stack_inputs(hf_cfg, tokens: int, seq_len: int, device, seed: int = 0):
 
 def make_optimizer(model):
     """Fused AdamW on CUDA; with fp8.cache_weights, the FP8 weight caches refreshed after each step."""
-    from fp8.fast import refresh_weight_caches_on_step
+    from fp8.fast.cache import refresh_weight_caches_on_step
 
     fused = all(p.is_cuda for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.01, fused=fused or None)

@@ -67,7 +67,8 @@ def main():
     args = p.parse_args()
     from config import load_config
     from distributed import compile_layers, memory_metrics
-    from fp8.fast import attach_weight_caches, refresh_weight_caches
+    from fp8 import fast
+    from fp8.fast.cache import attach_weight_caches, refresh_weight_caches
     from fp8.linear import convert_to_fp8_training, is_fp8_linear
     from fp8.quant import BLOCK
     from modeling import load_model_and_tokenizer
@@ -100,6 +101,7 @@ def main():
         if mode in ("fp8", "fp8_cached") and not any(is_fp8_linear(m) for m in model.modules()):
             cfg.fp8.train = True
             print(f"[trainer_pass] fp8: {len(convert_to_fp8_training(model, cfg.fp8))} linears", flush=True)
+            fast.apply(model, cfg.fp8)  # as trainer.prepare_trainer
         if mode == "fp8_cached":
             print(f"[trainer_pass] fp8_cached: {attach_weight_caches(model)} weight caches", flush=True)
             refresh_weight_caches(model)  # before a compiled forward, which cannot fill them

@@ -27,7 +27,7 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 
 def bench(tokens: int) -> list[dict]:
-    from fp8.fast.torchao import DualQuantKernels
+    from fp8.fast.dual import DualQuantKernels
 
     ao = DualQuantKernels()
     rows = []

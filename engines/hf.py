@@ -32,8 +32,8 @@ import routing
 from config import Config, FP8Config
 from fp8.calibrate import install
 from fp8.export import KV_SCALE_NAMES, SCALE_SUFFIX, kv_scale_names
-from fp8.linear import EmulatedFP8Linear, is_fp8_linear
-from fp8.moe import BlockFP8Experts, convert_experts, expert_names
+from fp8.linear import EmulatedFP8Linear, convert_planned
+from fp8.moe import BlockFP8Experts, expert_names
 from fp8.plan import clean_name, fp8_plan, log_summary
 from fp8.quant import BLOCK, E4M3, dequantize_blockwise, fake_quant_per_tensor
 from models import attention_modules
@@ -135,13 +135,8 @@ def convert_to_fp8_rollout(model: nn.Module, cfg: FP8Config) -> list[str]:
     """CPU/HF stand-in for vLLM's block W8A8 linears: EmulatedFP8Linear with vLLM's activation
     recipe on exactly the fp8_plan set; returns their HF names. Feed weights with load_exported_into_hf."""
     plan = fp8_plan(model, cfg)
-    converted = []
-    for raw_name, mod in list(model.named_modules()):
-        name = clean_name(raw_name)
-        if isinstance(mod, nn.Linear) and not is_fp8_linear(mod) and plan.get(name, (False,))[0]:
-            model.set_submodule(raw_name, EmulatedFP8Linear.from_linear(mod, "vllm"))
-            converted.append(name)
-    converted += convert_experts(model, cfg, plan, act_recipe="vllm")  # vLLM's block-FP8 fused MoE
+    converted = convert_planned(model, cfg, plan, lambda mod: EmulatedFP8Linear.from_linear(mod, "vllm"),
+                                "vllm")  # experts: vLLM's block-FP8 fused MoE
     log_summary("block-W8A8 (vLLM emulation)", plan)
     return converted
 

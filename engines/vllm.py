@@ -1,6 +1,6 @@
 """VLLMEngine: vLLM in-process, colocated with the trainer (the GPU engine of rollout.py).
 
-Everything vLLM-specific is imported lazily: importing this module (CPU CI, `rollout.VLLMEngine`)
+Everything vLLM-specific is imported lazily: importing this module (CPU CI, the tests of this module)
 never imports vLLM. Internals used below are those of vLLM 0.26.0 (requirements.txt pins it);
 each such use says so.
 """
@@ -41,7 +41,7 @@ def vllm_env(cfg: Config) -> dict[str, str]:
         "VLLM_USE_DEEP_GEMM_E8M0": "0",  # else block scales are re-rounded to powers of two
     }
     if cfg.rollout.tensor_parallel_size > 1:  # torch symmetric-memory all-reduce (vLLM's default) needs NVLink
-        # multicast: on a host without it the first TP forward dies with an illegal address (H200 x2, 2026-11-22)
+        # multicast: on a host without it the first TP forward dies with an illegal address (docs/log.md)
         env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = os.environ.get("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     backend = cfg.fp8.linear_backend
     if backend in ("cutlass", "triton"):  # no DeepGEMM anywhere: no JIT, no deep_gemm warmup
@@ -144,8 +144,8 @@ def vllm_requests(prompt_ids: list[list[int]], n: int, temperature: float, top_p
 def kept_env(name: str):
     """Restore os.environ[name] (or its absence) on exit. vLLM's engine start points the process-wide
     TRITON_CACHE_DIR into its per-config compile cache (vllm/compilation/compiler_interface.py), so
-    torchao's autotuning in the colocated trainer would not land in fp8.fast.torchao.keep_triton_autotuning's
-    fixed dir (H100, 2026-11-23: 0 autotune files there after a first FP8 step that autotuned)."""
+    torchao's autotuning in the colocated trainer would not land in fp8.torchao.keep_triton_autotuning's
+    fixed dir (docs/log.md)."""
     before = os.environ.get(name)
     try:
         yield

@@ -12,13 +12,13 @@ The recipe (DeepSeek-V3 style, as in torchao 0.18 `blockwise_fp8_training` and v
 * Backward (torchao's fp8_blockwise_mm): dgrad = q1x128(grad_out) @ q128x128(W), wgrad =
   q128x1(grad_out).T @ q128x1(x), where 128x1 groups run along the token dim, i.e. along the
   contracting dim of the wgrad GEMM. torchao needs tokens % 128 == 0 there; TorchaoFP8Linear
-  (fp8/fast/torchao.py) pads the token dim with zero rows, which is exact (zeros change no amax
+  (fp8/torchao.py) pads the token dim with zero rows, which is exact (zeros change no amax
   and add nothing).
 * Which linears: fp8/plan.py's fp8_plan, THE skip list shared with fp8/export.py. Attention
   (QK^T, PV), norms, RoPE, softmax and the loss stay in high precision in the trainer.
 
 Backends: `convert_to_fp8_training` uses torchao's Float8BlockwiseLinear (cuBLAS FP8 GEMMs and
-torchao's Triton quantizers; fp8/fast/torchao.py wires them into _BlockFP8MM) on SM90 when not
+torchao's Triton quantizers; fp8/torchao.py wires them into _BlockFP8MM) on SM90 when not
 cfg.emulate, else EmulatedFP8Linear:
 quantize-dequantize with fp8/quant.py and a float32 matmul. Differences of the emulation from
 torchao: (1) accumulation: torchao accumulates e4m3 products in the tensor cores' FP8
@@ -29,10 +29,10 @@ product rounded once, torchao adds ~1e-4); (2) torchao always returns BF16, we r
 dtype (an fp32 CPU model stays fp32).
 
 Speed-only structure, same quantization, lives in fp8/fast/ and is applied to the converted model
-by its one entry point, fp8.fast.apply (called at the end of convert_to_fp8_training): a one-pass
-activation quantizer, fused projections, a fused SwiGLU MLP and a weight cache. That is why
+by its one entry point, fp8.fast.apply (trainer.prepare_trainer calls it when a switch asks): a
+one-pass activation quantizer, fused projections, a fused SwiGLU MLP and a weight cache. That is why
 _BlockFP8MM takes a `kernels` object and several weights: fp8/fast swaps the kernels and fuses
-members, the recipe here never does.
+members, the recipe here never does; nothing here imports fp8/fast.
 
 engines/hf.py's `convert_to_fp8_rollout` builds the CPU stand-in for vLLM's W8A8 linear from the
 same EmulatedFP8Linear: activations use vLLM's 1x128 recipe (divide by amax/448) and weights can be pinned to the exact exported FP8
@@ -268,40 +268,44 @@ def _warn_not_sm90(name: str, capability: tuple[int, int]) -> None:
     print_rank0(msg, file=sys.stderr)
 
 
-def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+def convert_planned(model: nn.Module, cfg: FP8Config, plan: dict[str, tuple[bool, str]], make_linear,
+                    act_recipe: str) -> list[str]:
+    """The walk the trainer's and the CPU engine's conversions share: each nn.Linear the plan makes FP8
+    (and not FP8 yet) replaced in place by make_linear(linear), then the MoE experts (fp8/moe.py, with
+    act_recipe); returns their HF names."""
+    from fp8.moe import convert_experts  # MoE experts: 3-D weights; fp8/moe.py builds on this module
+
+    converted = []
+    for raw_name, mod in list(model.named_modules()):
+        name = clean_name(raw_name)
+        if isinstance(mod, nn.Linear) and not is_fp8_linear(mod) and plan.get(name, (False,))[0]:
+            model.set_submodule(raw_name, make_linear(mod))
+            converted.append(name)
+    return converted + convert_experts(model, cfg, plan, act_recipe)
 
 
 def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
     """Replace the fp8_plan-eligible nn.Linear of `model` in place; returns their HF names.
 
-    torchao Float8BlockwiseLinear on SM90 (BF16 weights), else EmulatedFP8Linear; then
-    fp8.fast.apply adds the speed-only structure cfg asks for. Call before wrapping the model
+    torchao Float8BlockwiseLinear on SM90 (BF16 weights), else EmulatedFP8Linear (the recipe
+    alone: fp8.fast.apply adds the speed-only structure). Call before wrapping the model
     (FSDP/compile) and before creating hooks on the linears; the weight Parameters are reused, so
     an optimizer created earlier stays valid.
     """
-    from fp8 import fast
+    from fp8.torchao import torchao_linear_cls  # fp8/torchao.py builds on this module's _BlockFP8MM
+
+    kinds = set()
+
+    def make_linear(mod: nn.Linear) -> nn.Linear:
+        if use_torchao(cfg, mod.weight.device) and mod.weight.dtype in (torch.bfloat16, torch.float32):
+            kinds.add("torchao")
+            return torchao_linear_cls().from_float(mod).train(mod.training)
+        kinds.add("emulated")
+        return EmulatedFP8Linear.from_linear(mod, "torchao")
 
     plan = fp8_plan(model, cfg)
-    converted, kinds = [], set()
-    for raw_name, mod in list(model.named_modules()):
-        name = clean_name(raw_name)
-        if not isinstance(mod, nn.Linear) or is_fp8_linear(mod) or not plan.get(name, (False,))[0]:
-            continue
-        if use_torchao(cfg, mod.weight.device) and mod.weight.dtype in (torch.bfloat16, torch.float32):
-            new, kind = fast.torchao.torchao_linear_cls().from_float(mod), "torchao"
-            new.train(mod.training)
-        else:
-            new, kind = EmulatedFP8Linear.from_linear(mod, "torchao"), "emulated"
-        _replace(model, raw_name, new)
-        converted.append(name)
-        kinds.add(kind)
-    from fp8.moe import convert_experts  # MoE experts: 3-D weights, fp8/moe.py
-
-    converted += convert_experts(model, cfg, plan)
-    kind = "block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")"
-    log_summary(kind + "".join(f", {s}" for s in fast.apply(model, cfg)), plan)
+    converted = convert_planned(model, cfg, plan, make_linear, "torchao")
+    log_summary("block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")", plan)
     return converted
 
 

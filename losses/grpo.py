@@ -1,4 +1,4 @@
-"""GRPO policy loss (PPO clip) with train/rollout importance correction.
+"""GRPO policy loss (PPO clip) with train/rollout importance correction: the whole objective.
 
 Three logprobs of the sampled tokens, each [B, T]:
     logp          pi_theta    current policy, the one that gets gradients
@@ -30,6 +30,16 @@ agg over the masked [B, T] per-token loss:
     seq_mean_token_mean   mean_b( mean_t loss )   (original GRPO)
     seq_mean_token_sum    mean_b( sum_t loss )    (Dr. GRPO: no length normalisation)
 Sequences with no masked token contribute 0 and are left out of the mean over sequences.
+
+The trainer backpropagates micro_batch_loss, micro-batch by micro-batch; summed over the micro-batches
+(and ranks) of a mini-batch it is that mini-batch's objective:
+    L_micro = weight * (loss + aux_coef * aux)  -  entropy_coef * sum(H * response_mask) / N_response
+    weight  = sum(mask) / N_tokens                      token_mean: the mini-batch's token mean
+            = rows with a masked token / N_rows         seq_mean_*: its mean over sequences
+where loss is the agg above over the micro-batch, N_tokens, N_rows and N_response count the whole
+mini-batch (MiniBatchTotals), H is the policy's token entropy, averaged over every response token,
+kept group or not (entropy_coef: loss.entropy_coef or its adaptive value), and aux is the MoE
+load-balancing loss of the micro-batch's forward (aux_coef: moe.aux_loss_coef).
 """
 
 from __future__ import annotations
@@ -209,3 +219,48 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages: 
         }
         metrics = dict(zip(vals, torch.stack([v.detach() for v in vals.values()]).tolist()))
     return loss, metrics
+
+
+@dataclass
+class LossInputs:
+    """One micro-batch of b rows: per-token tensors [b, T], advantages [b] or [b, T]."""
+    logp: Tensor                          # current policy (requires grad)
+    old_logp: Tensor                      # trainer, behaviour weights
+    rollout_logp: Tensor                  # engine
+    advantages: Tensor
+    mask: Tensor                          # tokens the policy loss counts (response tokens of kept groups)
+    ref_logp: Tensor | None = None        # KL reference (kl_coef > 0)
+    entropy: Tensor | None = None         # the policy's token entropy (entropy_coef > 0)
+    response_mask: Tensor | None = None   # every response token, kept group or not (the entropy mean)
+    aux_loss: Tensor | None = None        # scalar: MoE load balancing of this forward (aux_coef > 0)
+
+
+@dataclass
+class MiniBatchTotals:
+    """Counts over the whole mini-batch (every rank): the denominators of micro_batch_loss."""
+    tokens: Tensor                        # masked tokens (>= 1)
+    rows: float                           # rows with a masked token
+    response_tokens: Tensor | None = None  # every response token (>= 1); needed for the entropy bonus
+
+
+@dataclass
+class LossOutputs:
+    loss: Tensor                          # scalar to backpropagate: the micro-batch's share of the objective
+    weight: Tensor | float                # its share of the mini-batch's policy loss (weights the metrics)
+    metrics: dict[str, float]             # grpo_loss's, plus moe/aux_loss
+
+
+def micro_batch_loss(x: LossInputs, totals: MiniBatchTotals, cfg: LossConfig, entropy_coef: float = 0.0,
+                     aux_coef: float = 0.0) -> LossOutputs:
+    """The micro-batch objective of the module docstring: micro-batch losses summed over a mini-batch
+    give its aggregate, the entropy bonus and the MoE auxiliary loss."""
+    loss, metrics = grpo_loss(x.logp, x.old_logp, x.rollout_logp, x.advantages, x.mask, cfg, ref_logp=x.ref_logp)
+    weight = x.mask.sum() / totals.tokens if cfg.agg == "token_mean" else \
+        float(x.mask.amax(1).sum()) / max(totals.rows, 1.0)
+    loss = loss * weight
+    if entropy_coef > 0:
+        loss = loss - entropy_coef * (x.entropy * x.response_mask).sum() / totals.response_tokens
+    if x.aux_loss is not None and aux_coef > 0:
+        loss = loss + aux_coef * x.aux_loss * weight
+        metrics = {**metrics, "moe/aux_loss": float(x.aux_loss.detach())}
+    return LossOutputs(loss, weight, metrics)

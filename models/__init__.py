@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from errors import UserError
+
 # Router names of HF's MoE models (Mixtral, Qwen2/3-MoE, DeepSeek, ...): kept BF16 in any family,
 # since a router's top-k decisions are discontinuous in its logits and it is tiny.
 ROUTERS = ("*router*", "*.mlp.gate", "*.block_sparse_moe.gate", "*shared_expert_gate")
@@ -79,8 +81,6 @@ for _info in pkgutil.iter_modules(__path__):
 def family(name: str) -> FamilySpec:
     """The registered family `name` (a config.model_type); UserError naming the known ones."""
     if name not in FAMILIES:
-        from config import UserError
-
         raise UserError(f"model family {name!r} is not registered (known: {', '.join(sorted(FAMILIES))}); "
                         f"add models/{name}.py with a SPEC = FamilySpec(...)")
     return FAMILIES[name]

@@ -24,7 +24,7 @@
 #
 # Timeline (one H200): SFT ~3 min (scripts/sft.py --minutes 2.5, stops early once dev accuracy
 # reaches --stop-acc) while a second process compiles and autotunes torchao's FP8 kernels into
-# Triton's disk cache (fp8.fast.torchao.keep_triton_autotuning), so the FP8 runs skip that ~100 s; then the runs
+# Triton's disk cache (fp8.torchao.keep_triton_autotuning), so the FP8 runs skip that ~100 s; then the runs
 # start one after another: the next one only when the previous one's vLLM engine is up (its log
 # says "init engine", or it logged a step, or --stagger-timeout-s passed), because vLLM's start-up
 # memory profiling fails or misjudges when another process allocates or frees GPU memory at the

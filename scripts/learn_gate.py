@@ -338,7 +338,8 @@ def main(argv=None) -> int:
     if args.steps:
         args.run_overrides.append(f"train.steps={args.steps}")
     sys.path.insert(0, str(ROOT))
-    from config import UserError, load_config
+    from config import load_config
+    from errors import UserError
     try:  # a bad override fails here, once, not in 8 runs
         for mode in args.modes:
             cfg = load_config(args.config, [*args.run_overrides, *args.mode_overrides[mode], *args.extra])

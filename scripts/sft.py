@@ -35,7 +35,7 @@ mix (also never trained on), written with the loss history to <out>/sft_metrics.
 
 --warm-fp8: build the same-shaped model, convert it with fp8.linear.convert_to_fp8_training and
 run forward/backward passes, so that torchao's Triton kernels are compiled and autotuned into
-Triton's disk cache (fp8.fast.torchao.keep_triton_autotuning). scripts/convergence.sh runs it next to the
+Triton's disk cache (fp8.torchao.keep_triton_autotuning). scripts/convergence.sh runs it next to the
 SFT so the FP8 GRPO runs skip the ~100 s first-step autotune.
 """
 
@@ -56,8 +56,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import FP8Config, TinyModelConfig, load_config  # noqa: E402
-from data import load_splits, math_reward, render_prompt, reward_last_number, synthetic_arithmetic  # noqa: E402
+from data import load_splits, render_prompt, reward_last_number, synthetic_arithmetic  # noqa: E402
 from modeling import build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
+from rewards import math_reward  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64)
@@ -363,6 +364,7 @@ def warm_fp8(args) -> None:
     """Compile + autotune torchao's block-FP8 kernels for this model's shapes (trainer code path:
     fp32 master weights, bf16 autocast, forward + backward + a no-grad forward)."""
     device = pick_device(args.device)
+    from fp8 import fast
     from fp8.linear import convert_to_fp8_training, use_torchao
     if device.type != "cuda" or not use_torchao(FP8Config(train=True), device):
         print("warm-fp8: no SM90 GPU, nothing to warm", flush=True)
@@ -370,6 +372,7 @@ def warm_fp8(args) -> None:
     t0 = time.perf_counter()
     model, tokenizer = build(args, device)
     convert_to_fp8_training(model, FP8Config(train=True))
+    fast.apply(model, FP8Config(train=True))  # as trainer.prepare_trainer
     ids = torch.randint(3, len(tokenizer), (64, 100), device=device)
     for _ in range(2):
         with torch.autocast("cuda", dtype=torch.bfloat16):

@@ -1,17 +1,18 @@
 """Speed-only structure on top of the FP8 recipe (fp8/linear.py): same quantization, fewer passes.
 
-`apply(model, cfg)` is the one entry point; convert_to_fp8_training calls it on the model it has
-converted. It gives every FP8 linear fast kernels, then adds what the config switches ask for:
+`apply(model, cfg)` is the one entry point: trainer.prepare_trainer calls it on the model
+convert_to_fp8_training has converted when a switch asks for it (fp8.fuse_projections,
+fp8.cache_weights); with them off the recipe runs without this package. It gives every FP8 linear
+fast kernels, then adds what the switches ask for:
 
 * kernels (always; same bytes): on torchao, one Triton pass writes an activation's 1x128 and 128x1
-  copies and x is saved for backward in FP8 (torchao.py, kernels.py); each linear also gets the
-  SwiGLU entry points fuse_swiglu uses. torchao.py also holds the torchao backend itself
-  (TorchaoFP8Linear, TorchaoKernels), which convert_to_fp8_training picks on SM90.
+  copies and x is saved for backward in FP8 (dual.py, kernels.py); each linear also gets the
+  SwiGLU entry points fuse_swiglu uses.
 * fp8.fuse_projections: q/k/v and gate/up of a layer as ONE FP8 GEMM each (fused.py).
 * fp8.fuse_swiglu (with fuse_projections): a SwiGLU MLP as one autograd node, silu(gate) * up made
   inside the FP8 quantization of down_proj's input (swiglu.py).
 * fp8.cache_weights: each GEMM's quantized weight kept until the optimizer changes it (cache.py);
-  the trainer registers its optimizer hook with refresh_weight_caches_on_step.
+  the trainer registers its optimizer hook with cache.refresh_weight_caches_on_step.
 
 Module names, Parameters and numerics are those of the recipe (tests/unit/test_fp8_linear.py).
 """
@@ -23,17 +24,15 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from fp8.fast.cache import WeightCache, attach_weight_caches, refresh_weight_caches, refresh_weight_caches_on_step
-from fp8.fast.fused import FusedLinear, fuse_projections
-from fp8.fast.swiglu import FusedSwiGLU, SwiGLUEmulatedKernels, fuse_swiglu, swiglu, swiglu_backward
-from fp8.fast.torchao import TorchaoKernels
+from fp8.fast.cache import attach_weight_caches
+from fp8.fast.dual import DualQuantKernels
+from fp8.fast.fused import fuse_projections
+from fp8.fast.swiglu import SwiGLUEmulatedKernels, fuse_swiglu
 from fp8.linear import EmulatedKernels, is_fp8_linear
+from fp8.torchao import TorchaoKernels
 
 if TYPE_CHECKING:
     from config import FP8Config
-
-__all__ = ["apply", "FusedLinear", "FusedSwiGLU", "WeightCache", "attach_weight_caches", "refresh_weight_caches",
-           "refresh_weight_caches_on_step", "swiglu", "swiglu_backward"]
 
 
 def apply(model: nn.Module, cfg: FP8Config) -> list[str]:
@@ -57,6 +56,4 @@ def apply(model: nn.Module, cfg: FP8Config) -> list[str]:
 @functools.cache
 def _dual_quant_kernels():
     """One DualQuantKernels for every torchao linear (stateless), as TorchaoKernels is one per class."""
-    from fp8.fast.torchao import DualQuantKernels
-
     return DualQuantKernels()

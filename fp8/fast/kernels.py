@@ -18,7 +18,7 @@ The same kernel also makes its tile before quantizing it: for a SwiGLU MLP (fp8.
 down_proj's input h = silu(gate) * up from gate_up's output, and in backward the gradient of
 [gate | up] from h's gradient, so neither is written to memory in BF16 and read back.
 
-Imported lazily by fp8/fast/torchao.py (Triton, CUDA).
+Imported lazily by fp8/fast/dual.py (Triton, CUDA).
 """
 
 import functools

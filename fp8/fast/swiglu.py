@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 from fp8.fast.fused import FusedLinear, subclass
-from fp8.fast.torchao import rows_padded
 from fp8.linear import EmulatedKernels, is_fp8_linear, member_grads, needs_grad
+from fp8.torchao import rows_padded
 from models import family_of
 
 

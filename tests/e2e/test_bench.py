@@ -428,7 +428,7 @@ def test_stack_bench_runs_on_cpu(monkeypatch):
     assert len(forwards) == 3 and [s["step"].item() for s in opt.state.values()][:1] == [1]  # once
     model, _ = bt.build_stack(bt.stack_config(1), "fp8_cached", "cpu")  # fp8.cache_weights
     opt = bt.make_optimizer(model)
-    cache = model.layers[0].mlp.down_proj.kernels  # fp8.fast.WeightCache
+    cache = model.layers[0].mlp.down_proj.kernels  # fp8.fast.cache.WeightCache
     bt.stack_step(model, opt, x, pos, grad)
     assert cache.key == cache._key()  # re-quantized by the optimizer's hook, after its step
 

@@ -11,8 +11,7 @@ import fp8.linear as fl
 from batch import token_logprobs
 from config import FP8Config
 from distributed import compile_layers
-from fp8.linear import convert_to_fp8_training
-from test_fp8_linear import tiny_llama
+from test_fp8_linear import convert_fast, tiny_llama
 
 
 @pytest.fixture
@@ -38,7 +37,7 @@ def test_inductor_compiles_emulated_fp8_layers(monkeypatch, avx2_width_code):
     outs = []
     for compiled in (False, True):
         model = tiny_llama(layers=2)
-        convert_to_fp8_training(model, FP8Config())
+        convert_fast(model, FP8Config())
         if compiled:
             torch._dynamo.reset()
             compile_layers(model, "inductor")

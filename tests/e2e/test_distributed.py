@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from config import UserError, load_config
+from config import load_config
+from errors import UserError
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "log.tensorboard=false", "train.val_every=2",
@@ -76,7 +77,7 @@ def test_two_ranks_reproduce_one_rank(runs):
 def test_saved_batch_holds_every_ranks_rows(runs):
     """log.save_batch_every on 2 ranks writes the whole global batch (gathered, in rank order), the
     same rows as the 1-rank run's."""
-    from analysis import load_rollout_batch
+    from observe import load_rollout_batch
 
     a, b = (load_rollout_batch(r / "batches" / "step_000002.pt") for r in (runs[1], runs[2]))
     assert a["input_ids"].shape[0] == b["input_ids"].shape[0] == 8 * 8  # prompts_per_step x n

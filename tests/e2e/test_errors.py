@@ -14,8 +14,9 @@ import torch
 import yaml
 
 import trainer
-from config import FP8Config, UserError, load_config, to_dict
+from config import FP8Config, load_config, to_dict
 from conftest import ROOT, run_train
+from errors import UserError
 from fp8 import linear as fp8_linear
 
 

@@ -17,8 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import export_hf
 from checkpoint import latest_checkpoint, load_checkpoint
-from config import UserError, load_config
+from config import load_config
 from engines.hf import load_exported_into_hf
+from errors import UserError
 from fp8.export import export_weights, vllm_quantization_config
 from fp8.quant import E4M3
 from modeling import load_model_and_tokenizer

@@ -8,6 +8,7 @@
 * prompts longer than data.max_prompt_tokens are dropped and counted.
 """
 
+import dataclasses
 import json
 import math
 
@@ -31,14 +32,14 @@ def train(tmp_path, *overrides, exit_code: int = 0) -> TrainRun:
 
 
 def corrupt_loss(monkeypatch, by_step):
-    """grpo_loss whose loss on step s (one call per step here) goes through by_step[s]."""
-    real, calls = trainer.grpo_loss, []
+    """micro_batch_loss whose loss on step s (one call per step here) goes through by_step[s]."""
+    real, calls = trainer.micro_batch_loss, []
 
-    def grpo_loss(*args, **kwargs):
-        loss, metrics = real(*args, **kwargs)
+    def micro_batch_loss(*args, **kwargs):
+        out = real(*args, **kwargs)
         calls.append(None)
-        return by_step.get(len(calls) - 1, lambda x: x)(loss), metrics
-    monkeypatch.setattr(trainer, "grpo_loss", grpo_loss)
+        return dataclasses.replace(out, loss=by_step.get(len(calls) - 1, lambda x: x)(out.loss))
+    monkeypatch.setattr(trainer, "micro_batch_loss", micro_batch_loss)
 
 
 def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):

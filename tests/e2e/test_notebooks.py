@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import analysis as A
+import observe
 from losses.grpo import LossConfig, grpo_loss
 from losses.mismatch import mismatch_metrics
 
@@ -143,10 +144,10 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
     logps[0][0, 3] = -math.inf
     rewards, adv = torch.tensor([1.0, 0.0, 0.5]), torch.randn(B)
     path = tmp_path / "run" / "batches" / "step_000007.pt"
-    A.save_rollout_batch(path, 7, ids, am, mask, *logps, rewards, adv, {"loss": {"is_cap": 3.0}}, tok, "tok/dir")
+    observe.save_rollout_batch(path, 7, ids, am, mask, *logps, rewards, adv, {"loss": {"is_cap": 3.0}}, tok, "tok/dir")
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # the temp file was renamed away
-    batch = A.load_rollout_batch(path)
-    for name, t in zip(A.TENSOR_FIELDS, (ids, am, mask, *logps, rewards, adv)):
+    batch = observe.load_rollout_batch(path)
+    for name, t in zip(observe.TENSOR_FIELDS, (ids, am, mask, *logps, rewards, adv)):
         assert batch[name].dtype == t.dtype and torch.equal(batch[name], t), name
     assert batch["step"] == 7 and batch["config"] == {"loss": {"is_cap": 3.0}} and batch["tokenizer_dir"] == "tok/dir"
     assert batch["run_dir"] == str(tmp_path / "run")
@@ -159,12 +160,12 @@ def test_save_load_round_trip_is_bit_exact(tmp_path):
 def test_load_rejects_what_is_not_a_batch(tmp_path):
     torch.save({"model": {"w": torch.zeros(1)}, "step": 3}, tmp_path / "state.pt")
     with pytest.raises(ValueError, match="is not a rollout batch"):
-        A.load_rollout_batch(tmp_path / "state.pt")
+        observe.load_rollout_batch(tmp_path / "state.pt")
     (tmp_path / "notes.pt").write_text("hello")
     with pytest.raises(ValueError, match="is not a rollout batch"):
-        A.load_rollout_batch(tmp_path / "notes.pt")
+        observe.load_rollout_batch(tmp_path / "notes.pt")
     with pytest.raises(FileNotFoundError):
-        A.load_rollout_batch(tmp_path / "nothing.pt")
+        observe.load_rollout_batch(tmp_path / "nothing.pt")
 
 
 # ----------------------------------------------------------------------------- the trainer knob
@@ -175,7 +176,7 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("runs")
     path = A.make_rollout_batch(out, steps=3, overrides=[
         "rollout.prompts_per_step=8", "train.micro_batch_size=64", "log.dump_episodes_every=2"])
-    return path, A.load_rollout_batch(path)
+    return path, observe.load_rollout_batch(path)
 
 
 def test_trainer_saves_the_batch_it_logged(tiny_run):

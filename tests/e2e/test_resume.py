@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from checkpoint import checkpoints, latest_checkpoint, load_checkpoint, load_latest, save_checkpoint
-from config import UserError
 from conftest import TINY_RUN, TINY_STEPS, read_metrics, run_train, train_cmd
+from errors import UserError
 
 VOLATILE = ("time/", "perf/")  # wall-clock figures: the only keys allowed to differ
 

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from config import load_config
-from data import load_splits, math_reward, render_prompt, reward_last_number, synthetic_arithmetic
+from data import load_splits, render_prompt, reward_last_number, synthetic_arithmetic
 from modeling import build_char_tokenizer
+from rewards import math_reward
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))

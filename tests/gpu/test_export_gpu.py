@@ -161,7 +161,7 @@ def run(mode):
     log(f"{mode}: {n_fp8} FP8 linears inside vLLM bit-identical to the export; BF16 tensors equal")
     if cfg.fp8.kv_cache:
         # vLLM 0.26 loads checkpoint q/k/v scales into model-dtype (bf16) parameters, so a served
-        # export's scales are the bf16 roundings of ours (H200, 2026-11-22); the trainer's in-place
+        # export's scales are the bf16 roundings of ours (docs/log.md); the trainer's in-place
         # refit (VLLMEngine.set_kv_scales) keeps fp32, see test_vllm_engine.py
         bf16 = lambda x: torch.tensor(x, dtype=torch.float32).bfloat16().float().item()  # noqa: E731
         f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
@@ -187,7 +187,7 @@ def run(mode):
     assert mean < 0.1 and mx < 1.0, (mean, mx)
     assert mean_wrong > 4 * mean, (mean, mean_wrong)
     # no assertion on `same`: on a random-init model near-tied logits make greedy sequences
-    # diverge after one flipped token (H200, 2026-11-22: 2/8 equal at a mean gap of 0.044)
+    # diverge after one flipped token (docs/log.md)
     log(f"{mode}: OK")
 
 

@@ -24,10 +24,12 @@ pytestmark = pytest.mark.skipif(not SM90, reason="needs CUDA on an SM90 (H100/H2
 
 from config import FP8Config  # noqa: E402
 from fp8.calibrate import QKVCalibrator  # noqa: E402
-from fp8.fast import FusedSwiGLU, refresh_weight_caches, refresh_weight_caches_on_step, swiglu, swiglu_backward  # noqa: E402
-from fp8.fast.torchao import torchao_linear_cls  # noqa: E402
-from fp8.linear import EmulatedFP8Linear, bf16_reference, convert_to_fp8_training  # noqa: E402
+from fp8.fast.cache import refresh_weight_caches, refresh_weight_caches_on_step  # noqa: E402
+from fp8.fast.swiglu import FusedSwiGLU, swiglu, swiglu_backward  # noqa: E402
+from fp8.linear import EmulatedFP8Linear, bf16_reference  # noqa: E402
 from fp8.quant import E4M3, quantize_act_1x128, quantize_act_128x1, quantize_blockwise  # noqa: E402
+from fp8.torchao import torchao_linear_cls  # noqa: E402
+from test_fp8_linear import convert_fast  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -221,7 +223,7 @@ def test_fused_swiglu_mlp_torchao(cache):
     gy = torch.randn(2, 200, 1024, device="cuda", generator=g).bfloat16()
     for fuse in (False, True):
         model = small_llama()
-        convert_to_fp8_training(model, FP8Config(fuse_swiglu=fuse, cache_weights=cache))
+        convert_fast(model, FP8Config(fuse_swiglu=fuse, cache_weights=cache))
         mlp = model.model.layers[0].mlp
         assert isinstance(mlp, FusedSwiGLU) == fuse
         for compiled in (False, True) if fuse else (False,):
@@ -249,7 +251,7 @@ def test_compiled_fp8_linear_equals_eager(cache):
     torch.manual_seed(0)
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
     model = nn.Sequential(lin)
-    convert_to_fp8_training(model, FP8Config(cache_weights=cache))
+    convert_fast(model, FP8Config(cache_weights=cache))
     mod = model[0]
     if cache:
         assert refresh_weight_caches(model) == 1
@@ -294,7 +296,7 @@ def test_torchao_linear_equals_torchao_fp8_blockwise_mm():
     (output, dgrad, wgrad); a fused q/k/v group equals the three linears up to accumulation order."""
     from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
 
-    from fp8.fast.torchao import DualQuantKernels
+    from fp8.fast.dual import DualQuantKernels
 
     torch.manual_seed(0)
     lin = nn.Linear(1024, 2048, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -320,7 +322,7 @@ def test_torchao_linear_equals_torchao_fp8_blockwise_mm():
     def run(fuse):
         torch.manual_seed(1)
         model = small_llama()
-        convert_to_fp8_training(model, FP8Config(fuse_projections=fuse, fuse_swiglu=False))
+        convert_fast(model, FP8Config(fuse_projections=fuse, fuse_swiglu=False))
         ids = torch.randint(0, 512, (2, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
@@ -344,7 +346,7 @@ def small_llama():
 
 def test_convert_small_llama_torchao():
     model = small_llama()
-    names = convert_to_fp8_training(model, FP8Config())
+    names = convert_fast(model, FP8Config())
     assert len(names) == 14
     cls = torchao_linear_cls()
     assert all(isinstance(model.get_submodule(n), cls) for n in names)
@@ -428,7 +430,7 @@ def test_torchao_paths_under_activation_checkpointing(opts, backend):
     runs = []
     for checkpointing in (False, True):
         model = small_llama()
-        convert_to_fp8_training(model, FP8Config(**opts))
+        convert_fast(model, FP8Config(**opts))
         if opts.get("cache_weights"):
             refresh_weight_caches_on_step(model, torch.optim.SGD(model.parameters(), lr=0.0))
         if checkpointing:

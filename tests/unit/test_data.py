@@ -1,4 +1,5 @@
-"""data.py: math/format rewards, synthetic arithmetic, JSONL / local HF datasets, templates, sampler."""
+"""data.py and the rewards it resolves: math/format rewards, synthetic arithmetic, JSONL / local HF
+datasets, templates, sampler."""
 
 import json
 import os
@@ -12,10 +13,11 @@ import pytest
 
 import data
 import rewards
-from config import DataConfig, SyntheticConfig, TinyModelConfig, UserError
-from data import (DataError, PromptSampler, extract_answer, filter_long_prompts, format_reward,
-                  load_splits, math_reward, render_prompt, reward_stats, synthetic_arithmetic,
+from config import DataConfig, SyntheticConfig, TinyModelConfig
+from data import (DataError, PromptSampler, filter_long_prompts, load_splits, render_prompt, synthetic_arithmetic,
                   uses_chat_template)
+from errors import UserError
+from rewards import extract_answer, format_reward, math_reward, reward_stats
 
 HALF = ["1/2", "0.5", "\\frac{1}{2}"]
 
@@ -59,7 +61,7 @@ def test_boxed_wins_and_last_boxed():
     assert math_reward("\\boxed{3}, no wait: \\boxed{5}", "5") == 1.0
     assert math_reward("\\boxed{3}, no wait: \\boxed{5}", "3") == 0.0
     assert math_reward("\\boxed{\\frac{1}{\\sqrt{4}}}", "1/2") == 1.0   # nested braces
-    assert data.last_boxed("\\boxed{a{b}c} then \\boxed{") == "a{b}c"
+    assert rewards.last_boxed("\\boxed{a{b}c} then \\boxed{") == "a{b}c"
     assert extract_answer("\\boxed{a{b}c} then \\boxed{") is None      # an answer left open: unfinished
 
 

@@ -11,9 +11,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from config import FP8Config
 from engines.hf import convert_to_fp8_rollout, get_kv_scales, load_exported_into_hf
 from fp8.export import export_weights, kv_scale_names, vllm_quantization_config
-from fp8.linear import EmulatedFP8Linear, convert_to_fp8_training
+from fp8.linear import EmulatedFP8Linear
 from fp8.plan import fp8_plan
 from fp8.quant import E4M3, dequantize_blockwise, quantize_blockwise
+from test_fp8_linear import convert_fast
 
 
 def tiny_llama(tie=False, layers=3, seed=0, dtype=torch.bfloat16):
@@ -57,7 +58,7 @@ def test_fp8_bytes_equal_quant_py_on_converted_model():
     bit-for-bit quant.py's output (what torchao's kernels compute, see test_fp8_quant/gpu)."""
     model = tiny_llama()
     names_before = [n for n, _ in export_weights(model, CFG, fp8=True)]
-    converted = convert_to_fp8_training(model, CFG)
+    converted = convert_fast(model, CFG)
     pairs = dict(export_weights(model, CFG, fp8=True))
     assert list(pairs) == names_before
     assert sorted(converted) == sorted(n for n, (ok, _) in fp8_plan(model, CFG).items() if ok)
@@ -164,7 +165,7 @@ def test_qwen3_end_to_end():
     model = Qwen3ForCausalLM(Qwen3Config(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                                          num_key_value_heads=2, head_dim=64, num_hidden_layers=2, vocab_size=64,
                                          tie_word_embeddings=True, attn_implementation="sdpa"))
-    assert len(convert_to_fp8_training(model, FP8Config())) == 14
+    assert len(convert_fast(model, FP8Config())) == 14
     calib = QKVCalibrator(model)
     ids = torch.randint(0, 64, (2, 10))
     with calib.capture():

@@ -18,8 +18,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from config import FP8Config
 from engines.hf import convert_to_fp8_rollout
+from fp8 import fast
 from fp8 import linear as fp8_linear
-from fp8.fast import FusedLinear, FusedSwiGLU, swiglu, swiglu_backward
+from fp8.fast.fused import FusedLinear
+from fp8.fast.swiglu import FusedSwiGLU, swiglu, swiglu_backward
 from fp8.linear import (
     EmulatedFP8Linear, bf16_reference, convert_to_fp8_training, is_fp8_linear, use_torchao,
 )
@@ -143,6 +145,12 @@ def test_emulated_forward_backward_bitwise():
         assert (y.float() - ref).norm() / ref.norm() < 0.08
 
 
+def convert_fast(model: nn.Module, cfg: FP8Config) -> list[str]:
+    """The trainer's FP8 model (trainer.prepare_trainer): the recipe's linears, then fp8/fast's structure."""
+    names = convert_to_fp8_training(model, cfg)
+    fast.apply(model, cfg)
+    return names
+
 def test_bf16_reference():
     model = tiny_llama(layers=2)
     convert_to_fp8_training(model, FP8Config())
@@ -234,7 +242,7 @@ def test_fused_projections_match_separate_linears(float64_gemms):
     ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
     sep, fused = tiny_llama(layers=2), tiny_llama(layers=2)
     convert_to_fp8_training(sep, FP8Config(fuse_projections=False))
-    convert_to_fp8_training(fused, FP8Config(fuse_swiglu=False))  # the SwiGLU MLP: test_fused_swiglu_*
+    convert_fast(fused, FP8Config(fuse_swiglu=False))  # the SwiGLU MLP: test_fused_swiglu_*
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
     assert all(isinstance(m, FusedLinear) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj))
     assert attn.q_proj.group is attn.k_proj.group is attn.v_proj.group and mlp.gate_proj.group is mlp.up_proj.group
@@ -292,8 +300,8 @@ def test_fused_swiglu_mlp_matches_hf_mlp():
     the HF MLP's numerics: same output, gradients equal up to float32 rounding (which may move a few FP8
     roundings of grad_gu, each confined to one row), with a token count that needs padding to 128."""
     plain, fused = tiny_llama(layers=1), tiny_llama(layers=1)
-    convert_to_fp8_training(plain, FP8Config(fuse_swiglu=False))
-    convert_to_fp8_training(fused, FP8Config())
+    convert_fast(plain, FP8Config(fuse_swiglu=False))
+    convert_fast(fused, FP8Config())
     plain.model.layers[0].mlp.act_fn = _SiLUAsSwiglu()
     x = torch.randn(2, 40, 256, generator=torch.Generator().manual_seed(0))
     g = torch.randn(2, 40, 256, generator=torch.Generator().manual_seed(1))
@@ -320,8 +328,8 @@ def test_fuse_swiglu_links_only_swiglu_mlps():
     plain, fused = tiny_llama(layers=3), tiny_llama(layers=3)
     for m in (plain, fused):
         m.model.layers[2].mlp.act_fn = nn.GELU()
-    convert_to_fp8_training(plain, FP8Config(keep_bf16=["*.1.mlp.down_proj"], fuse_swiglu=False))
-    convert_to_fp8_training(fused, FP8Config(keep_bf16=["*.1.mlp.down_proj"]))
+    convert_fast(plain, FP8Config(keep_bf16=["*.1.mlp.down_proj"], fuse_swiglu=False))
+    convert_fast(fused, FP8Config(keep_bf16=["*.1.mlp.down_proj"]))
     assert [isinstance(layer.mlp, FusedSwiGLU) for layer in fused.model.layers] == [True, False, False]
     assert not isinstance(plain.model.layers[0].mlp, FusedSwiGLU)
     assert dict(plain.named_parameters()).keys() == dict(fused.named_parameters()).keys()
@@ -341,7 +349,7 @@ def test_fused_member_called_alone_or_twice():
     """A member called with a new input, alone or repeatedly, recomputes the group's GEMM and
     still returns its own output (an in-place change of the input also invalidates the cache)."""
     model = tiny_llama(layers=1)
-    convert_to_fp8_training(model, FP8Config())
+    convert_fast(model, FP8Config())
     attn = model.model.layers[0].self_attn
     x = torch.randn(3, 5, 256)
     for lin in (attn.k_proj, attn.k_proj, attn.v_proj):
@@ -363,7 +371,7 @@ def test_fp8_layers_trace_under_torch_compile():
 
     eager, compiled = tiny_llama(layers=1), tiny_llama(layers=1)
     for m in (eager, compiled):
-        convert_to_fp8_training(m, FP8Config())
+        convert_fast(m, FP8Config())
     layer = compiled.model.layers[0]
     torch._dynamo.reset()
     x = torch.randn(2, 128, 256)
@@ -403,7 +411,7 @@ def test_compiled_layers_share_one_graph():
         return gm.forward
 
     model = tiny_llama(layers=3)
-    convert_to_fp8_training(model, FP8Config())
+    convert_fast(model, FP8Config())
     torch._dynamo.reset()
     compile_layers(model, backend)
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -418,7 +426,7 @@ def test_compiled_layers_share_one_graph():
 
 AUTOTUNE_PROBE = """
 import json, os
-from fp8.fast.torchao import torchao_linear_cls
+from fp8.torchao import torchao_linear_cls
 torchao_linear_cls()
 from torchao.prototype.blockwise_fp8_training import kernels as k
 names = [n for n in dir(k) if n.startswith("triton_fp8_blockwise_") and n.endswith("_kernel")]
@@ -463,7 +471,7 @@ def cpu_torchao_kernels(one_pass: bool):
     (our one-pass quantizer and its SwiGLU modes), with CPU stand-ins of their Triton quantizers
     (fp8/quant.py, == their bytes: tests/gpu) in the layouts their docstrings give, and
     reference_blockwise_mm."""
-    from fp8.fast.torchao import TorchaoKernels
+    from fp8.torchao import TorchaoKernels
     from fp8.quant import quantize_act_1x128, quantize_act_128x1, quantize_blockwise
 
     def col_major(t):
@@ -494,7 +502,7 @@ def cpu_torchao_kernels(one_pass: bool):
         return q.t(), s.t()
 
     if one_pass:
-        from fp8.fast.torchao import DualQuantKernels
+        from fp8.fast.dual import DualQuantKernels
         k = DualQuantKernels()
         k.dual = dual
         k.swiglu_dual, k.swiglu_lhs = (lambda gu: dual(swiglu(gu))), (lambda gu: lhs(swiglu(gu)))
@@ -517,7 +525,7 @@ def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need, dua
     pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
     if dual:
         pytest.importorskip("triton")
-    from fp8.fast import WeightCache
+    from fp8.fast.cache import WeightCache
     from fp8.fast.swiglu import SwiGLUEmulatedKernels
 
     ao, emu = cpu_torchao_kernels(dual), SwiGLUEmulatedKernels("torchao")
@@ -555,11 +563,11 @@ def _cache_run(cache: bool, compiled: bool = False, steps: int = 2, release: boo
     each step's token logprobs and the final weights. release: the caches emptied and refilled after
     each step, as around the engine's rollout."""
     from distributed import compile_layers
-    from fp8.fast import refresh_weight_caches_on_step
+    from fp8.fast.cache import refresh_weight_caches_on_step
     from batch import token_logprobs
 
     model = tiny_llama(layers=2)
-    convert_to_fp8_training(model, FP8Config(cache_weights=cache))
+    convert_fast(model, FP8Config(cache_weights=cache))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if cache:
         assert refresh_weight_caches_on_step(model, opt) == 8  # as train_grpo does
@@ -618,11 +626,11 @@ def _checkpointed_grads(fp8: FP8Config, checkpointing: bool, compile_backend: st
     """Logprobs and gradients of a 2-layer FP8 Llama over two micro-batches, as the trainer's train pass
     computes them (token_logprobs, backward per micro-batch), with or without activation checkpointing."""
     from distributed import compile_layers
-    from fp8.fast import refresh_weight_caches_on_step
+    from fp8.fast.cache import refresh_weight_caches_on_step
     from batch import token_logprobs
 
     model = tiny_llama(layers=2)
-    convert_to_fp8_training(model, fp8)
+    convert_fast(model, fp8)
     if fp8.cache_weights:
         refresh_weight_caches_on_step(model, torch.optim.SGD(model.parameters(), lr=0.0))
     if checkpointing:

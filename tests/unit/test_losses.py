@@ -1,4 +1,5 @@
-"""Hand-computed checks of losses/ (advantages, GRPO loss, IS corrections, mismatch metrics)."""
+"""Hand-computed checks of losses/ (advantages, GRPO loss, IS corrections, the micro-batch objective,
+mismatch metrics)."""
 
 import math
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from losses.advantages import group_advantages
-from losses.grpo import LossConfig, grpo_loss
+from losses.grpo import LossConfig, LossInputs, MiniBatchTotals, grpo_loss, micro_batch_loss
 from losses.mismatch import masked_mean, mismatch_metrics
 
 LN2, LN4 = math.log(2.0), math.log(4.0)
@@ -236,6 +237,38 @@ def test_kl_term():
     assert m["loss/policy"] == 0.0
     assert loss == approx(0.0125) and m["loss/total"] == approx(0.0125)
     assert grad.flatten().tolist() == approx([-0.025, 0, 0.0125, 0, 0, 0])
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_micro_batches_sum_to_the_mini_batch_objective(agg):
+    """micro_batch_loss over micro-batches of 1 and 3 rows sums to the 4-row mini-batch's grpo_loss, minus
+    entropy_coef x the mean entropy over every response token, plus aux_coef x the aux losses weighted
+    like the policy loss; the gradient is the same either way."""
+    g = torch.Generator().manual_seed(0)
+    old, rollout = -torch.rand(4, 5, generator=g), -torch.rand(4, 5, generator=g)
+    logp0, entropy0 = -torch.rand(4, 5, generator=g), torch.rand(4, 5, generator=g)
+    adv = torch.randn(4, generator=g)
+    response = t([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    mask = response * t([[1], [1], [0], [1]])  # row 2: a group dynamic sampling left out
+    aux = t([0.5, 2.0])  # one per micro-batch
+    cfg, coef, aux_coef = LossConfig(agg=agg), 0.01, 0.1
+
+    def total(splits):
+        logp, entropy = logp0.clone().requires_grad_(True), entropy0.clone().requires_grad_(True)
+        totals = MiniBatchTotals(mask.sum(), float(mask.amax(1).sum()), response.sum())
+        outs = [micro_batch_loss(LossInputs(logp[s], old[s], rollout[s], adv[s], mask[s], entropy=entropy[s],
+                                            response_mask=response[s], aux_loss=aux[i]), totals, cfg, coef, aux_coef)
+                for i, s in enumerate(splits)]
+        loss = sum(o.loss for o in outs)
+        loss.backward()
+        return loss.item(), [float(o.weight) for o in outs], logp.grad
+
+    loss, weights, grad = total([slice(0, 1), slice(1, 4)])
+    whole, _ = grpo_loss(logp0, old, rollout, adv, mask, cfg)
+    bonus = coef * (entropy0 * response).sum() / response.sum()
+    assert weights == approx([3 / 6, 3 / 6] if agg == "token_mean" else [1 / 3, 2 / 3])  # masked tokens / rows
+    assert loss == approx(whole.item() - bonus.item() + aux_coef * (weights[0] * 0.5 + weights[1] * 2.0))
+    assert torch.allclose(grad, total([slice(0, 4)])[2], atol=1e-7)
 
 
 # ---------------------------------------------------------------- mismatch metrics

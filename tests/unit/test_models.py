@@ -10,7 +10,8 @@ from torch import nn
 
 import distributed
 import models
-from config import TinyModelConfig, UserError
+from config import TinyModelConfig
+from errors import UserError
 from fp8.export import kv_scale_names
 from modeling import build_char_tokenizer, build_tiny_model
 
@@ -29,7 +30,7 @@ def test_family_names_exist_in_its_tiny_model(arch):
     model = tiny(arch)
     assert type(model).__name__ == spec.model_class
     assert models.family_of(model) is spec and models.family_of(model.config) is spec
-    layers = distributed.decoder_layers(model)
+    layers = distributed.required_decoder_layers(model)
     assert len(layers) == model.config.num_hidden_layers == 2
     attn = models.attention_modules(model)
     assert sorted(attn) == [0, 1]
@@ -70,4 +71,4 @@ def test_unknown_family():
         models.family("gpt_oss")
     assert models.decoder_layers(nn.Linear(2, 2)) == []
     with pytest.raises(UserError, match="no model.layers to shard"):
-        distributed.decoder_layers(nn.Linear(2, 2))
+        distributed.required_decoder_layers(nn.Linear(2, 2))

@@ -4,7 +4,8 @@
 import pytest
 import torch
 
-from config import OptimConfig, UserError
+from config import OptimConfig
+from errors import UserError
 from optimizer import build_optimizer
 from probe import WeightChange
 from observe import update_guard

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))   # `python tests/unit/test_reward.py` from anywhere
-from data import math_reward  # noqa: E402
+from rewards import math_reward  # noqa: E402
 
 # (gold, equivalent forms a model may write, near misses)
 MATH_GOLDS = [

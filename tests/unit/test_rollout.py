@@ -4,7 +4,8 @@ import torch
 
 from config import load_config
 from modeling import load_model_and_tokenizer
-from rollout import HFEngine, Sample
+from engines.hf import HFEngine
+from rollout import Sample
 from batch import by_length, collate, logprob_pass, token_logprobs
 
 # 95 printable characters: a vocab larger than transformers' default top_k=50, so a sampler

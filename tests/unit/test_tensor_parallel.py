@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import distributed
-from config import UserError, load_config
+from config import load_config
 from engines.vllm import vllm_engine_kwargs, vllm_env
+from errors import UserError
 from test_distributed import by_step, launch
 
 

@@ -115,7 +115,7 @@ model, tok = load_model_and_tokenizer(cfg.model, torch.device("cpu"))
 engine = rollout.make_engine(cfg, model, tok, torch.device("cpu"))
 samples = engine.generate([tok("1+1=").input_ids], n=2, temperature=1.0, top_p=1.0, max_new_tokens=3, seed=0)
 vllm_modules = [m for m in sys.modules if m.split(".")[0] == "vllm"]
-print(type(engine).__name__, rollout.VLLMEngine.__name__, len(samples), vllm_modules)
+print(type(engine).__name__, engines.vllm.VLLMEngine.__name__, len(samples), vllm_modules)
 """
 
 

@@ -5,13 +5,7 @@ convert_to_fp8_training builds TorchaoFP8Linear here: torchao 0.18's Float8Block
 through the recipe's _BlockFP8MM with TorchaoKernels (torchao's Triton quantizers and cuBLAS
 block-scaled GEMM), tokens padded to a multiple of 128. Same numerics as the emulation up to
 accumulation order (tests/gpu). torchao and Triton are imported only when a GPU asks for them.
-
-DualQuantKernels is the speed-only part (fp8.fast.apply gives it to every torchao linear), same
-bytes: where TorchaoKernels quantizes each activation as torchao does - x's 1x128 copy in the
-forward, its 128x1 copy in backward from x saved in BF16, and grad_out twice - it writes both layouts
-of x (and of grad_out) in one pass with quant_dual (fast/kernels.py) and saves x's FP8 128x1 copy for
-backward instead of x in BF16: half the bytes. Its SwiGLU entry points make h = silu(gate) * up (and
-the gradient of [gate | up]) inside the quantization (fp8.fuse_swiglu).
+fp8/fast/dual.py's DualQuantKernels (speed only, same bytes) subclasses TorchaoKernels.
 """
 
 from __future__ import annotations
@@ -92,7 +86,7 @@ def keep_triton_autotuning() -> None:
     spends ~3 min on it, H100). Keep the results on disk, in one fixed place, for later runs:
     TRITON_CACHE_AUTOTUNING is read when the @triton.autotune kernels are defined (torchao's
     import), TRITON_CACHE_DIR at each autotuning. vLLM's engine start overwrites TRITON_CACHE_DIR
-    (into its per-config compile cache); rollout.VLLMEngine puts it back (rollout.kept_env).
+    (into its per-config compile cache); engines.vllm.VLLMEngine puts it back (engines.vllm.kept_env).
     The caller's settings win."""
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".triton", "cache"))
@@ -104,8 +98,7 @@ def torchao_linear_cls() -> type:
     _BlockFP8MM with TorchaoKernels, + bf16_reference switch and token padding.
 
     Built on first use: torchao pulls in Triton, and the CPU path never needs it. Reachable as
-    fp8.fast.torchao.TorchaoFP8Linear (module __getattr__), so it
-    pickles by reference.
+    fp8.torchao.TorchaoFP8Linear (module __getattr__), so it pickles by reference.
     """
     keep_triton_autotuning()
     from torchao.prototype.blockwise_fp8_training.linear import Float8BlockwiseLinear
@@ -133,44 +126,3 @@ def __getattr__(name: str):
     if name == "TorchaoFP8Linear":
         return torchao_linear_cls()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-class DualQuantKernels(TorchaoKernels):
-    """TorchaoKernels with quant_dual for activations and gradients (one read for both layouts where
-    torchao reads twice; same bytes). quant_dual's 128x1 copy: qt [K, M] row-major + scales [M/128, K]."""
-
-    def __init__(self):
-        super().__init__()
-        from fp8.fast.kernels import quant_dual, swiglu_backward_quant_dual, swiglu_quant_dual, swiglu_quant_lhs
-
-        self.dual = quant_dual
-        self.swiglu_dual, self.swiglu_lhs, self.swiglu_bwd_dual = (swiglu_quant_dual, swiglu_quant_lhs,
-                                                                    swiglu_backward_quant_dual)
-
-    def fwd(self, x2: Tensor, w_op: tuple[Tensor, Tensor], save: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
-        # save: the weight gradient will need x's 128x1 copy: quantize both layouts in one pass
-        xq, xs, *x128x1 = self.dual(x2.contiguous()) if save else self.lhs(x2.contiguous(), BLOCK)
-        return self.gemm(xq, xs, w_op), tuple(x128x1)
-
-    def fwd_swiglu(self, gu: Tensor, w_op: tuple[Tensor, Tensor], save: bool = False):
-        """fwd(swiglu(gu), ...), with silu(gate) * up made inside the quantization kernel."""
-        hq, hs, *h128x1 = self.swiglu_dual(gu) if save else self.swiglu_lhs(gu)
-        return self.gemm(hq, hs, w_op), tuple(h128x1)
-
-    def bwd(self, g2: Tensor, w_op: tuple[Tensor, Tensor] | None, saved: tuple[Tensor, ...], need_x: bool,
-            need_w: bool):
-        g = self.dual(g2) if need_w else self.lhs(g2, BLOCK) if need_x else ()
-        return self._gemms_bwd(g, w_op, saved, need_x, need_w)
-
-    def bwd_swiglu(self, grad_h: Tensor, gu: Tensor, w_op: tuple[Tensor, Tensor] | None, saved: tuple[Tensor, ...],
-                   need_x: bool, need_w: bool):
-        """bwd(swiglu_backward(grad_h, gu), ...), with the gradient made inside the quantization kernel."""
-        return self._gemms_bwd(self.swiglu_bwd_dual(grad_h, gu), w_op, saved, need_x, need_w)
-
-    def _gemms_bwd(self, g: tuple[Tensor, ...], w_op, saved: tuple[Tensor, ...], need_x: bool, need_w: bool):
-        grad_x = grad_w = None
-        if need_w:  # g.T [N, M] (quant_dual's qt, 1x128 groups along M) and x [M, K] (128x1 groups)
-            grad_w = self.gemm_wgrad(g[2], g[3].t(), saved[0].t(), saved[1])
-        if need_x:
-            grad_x = self.gemm_dgrad(g[0], g[1], w_op)
-        return grad_x, grad_w

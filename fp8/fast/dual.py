@@ -1,0 +1,56 @@
+"""DualQuantKernels: fp8.fast's kernels for torchao linears (fp8.fast.apply gives them to each), same bytes.
+
+Where the recipe's TorchaoKernels (fp8/torchao.py) quantizes each activation as torchao does - x's
+1x128 copy in the forward, its 128x1 copy in backward from x saved in BF16, and grad_out twice - these
+write both layouts of x (and of grad_out) in one pass with quant_dual (kernels.py) and save x's FP8
+128x1 copy for backward instead of x in BF16: half the bytes. Their SwiGLU entry points make
+h = silu(gate) * up (and the gradient of [gate | up]) inside the quantization (fp8.fuse_swiglu).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from fp8.quant import BLOCK
+from fp8.torchao import TorchaoKernels
+
+
+class DualQuantKernels(TorchaoKernels):
+    """TorchaoKernels with quant_dual for activations and gradients (one read for both layouts where
+    torchao reads twice; same bytes). quant_dual's 128x1 copy: qt [K, M] row-major + scales [M/128, K]."""
+
+    def __init__(self):
+        super().__init__()
+        from fp8.fast.kernels import quant_dual, swiglu_backward_quant_dual, swiglu_quant_dual, swiglu_quant_lhs
+
+        self.dual = quant_dual
+        self.swiglu_dual, self.swiglu_lhs, self.swiglu_bwd_dual = (swiglu_quant_dual, swiglu_quant_lhs,
+                                                                    swiglu_backward_quant_dual)
+
+    def fwd(self, x2: Tensor, w_op: tuple[Tensor, Tensor], save: bool = False) -> tuple[Tensor, tuple[Tensor, ...]]:
+        # save: the weight gradient will need x's 128x1 copy: quantize both layouts in one pass
+        xq, xs, *x128x1 = self.dual(x2.contiguous()) if save else self.lhs(x2.contiguous(), BLOCK)
+        return self.gemm(xq, xs, w_op), tuple(x128x1)
+
+    def fwd_swiglu(self, gu: Tensor, w_op: tuple[Tensor, Tensor], save: bool = False):
+        """fwd(swiglu(gu), ...), with silu(gate) * up made inside the quantization kernel."""
+        hq, hs, *h128x1 = self.swiglu_dual(gu) if save else self.swiglu_lhs(gu)
+        return self.gemm(hq, hs, w_op), tuple(h128x1)
+
+    def bwd(self, g2: Tensor, w_op: tuple[Tensor, Tensor] | None, saved: tuple[Tensor, ...], need_x: bool,
+            need_w: bool):
+        g = self.dual(g2) if need_w else self.lhs(g2, BLOCK) if need_x else ()
+        return self._gemms_bwd(g, w_op, saved, need_x, need_w)
+
+    def bwd_swiglu(self, grad_h: Tensor, gu: Tensor, w_op: tuple[Tensor, Tensor] | None, saved: tuple[Tensor, ...],
+                   need_x: bool, need_w: bool):
+        """bwd(swiglu_backward(grad_h, gu), ...), with the gradient made inside the quantization kernel."""
+        return self._gemms_bwd(self.swiglu_bwd_dual(grad_h, gu), w_op, saved, need_x, need_w)
+
+    def _gemms_bwd(self, g: tuple[Tensor, ...], w_op, saved: tuple[Tensor, ...], need_x: bool, need_w: bool):
+        grad_x = grad_w = None
+        if need_w:  # g.T [N, M] (quant_dual's qt, 1x128 groups along M) and x [M, K] (128x1 groups)
+            grad_w = self.gemm_wgrad(g[2], g[3].t(), saved[0].t(), saved[1])
+        if need_x:
+            grad_x = self.gemm_dgrad(g[0], g[1], w_op)
+        return grad_x, grad_w

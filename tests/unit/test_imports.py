@@ -1,0 +1,104 @@
+"""No import cycle among the repo's own modules.
+
+The graph: one node per tracked .py file outside tests/ (train_grpo, trainer, fp8.linear, engines.hf,
+bench.train, ...), an edge for each import of another of them. Only module-level imports count (class
+bodies included, `if TYPE_CHECKING:` blocks not): they run when the module is imported, so a cycle among
+them makes the import order matter and leaves one side partly initialised. Imports inside a function
+run when it is called; the repo uses them to defer heavy or optional dependencies (vLLM, torchao,
+Triton, fp8/fast) and for factories that build what imports them back (rollout.make_engine ->
+engines.hf, convert_to_fp8_training -> fp8.torchao). Importing a.b.c also imports its packages a and
+a.b, so the edge goes to those too, except from a module of that package (fp8.fast.cache importing
+fp8.fast.fused runs inside fp8/fast/__init__'s own import: a package always comes before its modules).
+"""
+
+import ast
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def module_name(path: str) -> str:
+    parts = Path(path).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_in(tree: ast.Module, in_functions: bool = False) -> list[str]:
+    """Dotted names imported outside functions (in_functions: anywhere) and TYPE_CHECKING blocks:
+    `import a.b` -> a.b, `from a.b import c` -> a.b and a.b.c (c may be a submodule)."""
+    names, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not in_functions:
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        todo += ast.iter_child_nodes(node)
+    return names
+
+
+def import_graph(in_functions: bool = False) -> dict[str, set[str]]:
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    files = [f for f in files if not f.startswith("tests/") and (ROOT / f).is_file()]
+    modules = {module_name(f): f for f in files}
+    graph = {}
+    for name, f in modules.items():
+        deps = set()
+        for imported in imports_in(ast.parse((ROOT / f).read_text(), f), in_functions):
+            parts = imported.split(".")
+            deps |= {m for i in range(1, len(parts) + 1) if (m := ".".join(parts[:i])) in modules}
+        own_packages = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
+        graph[name] = deps - {name} - own_packages
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle [a, b, ..., a] of the directed graph, or None (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return path[path.index(w):] + [w]
+            if w not in state and (cycle := visit(w)):
+                return cycle
+        state[v] = 2
+        path.pop()
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (cycle := visit(v)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle():
+    graph = import_graph()
+    assert {"batch", "fp8.linear"} <= graph["trainer"] and "fp8.quant" in graph["fp8.fast.kernels"]  # it sees edges
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_only_the_trainer_setup_imports_fp8_fast():
+    """fp8/fast/ is speed only: of the library (not bench/, scripts/), only trainer.prepare_trainer and
+    analysis.convert_fp8 (the same model as the run's) import it, each behind fp8.uses_fast, at any level."""
+    graph = import_graph(in_functions=True)
+    users = {m for m, deps in graph.items() if any(d.startswith("fp8.fast") for d in deps)}
+    assert {m for m in users if not m.startswith(("fp8.fast", "bench.", "scripts."))} == {"trainer", "analysis"}
+
+
+def test_find_cycle_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+    tree = ast.parse("import x.y\nfrom p import q\nif TYPE_CHECKING:\n    import t\ndef f():\n    import u\n"
+                     "class C:\n    import v\n")
+    assert sorted(imports_in(tree)) == ["p", "p.q", "v", "x.y"]
