@@ -54,8 +54,8 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
 def init_states(optimizer: torch.optim.Optimizer) -> None:
     """Create a torchao 8-bit AdamW's states now, before any gradient or activation exists. Created
     lazily in the first step, each small state lands in the allocator's segments among that step's
-    fp32 temporaries, and keeps them from being returned when the engine wakes: 27 GB of an 8B
-    model's trainer stayed reserved through every rollout (H200, llama31_8b_bf16)."""
+    fp32 temporaries, and keeps them from being returned when the engine wakes (27 GB at 8B through
+    every rollout: docs/log.md)."""
     from torchao.optim import AdamW8bit
     if not isinstance(optimizer, AdamW8bit):
         return
