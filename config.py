@@ -173,7 +173,7 @@ class RolloutConfig:
     0 = torch's setting. Decoding runs hundreds of small ops per token (a few rows each), where
     OpenMP's fork/join costs more than a second core gains, and on a host shared with other work a
     descheduled thread stalls every op by a time slice: 8 samples x 96 tokens of a 135M Llama took
-    76 s with 2 threads and 13 s with 1 on 2 shared cores (docs/log.md)."""
+    86.5 s with 2 threads and 12.6 s with 1 on 2 shared cores (docs/log.md, bench/hf_engine.py)."""
     seed: int = 0
 
 
