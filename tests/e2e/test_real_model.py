@@ -154,7 +154,8 @@ def test_two_gsm8k_steps(run):
     assert "val/accuracy" in metrics[0] and "val/accuracy" in metrics[2]
     # a group whose samples scored differently gives a gradient, and the step moves the weights
     assert any(m["optim/grad_norm"] > 0 and m["optim/changed_frac"] > 0 for m in metrics[:2])
-    episodes = [json.loads(line) for f in sorted((run / "episodes").glob("*.jsonl")) for line in f.read_text().splitlines()]
+    episodes = [json.loads(line) for f in sorted((run / "episodes").glob("*.jsonl"))
+                for line in f.read_text().splitlines()]
     assert len(episodes) == 16
     for e in episodes:
         # decoded without special tokens: the template's system turn, the question + instruction, the assistant turn
