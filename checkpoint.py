@@ -255,7 +255,7 @@ def _oom_error(path: Path, oom: BaseException, d: Dist) -> UserError:
         free, total = torch.cuda.mem_get_info(d.device)
         facts.append(f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free on {d.device}")
     size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 2**30
-    facts.append(f"its tensors {size:.1f} GiB, to spread over {d.world} rank{'s' * (d.world > 1)}")
+    facts.append(f"its files {size:.1f} GiB, loaded over {d.world} rank{'s' * (d.world > 1)}")
     return UserError(f"checkpoint {path} does not fit in device memory ({'; '.join(facts)}); it is not damaged: "
                      "resume on more GPUs (torchrun --nproc_per_node N), or lower rollout.gpu_memory_utilization")
 
