@@ -144,8 +144,8 @@ def describe(e: Estimate) -> str:
              + (f", fp8 cache {e.fp8_cache:.1f}" if e.fp8_cache else "")
              + (f", reference {e.reference:.1f}" if e.reference else "")
              + (f", fsdp gathered {e.gathered:.1f}" if e.gathered else ""),
-             f"  activations {e.activations:.1f} per micro-batch of {e.tokens} tokens"
-             f" ({e.activations * GIB / e.tokens / 2**20:.2f} MiB per token), runtime {RUNTIME_GIB:.0f}"]
+             (f"  activations {e.activations:.1f} per micro-batch of {e.tokens} tokens"
+              f" ({e.activations * GIB / e.tokens / 2**20:.2f} MiB per token), runtime {RUNTIME_GIB:.0f}")]
     if e.vllm_share:
         lines.append(f"  vLLM share {e.vllm_share:.1f}: weights {e.vllm_weights:.1f}, KV cache {e.kv_cache:.1f}"
                      f" (~{e.kv_tokens} tokens)" + ("" if e.sleep else ", awake while training (sleep_mode off)"))
