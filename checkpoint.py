@@ -36,7 +36,9 @@ truncated or garbled after its commit, a disk error, tensors of another shape) i
 one line naming it and why, and the next older one is tried. What is caught: a missing, truncated
 or unreadable file (.metadata, a .distcp, meta.pt), a torn record, a missing key, a shape that
 differs. Not caught: flipped bits inside a tensor's data (DCP keeps no checksums and torch.load
-does not verify them): those load.
+does not verify them): those load. Running out of device memory is no damage (an older checkpoint
+needs as much): it stops the resume with one line naming the checkpoint, the memory asked for and
+free, and the fix (more GPUs, a smaller vLLM share).
 
 RNG: meta.pt keeps every rank's global RNG states (python, numpy, torch CPU, CUDA). Resumed on
 the same number of ranks, each rank gets its own back: exact. On another number there is no
@@ -45,6 +47,12 @@ seeds train.seed. The loop stays exact across world sizes anyway because the ran
 depends on (prompt order, rollout sampling, mini-batch shuffles) comes from explicit seeds of
 (seed, step, sample index), never from these global RNGs; code that draws from them differently
 per rank would resume exactly only on the same world size.
+
+Memory: dcp.load reads each stored record into CPU memory and copies it into the live tensor (this
+rank's shard), one at a time; nothing full-size is materialized on the device. The load holds what
+training holds (weights, optimizer states: built before the load by optimizer.init_states; torch's
+AdamW gets its states and zero gradients from get_state_dict) but vLLM's share must be free:
+trainer.resume puts the engine to sleep first.
 
 Single-file checkpoints of earlier versions (`state.pt`, full tensors) still load, on any number
 of ranks (distributed.load_full_state).
@@ -233,6 +241,25 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"[:300]
 
 
+def _out_of_memory(e: BaseException) -> BaseException | None:
+    """The torch.OutOfMemoryError behind e (itself, or a rank's error in a DCP CheckpointException), else None."""
+    errors = [e] + [f[0] for f in (getattr(e, "failures", None) or {}).values()]
+    return next((x for x in errors if isinstance(x, torch.OutOfMemoryError)), None)
+
+
+def _oom_error(path: Path, oom: BaseException, d: Dist) -> UserError:
+    """Out of memory while loading: the checkpoint is fine, the device too small for it beside what it holds."""
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", str(oom))
+    facts = [f"asked for {asked.group(1)} more" if asked else "out of memory"]
+    if d.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(d.device)
+        facts.append(f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free on {d.device}")
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 2**30
+    facts.append(f"its files {size:.1f} GiB, loaded over {d.world} rank{'s' * (d.world > 1)}")
+    return UserError(f"checkpoint {path} does not fit in device memory ({'; '.join(facts)}); it is not damaged: "
+                     "resume on more GPUs (torchrun --nproc_per_node N), or lower rollout.gpu_memory_utilization")
+
+
 def _load_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> dict:
     """Load checkpoint `path` into model and optimizer (collective); its meta with this rank's RNG state."""
     if (path / LEGACY).is_file():
@@ -259,12 +286,15 @@ def load_latest(root: str | Path, model: nn.Module, optimizer: torch.optim.Optim
     (its dir, its meta, with "rng" this rank's RNG state to restore). A checkpoint that fails to load
     is skipped with one line through `log`; a skipped one may have left some weights half-loaded,
     which the older checkpoint then overwrites completely. None when root holds no complete
-    checkpoint; UserError when none of them loads."""
+    checkpoint; UserError when none of them loads, or when one runs out of memory (every checkpoint of
+    the run needs the same memory, so none is skipped for that)."""
     failed = []
     for _, path in reversed(checkpoints(root)):
         try:
             return path, _load_into(path, model, optimizer, d)
         except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
+            if (oom := _out_of_memory(e)) is not None:  # an older checkpoint needs as much: no fallback
+                raise _oom_error(path, oom, d) from e
             failed.append(f"{path.name}: {_reason(e)}")
             log(f"skipping checkpoint {path}: it does not load ({_reason(e)})")
     if failed:

@@ -29,6 +29,7 @@ import torch
 import yaml
 
 import distributed
+import memory
 import observe
 import trainer
 from checkpoint import remove_unstarted_run
@@ -62,6 +63,7 @@ def train(args) -> Path:
     from modeling import load_model_and_tokenizer, save_config_dir
     from rollout import make_engine
     model, tokenizer = load_model_and_tokenizer(cfg.model, device)
+    memory.startup_report(cfg, model, d, log=logger.print)  # per-rank estimate; refuses what cannot fit
     train_set, val_set = trainer.load_data(cfg, tokenizer, logger)
     # The engine gets its own copy of the weights (HF) or its own process memory (vLLM)
     # before the trainer's linears become FP8: it only ever sees weights through export.

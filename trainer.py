@@ -192,6 +192,10 @@ def lr_schedule(optimizer, warmup: int):
 def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
     """The state of the newest checkpoint that loads (model, optimizer, schedule, sampler, RNG); collective."""
     ckpt_root, logger, d = run.run_dir / "checkpoints", run.logger, run.d
+    # vLLM's share back while the checkpoint loads: loading holds the trainer's weights and optimizer
+    # states at once, which training does only while the engine sleeps. Level 2 drops the engine's
+    # (dummy) weights; first_refit's update_weights reloads them, and the first rollout wakes the rest.
+    run.engine.sleep()
     loaded = load_latest(ckpt_root, run.model, run.optimizer, d, log=logger.print)
     if loaded is None:
         raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}, so it cannot be resumed; "

@@ -167,6 +167,54 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_older(tmp_path, how):
     assert "\n" not in msg and msg.endswith("start a new run without --resume")
 
 
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+            "1.06 GiB is free.")
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_out_of_memory_while_loading_is_no_broken_checkpoint(tmp_path, monkeypatch, wrapped):
+    """An OOM while the newest checkpoint loads (raised as is, or as one rank's failure inside DCP's
+    CheckpointException) stops the resume with one line naming that checkpoint, the memory asked for
+    and the fix; it does not fall back to an older checkpoint nor call the run unloadable. A damaged
+    newest checkpoint still falls back (test_corrupt_newest_checkpoint_falls_back_to_the_older)."""
+    import checkpoint
+
+    root = tmp_path / "checkpoints"
+    model, optimizer = small_model()
+    for step in (2, 3):
+        save_checkpoint(root, step, {"step": step}, model, optimizer)
+
+    def out_of_memory(*args, **kwargs):
+        oom = torch.OutOfMemoryError(CUDA_OOM)
+        raise checkpoint.dcp.api.CheckpointException("load", {0: (oom, None)}) if wrapped else oom
+
+    monkeypatch.setattr(checkpoint.dcp, "load", out_of_memory)
+    lines = []
+    with pytest.raises(UserError) as e:
+        load_latest(root, *small_model(seed=1), log=lines.append)
+    msg = str(e.value)
+    assert not lines, "no checkpoint is skipped"
+    assert msg.startswith(f"checkpoint {root / 'step_000003'} does not fit in device memory (asked for 2.00 GiB more; ")
+    assert "not damaged" in msg and "--nproc_per_node" in msg and "rollout.gpu_memory_utilization" in msg
+    assert "\n" not in msg and "step_000002" not in msg and "start a new run" not in msg
+
+
+def test_out_of_memory_on_resume_exits_2_naming_the_checkpoint(tiny_run, tmp_path, monkeypatch):
+    """The same through `train_grpo.py --resume`: `error: ...` on stderr, exit code 2, the run dir kept."""
+    import shutil
+
+    import checkpoint
+
+    run_dir = tmp_path / "oom"
+    shutil.copytree(tiny_run, run_dir)
+    monkeypatch.setattr(checkpoint.dcp, "load", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError(CUDA_OOM)))
+    p = run_train("--resume", str(run_dir), cwd=tmp_path)
+    assert p.returncode == 2, p.stderr[-3000:]
+    err = p.stderr.strip().splitlines()[-1]
+    assert err.startswith(f"error: checkpoint {run_dir / 'checkpoints' / 'step_000008'} does not fit in device memory")
+    assert "skipping checkpoint" not in p.stdout and run_dir.is_dir()
+
+
 def test_metrics_truncated_on_resume(tmp_path):
     from observe import RunLogger
 

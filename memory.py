@@ -1,0 +1,184 @@
+"""A device-memory model of one rank, printed at start-up: what the trainer and the colocated vLLM
+engine hold in each phase of a step, next to the device's memory.
+
+Per rank, with P parameters, N ranks (FSDP2 shards weights, gradients and optimizer states over
+them; activations are per rank), GiB = 2^30 bytes:
+
+    weights       P x 4 / N (fp32 master weights; 2 for bf16)
+    grads         the same as the weights (freed before vLLM wakes)
+    optimizer     P x 2 / N for adamw8bit(_rms) (8-bit m and v); torch AdamW: two states of the weights' dtype
+    fp8 cache     P x 2 with fp8.cache_weights (an FP8 copy of each linear weight, released while vLLM runs; one GPU only)
+    reference     the KL reference model (loss.kl_coef > 0): a copy of the weights
+    gathered      N > 1: FSDP2's all-gathered bf16 unit and the prefetched next one, 2 x 2 x max(layer, V x h)
+    activations   per micro-batch token (micro_batch_size x (prompt + response) tokens, bf16):
+                    2 h per layer (gradient checkpointing keeps each layer's input; without it,
+                      the layer term below for every layer)
+                  + 5 x (4 h + 3 ffn) x 2 (one layer recomputed in backward; 1 byte for FP8 linears,
+                      which keep FP8 inputs)
+                  + 10 x V (bf16 logits, fp32 log-softmax and its gradient)
+    runtime       2 GiB (CUDA context, allocator slack, compiled kernels)
+    vLLM share    rollout.gpu_memory_utilization x device memory: its weights (2 bytes per parameter,
+                  1 in FP8 linears; / tensor_parallel_size), ~2 GiB of activations and CUDA graphs, the
+                  KV cache the rest (2 x layers x kv_heads x head_dim x 2 bytes per token, 1 with fp8.kv_cache)
+
+    trainer phase = weights + grads + optimizer + fp8 cache + reference + gathered + activations + runtime
+                    (+ the vLLM share without rollout.sleep_mode)
+    rollout phase = weights + optimizer + reference + runtime + vLLM share
+
+Calibrated on one H200 (139.8 GiB; Llama-3.1-8B, 8.03B parameters, and Qwen3-8B, 8.19B; fp32 master
+weights, adamw8bit_rms, gradient checkpointing, micro-batch 4 x 4096 tokens, vLLM 0.45): measured
+trainer-phase peaks 109.6 GiB (llama31_8b_bf16), 121.0 (llama31_8b_fp8, fp8 cache), 112.0
+(qwen3_8b_bf16), 123.7 (qwen3_8b_fp8_kv); this model gives 109.4, 119.8, 114.1, 125.3. Rollout-phase
+peaks 109-112 GiB; the model gives 109.8 (8B Llama). The activation constants (5, 10) are fitted to
+those four runs; the rest is counting bytes.
+
+The run is refused before its first step only when the tensors that must exist, without
+activations or runtime, exceed the device's memory (weights + grads + optimizer states while
+training, weights + optimizer states + vLLM share while rolling out): such a run cannot fit, and a
+run that fits is never refused. An estimate above 92% of the device is a warning.
+"""
+
+import dataclasses
+
+from config import Config
+from errors import UserError
+
+GIB = 2**30
+RUNTIME_GIB = 2.0      # CUDA context, allocator slack, compiled kernels (trainer); fitted
+VLLM_OVERHEAD_GIB = 2.0  # vLLM's profiled activations and CUDA graphs inside its share
+WARN_SHARE = 0.92
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    params: int
+    hidden: int
+    layers: int
+    vocab: int
+    ffn: int
+    kv_heads: int
+    head_dim: int
+
+
+def model_shape(model) -> ModelShape:
+    """The shape fields of an HF causal LM's config, and its parameter count."""
+    c = model.config
+    heads = getattr(c, "num_attention_heads", 1)
+    return ModelShape(params=sum(p.numel() for p in model.parameters()), hidden=c.hidden_size,
+                      layers=c.num_hidden_layers, vocab=c.vocab_size,
+                      ffn=getattr(c, "intermediate_size", 4 * c.hidden_size),
+                      kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+                      head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """GiB per rank (module docstring)."""
+    world: int
+    device: float
+    weights: float
+    grads: float
+    optimizer: float
+    fp8_cache: float
+    reference: float
+    gathered: float
+    activations: float
+    tokens: int                # per micro-batch
+    vllm_share: float
+    vllm_weights: float
+    kv_cache: float
+    kv_tokens: int             # tokens the KV cache holds
+    sleep: bool
+
+    @property
+    def trainer_static(self) -> float:
+        return self.weights + self.grads + self.optimizer + (0.0 if self.sleep else self.vllm_share)
+
+    @property
+    def rollout_static(self) -> float:
+        return self.weights + self.optimizer + self.vllm_share
+
+    @property
+    def trainer_peak(self) -> float:
+        return (self.trainer_static + self.fp8_cache + self.reference + self.gathered + self.activations
+                + RUNTIME_GIB)
+
+    @property
+    def rollout_peak(self) -> float:
+        return self.rollout_static + self.reference + RUNTIME_GIB
+
+
+def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> Estimate:
+    """The memory model of one rank of `world` for cfg on a device of device_gib (module docstring)."""
+    p, n, r = shape.params, world, cfg.rollout
+    w_bytes = 4 if cfg.model.dtype == "float32" else 2
+    state_bytes = 2 if cfg.optim.name.startswith("adamw8bit") else 2 * w_bytes
+    weights = p * w_bytes / n
+    tokens = cfg.train.micro_batch_size * (r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens)
+    h, f = shape.hidden, shape.ffn
+    layer = 5 * (4 * h + 3 * f) * (1 if cfg.fp8.train else 2)
+    per_token = (2 * h * shape.layers + layer if cfg.model.gradient_checkpointing else layer * shape.layers) \
+        + 10 * shape.vocab
+    share = r.gpu_memory_utilization * device_gib if r.engine == "vllm" else 0.0
+    engine_bytes = p + 2 * shape.vocab * h if cfg.fp8.rollout else 2 * p  # FP8 linears; bf16 embedding, lm_head
+    vllm_weights = engine_bytes / r.tensor_parallel_size / GIB if share else 0.0
+    kv_cache = max(share - vllm_weights - VLLM_OVERHEAD_GIB, 0.0) if share else 0.0
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * (1 if cfg.fp8.kv_cache else 2) \
+        / r.tensor_parallel_size
+    unit = max((p - 2 * shape.vocab * h) / shape.layers, shape.vocab * h)  # a decoder layer, or an embedding
+    return Estimate(
+        world=n, device=device_gib, weights=weights / GIB, grads=weights / GIB, optimizer=p * state_bytes / n / GIB,
+        fp8_cache=p * 2 / GIB if cfg.fp8.train and cfg.fp8.cache_weights and n == 1 else 0.0,
+        reference=weights / GIB if cfg.loss.kl_coef > 0 else 0.0,
+        gathered=2 * 2 * unit / GIB if n > 1 else 0.0,
+        activations=tokens * per_token / GIB, tokens=tokens,
+        vllm_share=share, vllm_weights=vllm_weights, kv_cache=kv_cache, kv_tokens=int(kv_cache * GIB / kv_per_token),
+        sleep=r.sleep_mode)
+
+
+def describe(e: Estimate) -> str:
+    """The start-up block: a few lines, GiB per rank."""
+    ranks = f"{e.world} rank{'s' * (e.world > 1)}"
+    lines = [f"memory model (GiB per rank, {ranks}, device {e.device:.1f}):",
+             f"  weights {e.weights:.1f}, grads {e.grads:.1f}, optimizer states {e.optimizer:.1f}"
+             + (f", fp8 cache {e.fp8_cache:.1f}" if e.fp8_cache else "")
+             + (f", reference {e.reference:.1f}" if e.reference else "")
+             + (f", fsdp gathered {e.gathered:.1f}" if e.gathered else ""),
+             (f"  activations {e.activations:.1f} per micro-batch of {e.tokens} tokens"
+              f" ({e.activations * GIB / e.tokens / 2**20:.2f} MiB per token), runtime {RUNTIME_GIB:.0f}")]
+    if e.vllm_share:
+        lines.append(f"  vLLM share {e.vllm_share:.1f}: weights {e.vllm_weights:.1f}, KV cache {e.kv_cache:.1f}"
+                     f" (~{e.kv_tokens} tokens)" + ("" if e.sleep else ", awake while training (sleep_mode off)"))
+    lines.append(f"  peak: trainer phase {e.trainer_peak:.1f}, rollout phase {e.rollout_peak:.1f}"
+                 f" of {e.device:.1f} ({max(e.trainer_peak, e.rollout_peak) / e.device:.0%})")
+    return "\n".join(lines)
+
+
+def check(e: Estimate) -> str | None:
+    """UserError when the tensors that must exist exceed the device; a warning line when the estimate
+    is above WARN_SHARE of it; else None."""
+    fix = "run on more GPUs (torchrun --nproc_per_node N) or lower rollout.gpu_memory_utilization"
+    for phase, need in (("training", e.trainer_static), ("rollout", e.rollout_static)):
+        if need > e.device:
+            what = "weights + grads + optimizer states" if phase == "training" else \
+                "weights + optimizer states + vLLM share"
+            raise UserError(f"memory: {what} need {need:.1f} GiB per rank during {phase}, more than the device's "
+                            f"{e.device:.1f} GiB: {fix}")
+    peak = max(e.trainer_peak, e.rollout_peak)
+    if peak > WARN_SHARE * e.device:
+        return (f"warning: memory model: {peak:.1f} GiB per rank at peak, {peak / e.device:.0%} of the device's "
+                f"{e.device:.1f} GiB; if it runs out, {fix}, or lower train.micro_batch_size")
+    return None
+
+
+def startup_report(cfg: Config, model, d, log=print) -> None:
+    """On CUDA: print the memory model for this rank and refuse a run that cannot fit; nothing elsewhere."""
+    if d.device.type != "cuda" or getattr(model, "config", None) is None:
+        return
+    import torch
+
+    e = estimate(model_shape(model), cfg, d.world, torch.cuda.mem_get_info(d.device)[1] / GIB)
+    log(describe(e))
+    warning = check(e)
+    if warning:
+        log(warning)
