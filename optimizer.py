@@ -61,11 +61,17 @@ def init_states(optimizer: torch.optim.Optimizer) -> None:
         return
     for group in optimizer.param_groups:
         for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:  # what AdamW8bit.step creates (amsgrad off)
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = optimizer._new_buffer(p, True)
-                state["exp_avg_sq"] = optimizer._new_buffer(p, False)
+            _init_state(optimizer, p)
+
+
+def _init_state(optimizer, p: Tensor) -> dict:
+    """optimizer.state[p], created as AdamW8bit.step creates it (amsgrad off) if it is empty."""
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = optimizer._new_buffer(p, True)
+        state["exp_avg_sq"] = optimizer._new_buffer(p, False)  # AdamW8bitRMS: sqrt(v)
+    return state
 
 
 def adamw_rms_update(p: Tensor, grad: Tensor, step: Tensor, exp_avg: Tensor, exp_avg_rms: Tensor, lr: Tensor,
@@ -100,11 +106,7 @@ def adamw8bit_rms_cls():
                     for p in group["params"]:
                         if p.grad is None:
                             continue
-                        state = self.state[p]
-                        if not state:
-                            state["step"] = torch.tensor(0.0)
-                            state["exp_avg"] = self._new_buffer(p, True)
-                            state["exp_avg_sq"] = self._new_buffer(p, False)  # sqrt(v)
+                        state = _init_state(self, p)
                         state["step"] += 1
                         update(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], group["lr"],
                                group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"],

@@ -519,12 +519,13 @@ def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
     if memory:
         memory["mem/trainer_peak_gib"] = memory["mem/peak_gib"]
         memory["mem/peak_gib"] = max(memory["mem/peak_gib"], metrics.get("mem/rollout_peak_gib", 0.0))
+    elapsed = time.perf_counter() - t_step
     return {
         "reward/mean": float(rewards.mean()), "reward/accuracy": float(correct.mean()),
         "reward/solved_groups": float((correct.view(-1, n).max(1).values > 0).float().mean()),
         "response/length_mean": float(lengths.mean()), "response/length_max": float(lengths.max()),
         "response/truncated_frac": float(truncated.mean()),
-        "optim/lr": float(run.scheduler.get_last_lr()[0]), "time/step": time.perf_counter() - t_step,
-        "time/other": time.perf_counter() - t_step - sum(v for k, v in metrics.items() if k in PHASE_TIMES),
-        "perf/tokens_per_s": tokens / (time.perf_counter() - t_step),
+        "optim/lr": float(run.scheduler.get_last_lr()[0]), "time/step": elapsed,
+        "time/other": elapsed - sum(v for k, v in metrics.items() if k in PHASE_TIMES),
+        "perf/tokens_per_s": tokens / elapsed,
         "time/gc": gc_timer().take(), **reward_stats(), **memory}

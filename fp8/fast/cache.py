@@ -30,6 +30,7 @@ class WeightCache:
         self.fwd_op: tuple[Tensor, ...] | None = None
         self.dgrad_op: tuple[Tensor, ...] | None = None
         self.key: tuple | None = None
+        self._sizes: list[int] = []  # the operands' storage bytes while released
 
     def _key(self) -> tuple:
         return tuple((w._version, w.data_ptr()) for w in self.weights)
@@ -67,7 +68,7 @@ class WeightCache:
             t.untyped_storage().resize_(0)
 
     def refill(self) -> None:
-        for t, n in zip(self._operands(), getattr(self, "_sizes", [])):
+        for t, n in zip(self._operands(), self._sizes):
             t.untyped_storage().resize_(n)
         self.refresh()
 
