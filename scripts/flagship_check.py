@@ -18,8 +18,9 @@ probe. Writes OUT/flagship.json, OUT/flagship.md and each run's log.
 
 --shipped runs the FP8 configs and their BF16 twins (SHIPPED_PAIRS) at their own workload: the config's
 n (32), generation budget (3584 new tokens) and micro-batch, its number of optimizer steps per step (4)
-with mini-batches scaled to --prompts prompts (default 8: 256 samples, more than BF16's KV share holds
-at once), train.probe off (the users' setting), and response lengths drawn per sample
+with mini-batches scaled to --prompts prompts (default 12: 384 samples x ~1,770 tokens of prompt +
+response ~ 680k tokens, twice what BF16's KV share holds at once (335-377k tokens on an H200) and 88% of
+FP8 KV's (772k); the configs' own 64 prompts take too long for one device call), train.probe off (the users' setting), and response lengths drawn per sample
 (rollout.ignore_eos_median): log-normal, median 1400 tokens, sigma 0.6, cut at the budget, so the
 mean is ~1,640 tokens, a tail reaches the budget and ~6% are truncated, the shape of reasoning-RL
 rollouts at a 4k budget (DAPO's and Skywork-OR1's 7B-8B runs report means of ~1-3k tokens with a few
@@ -241,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-replay", type=parse_replay, default=["on"],
                    help="MoE configs: on, off or on,off (a run per value)")
     p.add_argument("--shipped", action="store_true", help="FP8 configs vs BF16 twins at their own workload (above)")
-    p.add_argument("--prompts", type=int, default=8, help="--shipped: prompts per step")
+    p.add_argument("--prompts", type=int, default=12, help="--shipped: prompts per step")
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE", help="--shipped: earlier flagship.json files")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every config")
     return p
@@ -296,7 +297,8 @@ def main():
         result = {**row(name, metrics, mib, time.time() - t0, rc), "gpu": gpu}
         if args.shipped:
             result.update(workload=workload(config, args.prompts, result), date=time.strftime("%Y-%m-%d"),
-                          command=" ".join(["bash scripts/gpu_check.sh shipped --configs", name, *args.overrides]))
+                          command=" ".join(["bash scripts/gpu_check.sh shipped --prompts", str(args.prompts), "--configs", name,
+                                            *args.overrides]))
         results = [r for r in results if r["config"] != name] + [result]
         print(json.dumps(results[-1]), flush=True)
         (out / "flagship.json").write_text(json.dumps(results, indent=1))
