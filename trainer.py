@@ -196,6 +196,7 @@ def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
     # states at once, which training does only while the engine sleeps. Level 2 drops the engine's
     # (dummy) weights; first_refit's update_weights reloads them, and the first rollout wakes the rest.
     run.engine.sleep()
+    t0 = time.perf_counter()
     loaded = load_latest(ckpt_root, run.model, run.optimizer, d, log=logger.print)
     if loaded is None:
         raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}, so it cannot be resumed; "
@@ -210,7 +211,7 @@ def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
     if state.entropy_control is not None and meta.get("entropy_coef") is not None:
         state.entropy_control.coef = meta["entropy_coef"]
     logger.truncate(state.start_step)  # steps the interrupted run logged past the checkpoint are redone
-    logger.print(f"resumed from {ckpt} at step {state.start_step}")
+    logger.print(f"resumed from {ckpt} at step {state.start_step} (loaded in {time.perf_counter() - t0:.1f} s)")
     if d.main:
         record_resume(run.run_dir, overrides, state.start_step)
     return state
@@ -221,9 +222,10 @@ def save(run: Run, state: State, step: int) -> None:
     meta = {"scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(), "step": step,
             "kv_scales": state.kv_scales, "bad_steps": state.bad_steps,
             "entropy_coef": None if state.entropy_control is None else state.entropy_control.coef}
+    t0 = time.perf_counter()
     path = save_checkpoint(run.run_dir / "checkpoints", step, meta, run.model, run.optimizer, run.d,
                            keep=run.cfg.train.keep_ckpts)
-    run.logger.print(f"checkpoint: {path}")
+    run.logger.print(f"checkpoint: {path} (saved in {time.perf_counter() - t0:.1f} s)")
 
 
 # ----------------------------------------------------------------------------- rollout and reward
