@@ -394,7 +394,7 @@ def run_worker(args) -> int:
             row.update(gen_s=round(dt, 3), gen_tokens=gen, out_tok_s=round(gen / dt, 1),
                        total_tok_s=round((gen + w.prompts * w.prompt_len) / dt, 1),
                        fixed_length=len(samples) == w.prompts and all(n == w.gen_len for n in lens))
-            if not row["fixed_length"]:
+            if not row["fixed_length"] and not engine.cfg.rollout.ignore_eos_median:  # (drawn lengths: not fixed)
                 say(f"WARNING {w.name}: {len(samples)} samples, lengths {min(lens)}..{max(lens)} (ignore_eos?)")
             say(f"{w.name}: {gen:,} tokens in {dt:.1f} s = {gen / dt:,.0f} out tok/s "
                 f"(KV fits {row['seqs_fit']} of these sequences)")
