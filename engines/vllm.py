@@ -156,6 +156,19 @@ def kept_env(name: str):
             os.environ[name] = before
 
 
+@contextlib.contextmanager
+def own_rendezvous(world_size: int):
+    """While a one-rank engine starts under `torchrun --nproc_per_node 1`: TORCHELASTIC_USE_AGENT_STORE
+    unset. vLLM 0.26 gives a one-rank engine its own process group on a fresh TCP port (tcp://<host
+    ip>:<port>); with torchrun's TORCHELASTIC_USE_AGENT_STORE=True, torch dials that port as a client of
+    a store nobody hosts, and the engine start hangs until the store's timeout. Several ranks join the
+    trainer's group instead (external_launcher) and need no change."""
+    with kept_env("TORCHELASTIC_USE_AGENT_STORE"):
+        if world_size == 1:
+            os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        yield
+
+
 def kv_scale_entry(name: str) -> tuple[int, str] | None:
     """(layer, 'q'|'k'|'v'|'kv') for a checkpoint-style kv-scale name, e.g.
     model.layers.3.self_attn.k_scale or model.layers.3.self_attn.k_proj.k_scale ('kv': the
@@ -218,7 +231,8 @@ class VLLMEngine:
 
         logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload)
         t0 = time.perf_counter()
-        with kept_env("TRITON_CACHE_DIR"):  # the trainer's Triton autotuning stays in its fixed dir
+        # the trainer's Triton autotuning stays in its fixed dir; a one-rank engine under torchrun starts
+        with kept_env("TRITON_CACHE_DIR"), own_rendezvous(world_size):
             self.llm = vllm.LLM(**self.engine_kwargs)
         self.startup_s = time.perf_counter() - t0
         # vLLM 0.26 runs dense decoders on Model Runner V2 (config/vllm.py use_v2_model_runner), whose

@@ -280,3 +280,31 @@ def test_memory_metrics_are_per_step(monkeypatch):
     assert distributed.memory_metrics(cuda) == {"mem/peak_gib": 9.0, "mem/alloc_retries": 2.0}  # now 7; then 4
     assert distributed.memory_metrics(cuda) == {"mem/peak_gib": 4.0, "mem/alloc_retries": 0.0}
     assert distributed.memory_metrics(torch.device("cpu")) == {}
+
+
+RENDEZVOUS = """
+import datetime, os, socket, sys
+import torch.distributed as dist
+from engines.vllm import own_rendezvous
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+guard = own_rendezvous(1) if sys.argv[1] == "guarded" else open(os.devnull)
+with guard:  # as vLLM 0.26 starts a one-rank engine: its own group on a fresh TCP port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
+                            timeout=datetime.timedelta(seconds=3))
+print("agent store after:", os.environ.get("TORCHELASTIC_USE_AGENT_STORE"))
+"""
+
+
+@pytest.mark.parametrize("mode", ["guarded", "bare"])
+def test_one_rank_engine_rendezvous_under_torchrun(tmp_path, mode):
+    """`torchrun --nproc_per_node 1`: a one-rank engine's own TCP process group starts inside
+    engines.vllm.own_rendezvous, and times out without it (torchrun's agent-store flag makes torch
+    dial the fresh port as a client); the flag is back afterwards."""
+    (tmp_path / "rdzv.py").write_text(RENDEZVOUS)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+                        str(tmp_path / "rdzv.py"), mode], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    if mode == "guarded":
+        assert p.returncode == 0 and "agent store after: True" in p.stdout, p.stderr[-2000:]
+    else:
+        assert p.returncode != 0 and "DistNetworkError" in p.stderr, p.stderr[-2000:]
