@@ -166,6 +166,11 @@ class RolloutConfig:
     """0 = max prompt tokens + max_new_tokens."""
     block_size: int = 0
     """vLLM's KV-cache page in tokens, a multiple of 16; 0 = vLLM's default (16)."""
+    max_num_seqs: int = 0
+    """vLLM's cap on sequences decoding at once; 0 = vLLM's default (1024 on 80-141 GB cards). Above
+    the largest captured CUDA graph (512) decode steps run without full graphs, and a batch larger
+    than the KV cache holds makes vLLM preempt and recompute sequences (docs/results.md, the rollout
+    at the shipped batch)."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism over consecutive torchrun ranks (a group of this many ranks holds one
     engine, sharded; for a model whose weights + KV do not fit one GPU's share). The group generates
@@ -554,6 +559,7 @@ def validate(cfg: Config) -> None:
         ("rollout.max_model_len", r.max_model_len, r.max_model_len >= 0, ">= 0 (0 = prompt + max_new_tokens)"),
         ("rollout.block_size", r.block_size, r.block_size >= 0 and r.block_size % 16 == 0,
          "0 (vLLM's default) or a multiple of 16"),
+        ("rollout.max_num_seqs", r.max_num_seqs, r.max_num_seqs >= 0, ">= 0 (0 = vLLM's default)"),
         ("rollout.tensor_parallel_size", r.tensor_parallel_size, r.tensor_parallel_size >= 1, ">= 1"),
         ("fp8.calib_percentile", f.calib_percentile, 0 < f.calib_percentile <= 100, "in (0, 100]"),
         ("fp8.calib_margin", f.calib_margin, f.calib_margin > 0, "> 0"),

@@ -72,6 +72,8 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
     )
     if r.block_size:
         kw["block_size"] = r.block_size
+    if r.max_num_seqs:
+        kw["max_num_seqs"] = r.max_num_seqs
     if moe:  # routing.py: router replay and moe/routing_mismatch read Sample.routed_experts
         kw["enable_return_routed_experts"] = True
     if f.rollout:

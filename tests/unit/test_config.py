@@ -51,6 +51,7 @@ def test_int_and_exponent_strings_accepted_for_float():
     (["rollout.n=1"], r"rollout.n=1: must be >= 2"),
     (["train.mini_batch_size=100"], r"train.mini_batch_size=100: must be 0 \(all samples\) or divide"),
     (["data.source=jsonl"], r"data.path='': must be set for data.source=jsonl"),
+    (["rollout.max_num_seqs=-1"], r"rollout.max_num_seqs=-1: must be >= 0 \(0 = vLLM's default\)"),
     (["rollout.block_size=24"], r"rollout.block_size=24: must be 0 \(vLLM's default\) or a multiple of 16"),
     (["rollout.ignore_eos_median=1400"], r"rollout.ignore_eos_median=1400: must be 0, or >= 1 with rollout.ignore_eos"),
     (["noequals"], r"must look like section.key=value"),

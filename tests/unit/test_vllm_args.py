@@ -89,6 +89,7 @@ def test_kwargs_shape_per_mode():
     assert fp8kv_triton["attention_config"] == {"backend": "TRITON_ATTN"} and fp8kv_triton["block_size"] == 32
     assert "block_size" not in fp8kv  # 0: vLLM's default
     assert kwargs("bf16", "rollout.max_model_len=100")["max_model_len"] == 100
+    assert "max_num_seqs" not in bf16 and kwargs("fp8kv", "rollout.max_num_seqs=512")["max_num_seqs"] == 512
     assert "linear_backend" not in kwargs("fp8", "fp8.linear_backend=auto")
     with pytest.raises(ValueError, match="needs quant_config"):
         vllm_engine_kwargs(cfg_for("fp8"), "/m")
