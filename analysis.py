@@ -50,7 +50,7 @@ from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint
 from config import load_config
 from engines.hf import fp8_attention
 from fp8.calibrate import QKVCalibrator, scales_from_amax
-from fp8.linear import bf16_reference, convert_to_fp8_training, is_fp8_linear
+from fp8.linear import bf16_reference, is_fp8_linear
 from fp8.plan import clean_name
 from fp8.quant import FP8_MAX, fake_quant_per_tensor
 from losses.grpo import IS_CORRECTIONS, LossConfig, is_weights
@@ -317,12 +317,9 @@ def convert_fp8(model, cfg) -> list[str]:
     """Emulated block-FP8 linears on the run's skip list (fp8.keep_bf16, ...), with fp8/fast's structure
     where the run had it (trainer.prepare_trainer); their HF names. Inside fp8.linear.bf16_reference(model)
     the converted model computes exactly as before."""
-    fp8 = dataclasses.replace(cfg.fp8, emulate=True)
-    names = convert_to_fp8_training(model, fp8)
-    if fp8.uses_fast:
-        from fp8 import fast
-        fast.apply(model, fp8)
-    return names
+    from trainer import fp8_model
+
+    return fp8_model(model, dataclasses.replace(cfg.fp8, emulate=True))[0]
 
 
 def batch_logprobs(model, batch: dict, rows=None, micro_batch: int = 64) -> Tensor:

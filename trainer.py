@@ -151,6 +151,20 @@ def reference_model(model, cfg: Config):
     return copy.deepcopy(model).eval().requires_grad_(False) if cfg.loss.kl_coef > 0 else None
 
 
+def fp8_model(model, fp8) -> tuple[list[str], list[str]]:
+    """The trainer's FP8 model in place: fp8.linear.convert_to_fp8_training, then fp8.fast.apply when
+    fp8.uses_fast (benchmarks and analysis build theirs here too). Returns (the converted linears' HF
+    names, what fp8.fast did)."""
+    from fp8.linear import convert_to_fp8_training
+
+    converted = convert_to_fp8_training(model, fp8)
+    if not fp8.uses_fast:
+        return converted, []
+    from fp8 import fast
+
+    return converted, fast.apply(model, fp8)
+
+
 def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: bool, logger: RunLogger) -> int:
     """FP8 linears (fp8.train) with fp8/fast's speed-only structure where a switch asks for it,
     compiled layers (train.compile), FSDP2 (world > 1), in that order; returns the token multiple the
@@ -161,18 +175,17 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
         raise UserError("moe.router_replay / moe.aux_loss_coef need a mixture-of-experts model (a family with "
                         "experts, e.g. model.tiny.arch=qwen3_moe); set moe.router_replay=false moe.aux_loss_coef=0")
     if cfg.fp8.train:
-        from fp8.linear import convert_to_fp8_training, use_torchao
+        from fp8.linear import use_torchao
         from fp8.quant import BLOCK
         fp8 = cfg.fp8
         if fp8.cache_weights and d.world > 1:
             logger.print(f"fp8.cache_weights: off over {d.world} ranks (the cache would hold unsharded FP8 weights, "
                          "defeating FSDP)")
             fp8 = dataclasses.replace(fp8, cache_weights=False)
-        converted = convert_to_fp8_training(model, fp8)
+        converted, fast_done = fp8_model(model, fp8)
         logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
         if fp8.uses_fast:
-            from fp8 import fast
-            logger.print("fp8.fast: " + (", ".join(fast.apply(model, fp8)) or "fast kernels"))
+            logger.print("fp8.fast: " + (", ".join(fast_done) or "fast kernels"))
         fp8_tokens = BLOCK if use_torchao(fp8, d.device) else 1
     backend = cfg.train.compile if cfg.train.compile != "auto" else "inductor" if d.device.type == "cuda" else "none"
     if backend != "none":  # after FP8 conversion: the FP8 linears are traced into the graph

@@ -50,8 +50,7 @@ def measure(mode: str, prompts: int, n: int, new_tokens: int, model_shape: list[
     from config import load_config
     from fp8.calibrate import QKVCalibrator
     from fp8.export import export_weights
-    from fp8 import fast
-    from fp8.linear import convert_to_fp8_training
+    from trainer import fp8_model
     from losses.mismatch import mismatch_metrics
     from modeling import load_model_and_tokenizer
     from engines.vllm import VLLMEngine
@@ -68,8 +67,7 @@ def measure(mode: str, prompts: int, n: int, new_tokens: int, model_shape: list[
     g = torch.Generator().manual_seed(1)
     prompt_ids = [[tok.bos_token_id] + torch.randint(3, len(tok), (32,), generator=g).tolist() for _ in range(prompts)]
     trainers = {"bf16": model, "fp8": copy.deepcopy(model)}
-    convert_to_fp8_training(trainers["fp8"], cfg.fp8)
-    fast.apply(trainers["fp8"], cfg.fp8)  # as trainer.prepare_trainer
+    fp8_model(trainers["fp8"], cfg.fp8)
     scales = None
     if mode == "fp8kv_calibrated":  # scales from the trainer's own q/k/v on the prompts
         calib = QKVCalibrator(trainers["fp8"], cfg.fp8.calib_percentile, cfg.fp8.calib_margin)

@@ -21,7 +21,8 @@ a set of FP8Config overrides (STACK_MODES), built and timed one after another in
   fp8          convert_to_fp8_training(FP8Config(train=True)): every decoder linear torchao FP8, q/k/v
                and gate/up one GEMM each (fuse_projections), silu*mul inside the FP8 quantization of
                down_proj's input (fuse_swiglu)
-  fp8_unfused  fp8 with fuse_projections=False: one GEMM (and one input quantization) per linear
+  fp8_unfused  fp8 with fuse_projections=False: one GEMM (and one input quantization) per linear; as
+               in the trainer, no fp8/fast kernels then (trainer.fp8_model)
   fp8_two_pass (ablation) torchao's separate 1x128 and 128x1 quantizers (two reads of x and of
                grad_out) instead of fp8/fast/kernels.py's quant_dual (one), without fuse_swiglu
   fp8_cached   fp8.cache_weights: each weight quantized once per optimizer step, not in every
@@ -135,8 +136,7 @@ def build_stack(hf_cfg, mode: str, device, seed: int = 0):
     """(LlamaModel in bf16, train mode, on device; converted linear names). Same seed, same weights."""
     from transformers import LlamaModel
 
-    from fp8 import fast
-    from fp8.linear import convert_to_fp8_training
+    from trainer import fp8_model
 
     if mode not in STACK_MODES:
         raise ValueError(f"stack mode {mode!r} not in {list(STACK_MODES)}")
@@ -145,9 +145,7 @@ def build_stack(hf_cfg, mode: str, device, seed: int = 0):
     with torch.device(device):
         model = LlamaModel(hf_cfg)
     model = model.to(torch.bfloat16).train()
-    converted = convert_to_fp8_training(model, fp8) if fp8.train else []
-    if fp8.train:
-        fast.apply(model, fp8)  # as trainer.prepare_trainer
+    converted = fp8_model(model, fp8)[0] if fp8.train else []
     if mode.startswith("fp8_two_pass"):
         use_two_pass_quant(model)
     if mode.endswith(COMPILED):

@@ -13,7 +13,7 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
   <mode> masked  the padded batch with its attention mask passed to the model (HF builds a
                  [rows, 1, L, L] mask, SDPA runs a masked kernel: what token_logprobs avoids)
   <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
-Modes: bf16, then fp8 (fp8.linear.convert_to_fp8_training of the same model; torchao on Hopper),
+Modes: bf16, then fp8 (trainer.fp8_model of the same model; torchao on Hopper),
 then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
 --compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
@@ -67,9 +67,9 @@ def main():
     args = p.parse_args()
     from config import load_config
     from distributed import compile_layers, memory_metrics
-    from fp8 import fast
     from fp8.fast.cache import attach_weight_caches, refresh_weight_caches
-    from fp8.linear import convert_to_fp8_training, is_fp8_linear
+    from fp8.linear import is_fp8_linear
+    from trainer import fp8_model
     from fp8.quant import BLOCK
     from modeling import load_model_and_tokenizer
     from rollout import Sample
@@ -100,8 +100,7 @@ def main():
         torch._dynamo.reset()  # fp8 replaces the linears: a fresh graph
         if mode in ("fp8", "fp8_cached") and not any(is_fp8_linear(m) for m in model.modules()):
             cfg.fp8.train = True
-            print(f"[trainer_pass] fp8: {len(convert_to_fp8_training(model, cfg.fp8))} linears", flush=True)
-            fast.apply(model, cfg.fp8)  # as trainer.prepare_trainer
+            print(f"[trainer_pass] fp8: {len(fp8_model(model, cfg.fp8)[0])} linears", flush=True)
         if mode == "fp8_cached":
             print(f"[trainer_pass] fp8_cached: {attach_weight_caches(model)} weight caches", flush=True)
             refresh_weight_caches(model)  # before a compiled forward, which cannot fill them

@@ -33,7 +33,7 @@ accuracy on the first train.val_max_prompts GRPO validation problems (what GRPO'
 val/accuracy should reproduce), and on the validation sets GRPO would use at each level of the
 mix (also never trained on), written with the loss history to <out>/sft_metrics.json.
 
---warm-fp8: build the same-shaped model, convert it with fp8.linear.convert_to_fp8_training and
+--warm-fp8: build the same-shaped model, convert it as the trainer does (trainer.fp8_model) and
 run forward/backward passes, so that torchao's Triton kernels are compiled and autotuned into
 Triton's disk cache (fp8.torchao.keep_triton_autotuning). scripts/convergence.sh runs it next to the
 SFT so the FP8 GRPO runs skip the ~100 s first-step autotune.
@@ -364,15 +364,14 @@ def warm_fp8(args) -> None:
     """Compile + autotune torchao's block-FP8 kernels for this model's shapes (trainer code path:
     fp32 master weights, bf16 autocast, forward + backward + a no-grad forward)."""
     device = pick_device(args.device)
-    from fp8 import fast
-    from fp8.linear import convert_to_fp8_training, use_torchao
+    from fp8.linear import use_torchao
+    from trainer import fp8_model
     if device.type != "cuda" or not use_torchao(FP8Config(train=True), device):
         print("warm-fp8: no SM90 GPU, nothing to warm", flush=True)
         return
     t0 = time.perf_counter()
     model, tokenizer = build(args, device)
-    convert_to_fp8_training(model, FP8Config(train=True))
-    fast.apply(model, FP8Config(train=True))  # as trainer.prepare_trainer
+    fp8_model(model, FP8Config(train=True))
     ids = torch.randint(3, len(tokenizer), (64, 100), device=device)
     for _ in range(2):
         with torch.autocast("cuda", dtype=torch.bfloat16):
