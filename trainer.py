@@ -293,12 +293,15 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
         from fp8.fast.cache import refill_weight_caches, release_weight_caches
         release_weight_caches(run.model)
     run.engine.wake()
+    preempted = getattr(run.engine, "preemptions", None)  # vLLM: sequences recomputed for KV-cache room
     rounds = [rollout_round(run, step, 0, metrics)]
     while cfg.train.dynamic_sampling == "resample" and len(rounds) < cfg.train.max_rollout_rounds and \
             distributed.all_sum(torch.tensor(float(collapse.deficit(rounds, n)), device=run.d.device), run.d) > 0:
         rounds.append(rollout_round(run, step, len(rounds), metrics))
     if run.d.device.type == "cuda":  # the step's peak splits into the rollout's and the rest's (step_metrics)
         metrics["mem/rollout_peak_gib"] = distributed.peak_gib(run.d.device)
+    if preempted is not None:
+        metrics["rollout/preemptions"] = run.engine.preemptions - preempted
     run.engine.sleep()
     distributed.peak_gib(run.d.device)  # the trainer's interval starts with the engine asleep
     if cached:

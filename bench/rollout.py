@@ -385,10 +385,12 @@ def run_worker(args) -> int:
                                         "error": "skipped: --time-limit reached before this workload"})
                 continue
             prompts = random_prompts(w, hf_cfg.vocab_size, args.seed + k)
-            t0 = time.perf_counter()
+            preempted, t0 = getattr(engine, "preemptions", None), time.perf_counter()
             samples = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=w.gen_len,
                                       seed=args.seed + 1000 * (k + 1))
             dt = time.perf_counter() - t0
+            if preempted is not None:  # sequences vLLM recomputed for KV-cache room
+                row["preemptions"] = engine.preemptions - preempted
             lens = [len(s.token_ids) for s in samples]
             gen = sum(lens)
             row.update(gen_s=round(dt, 3), gen_tokens=gen, out_tok_s=round(gen / dt, 1),
@@ -543,8 +545,8 @@ def derive(runs: list[dict]) -> list[dict]:
     return runs
 
 
-THROUGHPUT_COLS = ["workload", "mode", "out_tok_s", "speedup", "startup_s", "refit_s", "kv_capacity_tokens",
-                   "kv_max_concurrency", "seqs_fit", "gpu_memory_utilization"]
+THROUGHPUT_COLS = ["workload", "mode", "out_tok_s", "speedup", "preemptions", "startup_s", "refit_s",
+                   "kv_capacity_tokens", "kv_max_concurrency", "seqs_fit", "gpu_memory_utilization"]
 CAPACITY_COLS = ["workload", "mode", "kv_capacity_tokens", "kv_ratio_vs_bf16", "kv_tokens_at_nemo_budget",
                  "kv_ratio_at_nemo_budget", "nemo_kv_tokens", "nemo_kv_ratio_vs_bf16", "weights_gib", "kv_cache_gib",
                  "gpu_memory_utilization"]

@@ -171,6 +171,24 @@ def own_rendezvous(world_size: int):
         yield
 
 
+def count_preemptions(llm, on_preempt) -> bool:
+    """Call on_preempt() each time vLLM preempts a sequence: its KV cache is full, the sequence goes back
+    to the queue and is recomputed later (a batch larger than the cache). vLLM 0.26's in-process
+    scheduler (llm_engine.engine_core.engine_core.scheduler._preempt_request); False where it is not there."""
+    try:
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+        preempt = scheduler._preempt_request
+    except AttributeError:
+        return False
+
+    def counted(*args, **kwargs):
+        on_preempt()
+        return preempt(*args, **kwargs)
+
+    scheduler._preempt_request = counted
+    return True
+
+
 def kv_scale_entry(name: str) -> tuple[int, str] | None:
     """(layer, 'q'|'k'|'v'|'kv') for a checkpoint-style kv-scale name, e.g.
     model.layers.3.self_attn.k_scale or model.layers.3.self_attn.k_proj.k_scale ('kv': the
@@ -237,6 +255,9 @@ class VLLMEngine:
         with kept_env("TRITON_CACHE_DIR"), own_rendezvous(world_size):
             self.llm = vllm.LLM(**self.engine_kwargs)
         self.startup_s = time.perf_counter() - t0
+        self.preemptions = 0  # sequences preempted for KV-cache room, over the engine's life (None: not counted)
+        if not count_preemptions(self.llm, self._preempted):
+            self.preemptions = None
         # vLLM 0.26 runs dense decoders on Model Runner V2 (config/vllm.py use_v2_model_runner), whose
         # Gumbel sampler seeds every request from (seed, position) in one kernel; unseeded requests
         # draw a seed from numpy's global RNG. V1 samples seeded requests row by row in Python.
@@ -259,6 +280,9 @@ class VLLMEngine:
         if cfg.fp8.kv_cache:  # known start: 1.0 until calibrated. The dummy load wrote the same random
             # value into every 0-d scale param, which vLLM 0.26 Fp8KVCacheMethod may have adopted.
             self.set_kv_scales({i: (1.0, 1.0, 1.0) for i in self._attention_layers()})
+
+    def _preempted(self) -> None:
+        self.preemptions += 1
 
     # ------------------------------------------------------------------ vLLM internals (0.26)
 

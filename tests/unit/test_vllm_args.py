@@ -17,8 +17,8 @@ import torch
 
 from config import load_config
 from fp8.export import vllm_quantization_config
-from engines.vllm import (RELOAD_LOGGER, VLLMEngine, drawn_lengths, kept_env, kv_scale_entry, quiet_rotary_reload,
-                          vllm_engine_kwargs, vllm_env, vllm_requests)
+from engines.vllm import (RELOAD_LOGGER, VLLMEngine, count_preemptions, drawn_lengths, kept_env, kv_scale_entry,
+                          quiet_rotary_reload, vllm_engine_kwargs, vllm_env, vllm_requests)
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = {  # name -> config overrides (the three rollout recipes of configs/, and the engine options)
@@ -298,3 +298,20 @@ def test_rotary_reload_warning_filtered_and_nothing_else():
         log.removeFilter(quiet_rotary_reload)
         log.removeHandler(handler)
     assert seen == ["QKVParallelLinear: Failed to load weights"]
+
+
+def test_preemptions_are_counted_through_the_scheduler():
+    """count_preemptions wraps vLLM 0.26's in-process scheduler._preempt_request: each preemption is
+    counted and still happens; an engine without that path is left alone (False)."""
+    from types import SimpleNamespace
+
+    done = []
+    scheduler = SimpleNamespace(_preempt_request=lambda request, timestamp: done.append((request, timestamp)))
+    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(
+        scheduler=scheduler))))
+    count = []
+    assert count_preemptions(llm, lambda: count.append(1))
+    scheduler._preempt_request("r1", 1.0)
+    scheduler._preempt_request("r2", timestamp=2.0)
+    assert len(count) == 2 and done == [("r1", 1.0), ("r2", 2.0)]
+    assert not count_preemptions(SimpleNamespace(llm_engine=SimpleNamespace()), lambda: None)
