@@ -30,6 +30,9 @@ also compiles, autotunes and captures). Writes OUT/shipped_<gpu>.json: a row per
 workload, date, command, phases}. --merge F... adds the run rows of earlier flagship.json files
 (one config per device call: a pair's runs need not share a call, but must share a host kind).
 
+--parallel runs one config per visible GPU at a time, side by side (a 4-GPU host runs both pairs at
+once: `bash scripts/gpu_check.sh shipped --parallel`); each run watches its own GPU's memory.
+
 --data DIR runs the data configs (gsm8k, math) on real-format files instead of synthetic prompts:
 DIR/train.jsonl and DIR/test.jsonl in the dataset's own fields, through the config's loader, answer
 extraction and reward, with a character tokenizer over printable ASCII (the random-init model has no
@@ -58,11 +61,13 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.rollout import MOE_LAYERS, tiny_flow  # noqa: E402
+from bench.runner import visible_gpus  # noqa: E402
 
 CONFIGS = ["llama31_8b_bf16", "llama31_8b_fp8", "qwen3_8b_bf16", "qwen3_8b_fp8", "qwen3_8b_fp8_kv"]
 MOE_CONFIGS = ["qwen3_30b_a3b_bf16", "qwen3_30b_a3b_fp8", "qwen3_30b_a3b_fp8_kv"]
@@ -142,10 +147,11 @@ def shipped_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
-def smi_peak_watcher(path: Path) -> subprocess.Popen | None:
-    """nvidia-smi's memory.used (MiB) every 200 ms into `path` (None without nvidia-smi), of the GPUs in
-    CUDA_VISIBLE_DEVICES if set (runs side by side on one host each watch their own)."""
-    only = ["--id=" + os.environ["CUDA_VISIBLE_DEVICES"]] if os.environ.get("CUDA_VISIBLE_DEVICES") else []
+def smi_peak_watcher(path: Path, gpu: str | None = None) -> subprocess.Popen | None:
+    """nvidia-smi's memory.used (MiB) every 200 ms into `path` (None without nvidia-smi), of GPU `gpu`, else
+    of the GPUs in CUDA_VISIBLE_DEVICES if set (runs side by side on one host each watch their own)."""
+    gpu = gpu or os.environ.get("CUDA_VISIBLE_DEVICES")
+    only = ["--id=" + gpu] if gpu else []
     try:
         return subprocess.Popen(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits",
                                  "-lms", "200", *only], stdout=open(path, "w"), stderr=subprocess.DEVNULL)
@@ -244,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shipped", action="store_true", help="FP8 configs vs BF16 twins at their own workload (above)")
     p.add_argument("--prompts", type=int, default=12, help="--shipped: prompts per step")
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE", help="--shipped: earlier flagship.json files")
+    p.add_argument("--parallel", action="store_true",
+                   help="one run per visible GPU at a time (CUDA_VISIBLE_DEVICES, else all GPUs), side by side")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every config")
     return p
 
@@ -270,38 +278,51 @@ def main():
     gpu = gpu_name()
     short_run = SHORT_RUN if not args.data else \
         [o for o in SHORT_RUN if not o.startswith(("data.source", "data.instruction"))] + real_data(Path(args.data))
-    for name, config, extra in plan(args.configs, args.router_replay):
-        timeout = args.timeout
-        if args.time_limit:
-            timeout = min(timeout, t_start + args.time_limit - time.time())
-            if timeout < MIN_RUN_S:
-                print(f"{name}: not started, {timeout:.0f} s left of --time-limit {args.time_limit:.0f}", flush=True)
-                results = [r for r in results if r["config"] != name] + [
-                    {"config": name, "ok": False, "rc": "not started (--time-limit)"}]
-                continue
-        run_short = shipped_run(config, args.prompts) if args.shipped else short_run
-        cmd = command(config, name, extra, run_short, args.steps, runs, args.moe_layers, args.overrides)
-        subprocess.run(["rm", "-rf", str(runs / name)])
-        smi = smi_peak_watcher(out / f"smi_{name}.txt")
-        t0 = time.time()
-        with open(out / f"{name}.log", "w") as log:
-            try:
-                rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                rc = 124
-        if smi is not None:
-            smi.terminate()
+    slots = visible_gpus() if args.parallel else [None]
+
+    def run_one(name: str, config: str, extra: list[str]) -> dict:
+        """One run on a free GPU slot (None: this process's GPUs); its row."""
+        slot = slots.pop(0)
+        try:
+            timeout = args.timeout
+            if args.time_limit:
+                timeout = min(timeout, t_start + args.time_limit - time.time())
+                if timeout < MIN_RUN_S:
+                    print(f"{name}: not started, {timeout:.0f} s left of --time-limit {args.time_limit:.0f}", flush=True)
+                    return {"config": name, "ok": False, "rc": "not started (--time-limit)"}
+            run_short = shipped_run(config, args.prompts) if args.shipped else short_run
+            cmd = command(config, name, extra, run_short, args.steps, runs, args.moe_layers, args.overrides)
+            subprocess.run(["rm", "-rf", str(runs / name)])
+            smi = smi_peak_watcher(out / f"smi_{name}.txt", slot)
+            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": slot} if slot is not None else {})}
+            t0 = time.time()
+            with open(out / f"{name}.log", "w") as log:
+                try:
+                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
+                except subprocess.TimeoutExpired:
+                    rc = 124
+            if smi is not None:
+                smi.terminate()
+        finally:
+            slots.append(slot)
         metrics_file = runs / name / "metrics.jsonl"
         metrics = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
         mib = [int(x) for x in (out / f"smi_{name}.txt").read_text().split() if x.isdigit()]
         result = {**row(name, metrics, mib, time.time() - t0, rc), "gpu": gpu}
         if args.shipped:
             result.update(workload=workload(config, args.prompts, result), date=time.strftime("%Y-%m-%d"),
-                          command=" ".join(["bash scripts/gpu_check.sh shipped --prompts", str(args.prompts), "--configs", name,
+                          command=" ".join(["bash scripts/gpu_check.sh shipped --prompts", str(args.prompts),
+                                            *(["--parallel"] if args.parallel else []), "--configs", name,
                                             *args.overrides]))
-        results = [r for r in results if r["config"] != name] + [result]
-        print(json.dumps(results[-1]), flush=True)
-        (out / "flagship.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps(result), flush=True)
+        return result
+
+    with ThreadPoolExecutor(max_workers=len(slots)) as pool:  # one run per GPU at a time
+        futures = [pool.submit(run_one, *run) for run in plan(args.configs, args.router_replay)]
+        for future in as_completed(futures):
+            result = future.result()
+            results = [r for r in results if r["config"] != result["config"]] + [result]
+            (out / "flagship.json").write_text(json.dumps(results, indent=1))
     (out / "flagship.json").write_text(json.dumps(results, indent=1))
     moe_cols = ["routing_mismatch", "routing_mismatch_tokens"] if any("routing_mismatch" in r for r in results) else []
     cols = ["config", "ok", "step_s", *[f"{p}_s" for p in PHASES], "mem_peak_gib", "smi_peak_gib", "changed_frac",

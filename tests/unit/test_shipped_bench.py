@@ -49,3 +49,35 @@ def test_shipped_rows_pair_runs_of_one_gpu_kind():
         ("llama31_8b_fp8", "llama31_8b_bf16", 1.25, 100.0, 125.0)
     assert (row["gpu"], row["gpus"], row["workload"], row["command"], row["date"]) == ("H200", 1, "w", "c & c0", "2026-11-26")
     assert row["phases"]["llama31_8b_bf16"]["rollout_s"] == 60.0
+
+
+def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
+    """--parallel: each run gets its own CUDA_VISIBLE_DEVICES slot, side by side, and every run's row
+    lands in flagship.json and the pair rows (a stand-in for train_grpo.py writes the metrics)."""
+    import json
+    import sys
+
+    fc = _flagship()
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(
+        "import json, os, sys, time\n"
+        "run = sys.argv[1]; os.makedirs(run, exist_ok=True); time.sleep(0.5)\n"
+        "step = {'time/step': 10.0 if 'bf16' in run else 8.0, 'optim/changed_frac': 1.0,\n"
+        "        'mismatch/token_mult_prob_error': 1.0, 'gpu': os.environ.get('CUDA_VISIBLE_DEVICES')}\n"
+        "open(os.path.join(run, 'metrics.jsonl'), 'w').write(json.dumps(step) + '\\n')\n")
+    monkeypatch.setattr(fc, "command", lambda config, name, extra, short, steps, runs, *a: [sys.executable, str(fake),
+                                                                                          str(runs / name)])
+    monkeypatch.setattr(fc, "gpu_name", lambda: "H200")
+    monkeypatch.setattr(fc, "smi_peak_watcher", lambda path, gpu=None: (path.write_text(""), None)[1])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    monkeypatch.setattr(sys, "argv", ["flagship_check.py", "--shipped", "--parallel", "--prompts", "8",
+                                      "--configs", "llama31_8b_fp8,llama31_8b_bf16", "--out", str(tmp_path / "out"),
+                                      "--runs", str(tmp_path / "runs")])
+    with pytest.raises(SystemExit):
+        fc.main()
+    runs = {r["config"]: r for r in json.loads((tmp_path / "out/flagship.json").read_text())}
+    assert set(runs) == {"llama31_8b_fp8", "llama31_8b_bf16"} and all(r["ok"] for r in runs.values())
+    gpus = {json.loads((tmp_path / "runs" / c / "metrics.jsonl").read_text())["gpu"] for c in runs}
+    assert gpus == {"0", "1"}  # side by side, one GPU each
+    pair = json.loads((tmp_path / "out/shipped_h200.json").read_text())
+    assert len(pair) == 1 and pair[0]["ratio"] == 1.25 and "--parallel" in pair[0]["command"]
