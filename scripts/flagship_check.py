@@ -30,8 +30,11 @@ also compiles, autotunes and captures). Writes OUT/shipped_<gpu>.json: a row per
 workload, date, command, phases}. --merge F... adds the run rows of earlier flagship.json files
 (one config per device call: a pair's runs need not share a call, but must share a host kind).
 
---parallel runs one config per visible GPU at a time, side by side (a 4-GPU host runs both pairs at
-once: `bash scripts/gpu_check.sh shipped --parallel`); each run watches its own GPU's memory.
+--parallel runs the configs side by side, one per visible GPU (a 4-GPU host runs both pairs at once:
+`bash scripts/gpu_check.sh shipped --parallel`); each run watches its own GPUs' memory. --ranks N runs
+each config on N GPUs through torchrun (FSDP2; 80 GB cards: `--ranks 2 --parallel` on 4 H100s runs a
+pair at once, with the overrides the README gives for them); the rows' `gpus` say N, and a pair's
+runs must share it.
 
 --data DIR runs the data configs (gsm8k, math) on real-format files instead of synthetic prompts:
 DIR/train.jsonl and DIR/test.jsonl in the dataset's own fields, through the config's loader, answer
@@ -136,10 +139,11 @@ def shipped_rows(results: list[dict]) -> list[dict]:
     rows = []
     for config, baseline in SHIPPED_PAIRS.items():
         a, b = by.get(config), by.get(baseline)
-        if not a or not b or a.get("gpu") != b.get("gpu"):
+        if not a or not b or (a.get("gpu"), a.get("gpus", 1)) != (b.get("gpu"), b.get("gpus", 1)):
             continue
         rows.append({"config": config, "baseline": baseline, "ratio": round(b["step_s"] / a["step_s"], 3),
-                     "step_s": a["step_s"], "baseline_step_s": b["step_s"], "gpus": 1, "gpu": a.get("gpu", ""),
+                     "step_s": a["step_s"], "baseline_step_s": b["step_s"], "gpus": a.get("gpus", 1),
+                     "gpu": a.get("gpu", ""),
                      "workload": a.get("workload", ""), "date": a.get("date", ""),
                      "command": " & ".join(dict.fromkeys(r.get("command", "") for r in (a, b))),
                      "phases": {c: {k: r[k] for k in r if k.endswith("_s") or k.endswith("_gib")} for c, r in
@@ -218,14 +222,24 @@ def plan(configs: str, router_replay: list[str]) -> list[tuple[str, str, list[st
 
 
 def command(config: str, run_name: str, extra: list[str], short_run: list[str], steps: int, runs: Path,
-            moe_layers: int, overrides: list[str]) -> list[str]:
-    """train_grpo.py's command line for one run: the shipped config at its family's shape, SHORT_RUN."""
+            moe_layers: int, overrides: list[str], ranks: int = 1) -> list[str]:
+    """train_grpo.py's command line for one run: the shipped config at its family's shape, SHORT_RUN; on
+    `ranks` GPUs through torchrun (FSDP2) when more than one."""
     shape = [f"model.tiny={SHAPES[family(config)]}"]
     if family(config) == "qwen3_moe":
         shape.append(f"model.tiny.num_layers={moe_layers}")
-    return [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs" / f"{config}.yaml"),
+    launch = [sys.executable] if ranks == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    return [*launch, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs" / f"{config}.yaml"),
             *shape, *short_run, f"train.steps={steps}", f"train.out_dir={runs}", f"train.run_name={run_name}",
             *extra, *overrides]
+
+
+def gpu_slots(gpus: list[str | None], ranks: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES values of runs side by side, `ranks` GPUs each ([None]: no GPU ids known)."""
+    if gpus == [None]:
+        return [None]
+    return [",".join(gpus[i:i + ranks]) for i in range(0, len(gpus) - ranks + 1, ranks)]
 
 
 def parse_replay(text: str) -> list[str]:
@@ -251,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=12, help="--shipped: prompts per step")
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE", help="--shipped: earlier flagship.json files")
     p.add_argument("--parallel", action="store_true",
-                   help="one run per visible GPU at a time (CUDA_VISIBLE_DEVICES, else all GPUs), side by side")
+                   help="runs side by side, each on its own --ranks of the visible GPUs (CUDA_VISIBLE_DEVICES, else all)")
+    p.add_argument("--ranks", type=int, default=1, help="GPUs per run (torchrun, FSDP2), e.g. 2 on 80 GB cards")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every config")
     return p
 
@@ -266,6 +281,9 @@ def main():
         if not (ROOT / "configs" / f"{config}.yaml").is_file():
             print(f"error: --configs: no configs/{config}.yaml; give shipped config names or 8b, moe", file=sys.stderr)
             sys.exit(2)
+    if args.ranks < 1:
+        print(f"error: --ranks {args.ranks}: GPUs per run, >= 1", file=sys.stderr)
+        sys.exit(2)
     for f in args.merge:
         if not Path(f).is_file():
             print(f"error: --merge {f}: no such file (a flagship.json of an earlier run)", file=sys.stderr)
@@ -278,7 +296,11 @@ def main():
     gpu = gpu_name()
     short_run = SHORT_RUN if not args.data else \
         [o for o in SHORT_RUN if not o.startswith(("data.source", "data.instruction"))] + real_data(Path(args.data))
-    slots = visible_gpus() if args.parallel else [None]
+    slots = gpu_slots(visible_gpus(), args.ranks) if args.parallel else [None]
+    if not slots:
+        print(f"error: --parallel --ranks {args.ranks}: fewer GPUs visible ({len(visible_gpus())}); lower --ranks",
+              file=sys.stderr)
+        sys.exit(2)
 
     def run_one(name: str, config: str, extra: list[str]) -> dict:
         """One run on a free GPU slot (None: this process's GPUs); its row."""
@@ -291,7 +313,8 @@ def main():
                     print(f"{name}: not started, {timeout:.0f} s left of --time-limit {args.time_limit:.0f}", flush=True)
                     return {"config": name, "ok": False, "rc": "not started (--time-limit)"}
             run_short = shipped_run(config, args.prompts) if args.shipped else short_run
-            cmd = command(config, name, extra, run_short, args.steps, runs, args.moe_layers, args.overrides)
+            cmd = command(config, name, extra, run_short, args.steps, runs, args.moe_layers, args.overrides,
+                          args.ranks)
             subprocess.run(["rm", "-rf", str(runs / name)])
             smi = smi_peak_watcher(out / f"smi_{name}.txt", slot)
             env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": slot} if slot is not None else {})}
@@ -308,12 +331,13 @@ def main():
         metrics_file = runs / name / "metrics.jsonl"
         metrics = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
         mib = [int(x) for x in (out / f"smi_{name}.txt").read_text().split() if x.isdigit()]
-        result = {**row(name, metrics, mib, time.time() - t0, rc), "gpu": gpu}
+        result = {**row(name, metrics, mib, time.time() - t0, rc), "gpu": gpu, "gpus": args.ranks}
         if args.shipped:
             result.update(workload=workload(config, args.prompts, result), date=time.strftime("%Y-%m-%d"),
                           command=" ".join(["bash scripts/gpu_check.sh shipped --prompts", str(args.prompts),
-                                            *(["--parallel"] if args.parallel else []), "--configs", name,
-                                            *args.overrides]))
+                                            *(["--parallel"] if args.parallel else []),
+                                            *(["--ranks", str(args.ranks)] if args.ranks > 1 else []),
+                                            "--configs", name, *args.overrides]))
         print(json.dumps(result), flush=True)
         return result
 

@@ -6,8 +6,9 @@
 #   bash scripts/gpu_check.sh flagship [ARGS]  scripts/flagship_check.py: the shipped 8B configs at full shape, a few
 #                                      steps each -> $OUT/flagship.{md,json}, logs in $OUT/flagship_runs.tgz
 #   bash scripts/gpu_check.sh shipped [ARGS]  scripts/flagship_check.py --shipped: FP8 configs vs their BF16 twins at
-#                                      their own workload (e.g. --configs llama31_8b_fp8 --timeout 560; --parallel: one
-#                                      config per visible GPU, side by side, both pairs at once on 4 GPUs; --merge
+#                                      their own workload (e.g. --configs llama31_8b_fp8 --timeout 560; --parallel: the
+#                                      configs side by side, both pairs at once on 4 GPUs; --ranks 2: FSDP2 over 2
+#                                      GPUs per config (80 GB cards); --merge
 #                                      earlier flagship.json files) -> $OUT/shipped_<gpu>.json, flagship.{md,json},
 #                                      logs + metrics in $OUT/shipped_runs.tgz
 #   bash scripts/gpu_check.sh moe [all|bf16|fp8|fp8_kv[,...]] [ARGS]  scripts/flagship_check.py on the

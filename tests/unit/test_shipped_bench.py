@@ -52,8 +52,8 @@ def test_shipped_rows_pair_runs_of_one_gpu_kind():
 
 
 def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
-    """--parallel: each run gets its own CUDA_VISIBLE_DEVICES slot, side by side, and every run's row
-    lands in flagship.json and the pair rows (a stand-in for train_grpo.py writes the metrics)."""
+    """--parallel --ranks 2: each run gets its own two GPUs (CUDA_VISIBLE_DEVICES), side by side, and every
+    run's row lands in flagship.json and the pair rows (a stand-in for train_grpo.py writes the metrics)."""
     import json
     import sys
 
@@ -69,8 +69,8 @@ def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
                                                                                           str(runs / name)])
     monkeypatch.setattr(fc, "gpu_name", lambda: "H200")
     monkeypatch.setattr(fc, "smi_peak_watcher", lambda path, gpu=None: (path.write_text(""), None)[1])
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    monkeypatch.setattr(sys, "argv", ["flagship_check.py", "--shipped", "--parallel", "--prompts", "8",
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.setattr(sys, "argv", ["flagship_check.py", "--shipped", "--parallel", "--ranks", "2", "--prompts", "8",
                                       "--configs", "llama31_8b_fp8,llama31_8b_bf16", "--out", str(tmp_path / "out"),
                                       "--runs", str(tmp_path / "runs")])
     with pytest.raises(SystemExit):
@@ -78,6 +78,18 @@ def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
     runs = {r["config"]: r for r in json.loads((tmp_path / "out/flagship.json").read_text())}
     assert set(runs) == {"llama31_8b_fp8", "llama31_8b_bf16"} and all(r["ok"] for r in runs.values())
     gpus = {json.loads((tmp_path / "runs" / c / "metrics.jsonl").read_text())["gpu"] for c in runs}
-    assert gpus == {"0", "1"}  # side by side, one GPU each
+    assert gpus == {"0,1", "2,3"}  # side by side, two GPUs each
     pair = json.loads((tmp_path / "out/shipped_h200.json").read_text())
-    assert len(pair) == 1 and pair[0]["ratio"] == 1.25 and "--parallel" in pair[0]["command"]
+    assert len(pair) == 1 and pair[0]["ratio"] == 1.25 and pair[0]["gpus"] == 2
+    assert "--parallel --ranks 2" in pair[0]["command"]
+
+
+def test_ranks_launch_through_torchrun_and_group_the_gpus():
+    fc = _flagship()
+    one = fc.command("llama31_8b_fp8", "a", [], [], 2, Path("/r"), 12, [])
+    two = fc.command("llama31_8b_fp8", "a", [], [], 2, Path("/r"), 12, [], ranks=2)
+    assert one[1].endswith("train_grpo.py") and two[1:5] == ["-m", "torch.distributed.run", "--standalone",
+                                                              "--nproc_per_node=2"]
+    assert two[5:] == one[1:]
+    assert fc.gpu_slots(["0", "1", "2", "3"], 2) == ["0,1", "2,3"] and fc.gpu_slots(["0", "1", "2"], 2) == ["0,1"]
+    assert fc.gpu_slots(["0"], 2) == [] and fc.gpu_slots([None], 2) == [None]
