@@ -18,9 +18,10 @@ probe. Writes OUT/flagship.json, OUT/flagship.md and each run's log.
 
 --shipped runs the FP8 configs and their BF16 twins (SHIPPED_PAIRS) at their own workload: the config's
 n (32), generation budget (3584 new tokens) and micro-batch, its number of optimizer steps per step (4)
-with mini-batches scaled to --prompts prompts (default 12: 384 samples x ~1,770 tokens of prompt +
-response ~ 680k tokens, twice what BF16's KV share holds at once (335-377k tokens on an H200) and 88% of
-FP8 KV's (772k); the configs' own 64 prompts take too long for one device call), train.probe off (the users' setting), and response lengths drawn per sample
+with mini-batches scaled to --prompts prompts (default 12: 384 samples, as many as one device call
+holds; since lengths differ, at most ~300k tokens are live at once, about BF16's KV share of 335-377k
+on an H200, so the configs' own 64 prompts load the cache far more: bench/rollout.py measures the
+rollout alone there), train.probe off (the users' setting), and response lengths drawn per sample
 (rollout.ignore_eos_median): log-normal, median 1400 tokens, sigma 0.6, cut at the budget, so the
 mean is ~1,640 tokens, a tail reaches the budget and ~6% are truncated, the shape of reasoning-RL
 rollouts at a 4k budget (DAPO's and Skywork-OR1's 7B-8B runs report means of ~1-3k tokens with a few
