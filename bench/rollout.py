@@ -489,7 +489,7 @@ class _DryEngine:
         from rollout import Sample
 
         self.cfg, self.args, self._sample = cfg, args, Sample
-        self.startup_s, self.last_refit_s = 0.01, 0.001
+        self.startup_s, self.last_refit_s, self.preemptions = 0.01, 0.001, 0
         if args.dry_run_fail == args.modes[0]:
             raise RuntimeError(f"dry-run failure requested for mode {args.modes[0]}")
 
