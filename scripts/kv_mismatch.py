@@ -16,10 +16,16 @@ cache only (add fp8.train=true fp8.rollout=true as overrides for the whole recip
     bf16                  fp8.kv_cache=false: BF16 KV cache, BF16 attention (the baseline)
     fp8kv_fa3             FP8 KV cache, FlashAttention 3 in FP8 (q and P quantized too), scales
                           recalibrated from the trainer's q/k/v before every rollout
-    fp8kv_triton          FP8 KV cache, vLLM's Triton attention (K/V dequantized in the kernel, BF16/FP32
-                          math): with fp8kv_fa3 it separates what FP8 K/V cost from what FP8 q and P add
+    fp8kv_triton          FP8 KV cache, vLLM's Triton attention (fp8.kv_attention=triton)
     fp8kv_fa3_norecal     fp8.recalibrate=false: no calibrator, so the engine keeps its start-up scales
     fp8kv_triton_norecal  of 1.0 for q, k and v (unit scales: e4m3 saturates above 448)
+
+fp8kv_triton is a second FP8 attention kernel, not FP8 K/V under BF16 math: in vLLM 0.26's source the
+Triton backend on CUDA takes q in FP8 as FA3 does (TritonAttentionImpl.supports_quant_query_input is
+true, so Attention.forward quantizes q with q_scale), keeps the FP8 K/V tiles in FP8 for q.K^T and
+casts P to FP8 for P.V. What separates FP8 q/k/v from FP8 P is the HF engine (--cpu): its emulation
+rounds q, k and v to e4m3 with the same scales (q multiplied by 1/scale, k/v divided, as vLLM) and
+computes attention, P included, in the model dtype; it ignores fp8.kv_attention.
 
 The runs go in this order, so a cut call still has the baseline and the two recalibrated variants.
 Per variant: mismatch/token_mult_prob_error per step and its mean / min / max over the steps after step 0
@@ -192,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"with less than {MIN_RUN_S} s left")
     p.add_argument("--merge", nargs="+", default=[], metavar="FILE", help="earlier kv_mismatch.json files (same "
                    "settings; each row names its GPU): their variants not run now are kept")
-    p.add_argument("--cpu", action="store_true", help="train.device=cpu rollout.engine=hf (its FP8 KV emulation "
-                   "quantizes q too, whatever fp8.kv_attention says)")
+    p.add_argument("--cpu", action="store_true", help="train.device=cpu rollout.engine=hf (its FP8 KV emulation: "
+                   "q/k/v in e4m3, P exact, whatever fp8.kv_attention says)")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every variant")
     return p
 
