@@ -25,7 +25,8 @@ Triton backend on CUDA takes q in FP8 as FA3 does (TritonAttentionImpl.supports_
 true, so Attention.forward quantizes q with q_scale), keeps the FP8 K/V tiles in FP8 for q.K^T and
 casts P to FP8 for P.V. What separates FP8 q/k/v from FP8 P is the HF engine (--cpu): its emulation
 rounds q, k and v to e4m3 with the same scales (q multiplied by 1/scale, k/v divided, as vLLM) and
-computes attention, P included, in the model dtype; it ignores fp8.kv_attention.
+computes attention, P included, in the model dtype; it ignores fp8.kv_attention. scripts/qkv_rounding.py
+splits that rounding by tensor (q, k, v), teacher-forced.
 
 The runs go in this order, so a cut call still has the baseline and the two recalibrated variants.
 Per variant: mismatch/token_mult_prob_error per step and its mean / min / max over the steps after step 0
@@ -218,16 +219,22 @@ def check_args(args) -> None:
     for f in args.merge:
         if not Path(f).is_file():
             fail(f"--merge {f}: no such file (a kv_mismatch.json of an earlier run)")
-    if args.model is None:
+    args.model = model_dir(args.model)
+
+
+def model_dir(model: str | None) -> str:
+    """--model: a HF model dir (checked), 'tiny', or None = scripts/real_model.py's dir (made if it can be)."""
+    if model is None:
         p = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_model.py")], capture_output=True, text=True)
         if p.returncode:
             fail("--model: scripts/real_model.py could not make SmolLM2 here ("
                  + (p.stderr.strip().splitlines() or ["no output"])[-1] + "); convert it with "
                  "`python scripts/real_model.py --gguf part1 part2 ...` and pass --model DIR")
-        args.model = p.stdout.strip().splitlines()[-1]
-    elif args.model != "tiny" and not (Path(args.model) / "config.json").is_file():
-        fail(f"--model {args.model}: not a HF model dir (no config.json); make one with "
+        return p.stdout.strip().splitlines()[-1]
+    if model != "tiny" and not (Path(model) / "config.json").is_file():
+        fail(f"--model {model}: not a HF model dir (no config.json); make one with "
              "`python scripts/real_model.py` (it prints the dir) or pass 'tiny'")
+    return model
 
 
 def main(argv=None) -> int:

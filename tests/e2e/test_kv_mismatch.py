@@ -1,5 +1,6 @@
 """scripts/kv_mismatch.py: each variant's command line, the rows and the per-layer amax table from metrics
-files, bad input, --merge, and the script end to end on CPU (tiny_cpu, HF engine's FP8 KV emulation)."""
+files, bad input, --merge, and the script end to end on CPU (tiny_cpu, HF engine's FP8 KV emulation);
+scripts/qkv_rounding.py on the real model."""
 
 import json
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import kv_mismatch  # noqa: E402
+import qkv_rounding  # noqa: E402
 
 from config import load_config  # noqa: E402
 
@@ -124,3 +126,20 @@ def test_run_logged_stops_a_run_past_its_timeout(tmp_path):
     metrics, rc = kv_mismatch.run_logged([sys.executable, "-c", child], tmp_path / "run", tmp_path / "log", 3)
     assert rc == 124 and metrics == [{"step": 0}] and time.time() - t0 < 30
     assert (tmp_path / "log").read_text() == "started\n"
+
+
+def test_qkv_rounding_on_the_real_model(real_model_dir, tmp_path):
+    """scripts/qkv_rounding.py: every case (q, k, v, kv, qkv x calibrated / unit scales) scored on the
+    sampled completions; a count below 1 is a one-line error."""
+    script = str(ROOT / "scripts/qkv_rounding.py")
+    p = subprocess.run([sys.executable, script, "--model", str(real_model_dir), "--prompts", "1", "--max-new-tokens", "8",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    res = json.loads((tmp_path / "qkv_rounding.json").read_text())
+    assert [(c["rounded"], c["scales"]) for c in res["cases"]] == \
+        [(w, s) for w in qkv_rounding.CASES for s in ("calibrated", "unit")]
+    assert res["tokens"] > 0 and res["sequences"] == 2 and len(res["scales"]) == 30
+    assert all(c["token_mult_prob_error"] >= 1.0 for c in res["cases"])
+    assert "| kv | unit |" in (tmp_path / "qkv_rounding.md").read_text()
+    p = subprocess.run([sys.executable, script, "--samples", "0"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == "error: --samples 0: must be >= 1"
