@@ -9,7 +9,9 @@
 Each variant runs the real trainer (train_grpo.py, one process after another, as scripts/flagship_check.py)
 on configs/gsm8k.yaml scaled down: --prompts prompts x --n samples of <= --max-new-tokens tokens (the
 model's own EOS ends them), --steps steps, one optimizer step per step (plain AdamW, eager trainer: no
-compile time), no validation or checkpoints. Every variant keeps the trainer's and the engine's linears
+compile time), no validation or checkpoints. The learning rate and warm-up stay the config's (3e-7
+after 13 warm-up steps: over a few steps the weights barely move, so per-step recalibration has little
+to track; optim.lr=... optim.warmup_steps=0 as overrides make them move). Every variant keeps the trainer's and the engine's linears
 in BF16 (fp8.train=false fp8.rollout=false), so the variants differ in the engine's attention and KV
 cache only (add fp8.train=true fp8.rollout=true as overrides for the whole recipe):
 
