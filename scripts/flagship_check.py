@@ -74,7 +74,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench.rollout import MOE_LAYERS, tiny_flow  # noqa: E402
 from bench.runner import visible_gpus  # noqa: E402
 from learn_gate import _stop  # noqa: E402
-from plot_runs import load_rows  # noqa: E402
 
 CONFIGS = ["llama31_8b_bf16", "llama31_8b_fp8", "qwen3_8b_bf16", "qwen3_8b_fp8", "qwen3_8b_fp8_kv"]
 MOE_CONFIGS = ["qwen3_30b_a3b_bf16", "qwen3_30b_a3b_fp8", "qwen3_30b_a3b_fp8_kv"]
@@ -194,8 +193,13 @@ def run_logged(cmd: list[str], run_dir: Path, log: Path, timeout: float, env: di
         except subprocess.TimeoutExpired:
             _stop([p])
             rc = 124
-    metrics = run_dir / "metrics.jsonl"
-    return (load_rows(metrics) if metrics.is_file() else []), rc
+    metrics = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").is_file() else []:
+        try:
+            metrics.append(json.loads(line))
+        except json.JSONDecodeError:  # a run stopped mid-write leaves a partial last line
+            pass
+    return metrics, rc
 
 
 def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int) -> dict:
