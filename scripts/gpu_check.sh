@@ -26,9 +26,9 @@
 #   bash scripts/gpu_check.sh kvmismatch [ARGS]  scripts/kv_mismatch.py: trainer/engine mismatch of a real model
 #                                      (--model DIR: SmolLM2 from `scripts/real_model.py --gguf part1 part2 ...`) on
 #                                      configs/gsm8k.yaml scaled down, BF16 KV vs FP8 KV (fa3 / triton attention, scales
-#                                      recalibrated or unit), no run starts after 570 s (--variants + --merge finish the
-#                                      rest) -> $OUT/kv_mismatch.{md,json} (per-layer q/k/v amax too), logs + metrics in
-#                                      $OUT/kv_mismatch_runs.tgz
+#                                      recalibrated or unit); no run starts with < 120 s left of 570 s (--variants and
+#                                      --merge finish the rest) -> $OUT/kv_mismatch.{md,json} (per-layer q/k/v amax too),
+#                                      logs + metrics in $OUT/kv_mismatch_runs.tgz
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
 #   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, its SFT warm start then
 #                                      quickstart_gpu x 4 seeds x {FP8 recipe, BF16}, concurrent on the one GPU,

@@ -47,7 +47,7 @@ On the GPU host (no hub access), SmolLM2-135M-Instruct arrives as its GGUF split
     python scripts/real_model.py --gguf part1 part2 part3     # converts once, prints the model dir
     bash scripts/gpu_check.sh kvmismatch --model <that dir>
 Time: not yet run on a GPU (each run is a trainer + vLLM start-up plus --steps steps; gpu_check.sh's
-part stops starting runs at 570 s, and --variants + --merge finish the rest in another call).
+part starts no run with less than 120 s left of 570 s, and --variants + --merge finish the rest in another call).
 
 Writes into --out: kv_mismatch.json ({model, config, gpu, date, overrides, variants: a row per variant,
 amax: {variant: {layer: {amax, amax_over_448, scales}}}}), kv_mismatch.md (variant x mismatch table and
