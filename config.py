@@ -195,9 +195,10 @@ class FP8Config:
     """FP8 KV cache + FP8 attention in the engine (needs q/k/v scales: see recalibrate)."""
     kv_attention: Literal["fa3", "triton"] = "fa3"
     """Engine attention over the FP8 KV cache. fa3: FlashAttention 3 in FP8 (q and P quantized too).
-    triton: vLLM's Triton attention, K/V dequantized in the kernel, BF16/FP32 math (q/k/v scales
-    still read from device tensors, so per-step recalibration reaches it inside CUDA graphs): a
-    numerics ablation, 1.8x slower attention than fa3 at decode (H200, docs/results.md)."""
+    triton: vLLM's Triton attention (q/k/v scales read from device tensors, so per-step
+    recalibration reaches it inside CUDA graphs), 1.8x slower attention than fa3 at decode (H200,
+    docs/results.md). Not BF16 math: in vLLM 0.26's source its CUDA path also takes q in FP8
+    (supports_quant_query_input), computes q.K^T on the FP8 tiles and casts P to FP8 for P.V."""
     recalibrate: bool = True
     """Recompute q/k/v scales from the trainer's attention inputs after every step."""
     calib_pass: Literal["separate", "logprobs"] = "separate"

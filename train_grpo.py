@@ -105,7 +105,7 @@ def train(args) -> Path:
             trainer.save_batch(run, batch, step)                      # with BF16 logprobs
         observe.mismatch_guard(metrics, step, cfg.train, logger)
         trainer.train_phase(run, state, batch, step, metrics)         # policy forward, the objective, optimizer steps
-        trainer.refit_phase(run, state, batch, metrics)               # recalibrate q/k/v, sync the engine
+        trainer.refit_phase(run, state, batch, step, metrics)         # recalibrate q/k/v, sync the engine
         metrics.update(trainer.step_metrics(run, batch, t_step, metrics))
         prof.finish(run_dir, d.rank, logger)
         logger.log(step, metrics)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import math
 import time
 from datetime import datetime
@@ -491,10 +492,25 @@ def first_refit(run: Run, state: State) -> None:
         prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in run.train_set[: run.cfg.fp8.calib_samples]]
         ids, am, _, _ = collate(prompts, run.tokenizer.pad_token_id)
         state.kv_scales = recalibrate(run, ids.to(run.d.device), am.to(run.d.device))
+        log_calibration(run, state, state.start_step)
     refit(run, state)
 
 
-def refit_phase(run: Run, state: State, b: StepBatch, metrics: dict) -> None:
+def log_calibration(run: Run, state: State, for_step: int) -> None:
+    """Append the last calibration to RUN_DIR/kv_calibration.jsonl (rank 0; one line per calibration,
+    a few floats per layer): {"step": the step whose rollout uses these scales, "amax": {layer:
+    [max|q|, max|k|, max|v|]} over the calibration's micro-batches on rank 0, "scales": {layer: [q, k, v]}
+    as sent to the engine}. amax / 448 is the share of e4m3's range a unit scale would use."""
+    if not run.d.main:
+        return
+    amax = run.calibrator.amax().amax(0).tolist()  # [L, 3]
+    line = {"step": for_step, "amax": {i: [round(x, 4) for x in amax[i]] for i in state.kv_scales},
+            "scales": {i: list(s) for i, s in state.kv_scales.items()}}
+    with open(run.run_dir / "kv_calibration.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def refit_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) -> None:
     """Recalibrate q/k/v scales (on the new weights, or from the old_logp capture), then push weights + scales."""
     if run.calibrator is not None:
         t0 = time.perf_counter()
@@ -502,6 +518,7 @@ def refit_phase(run: Run, state: State, b: StepBatch, metrics: dict) -> None:
             state.kv_scales = recalibrate(run, b.input_ids, b.attention_mask) if run.cfg.fp8.calib_pass == "separate" \
                 else run.calibrator.scales()
         metrics["time/recalibrate"] = time.perf_counter() - t0
+        log_calibration(run, state, step + 1)
         for i, name in enumerate(("q", "k", "v")):
             metrics[f"fp8/{name}_scale_mean"] = sum(sc[i] for sc in state.kv_scales.values()) / len(state.kv_scales)
     metrics["time/refit"] = refit(run, state)

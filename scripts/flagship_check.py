@@ -70,8 +70,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 from bench.rollout import MOE_LAYERS, tiny_flow  # noqa: E402
 from bench.runner import visible_gpus  # noqa: E402
+from learn_gate import _stop  # noqa: E402
 
 CONFIGS = ["llama31_8b_bf16", "llama31_8b_fp8", "qwen3_8b_bf16", "qwen3_8b_fp8", "qwen3_8b_fp8_kv"]
 MOE_CONFIGS = ["qwen3_30b_a3b_bf16", "qwen3_30b_a3b_fp8", "qwen3_30b_a3b_fp8_kv"]
@@ -176,6 +178,28 @@ def real_data(d: Path) -> list[str]:
     return ["data.source=jsonl", f"data.path={d / 'train.jsonl'}", f"data.val_split={d / 'test.jsonl'}",
             "data.max_prompt_tokens=512", "train.val_max_prompts=8",
             "model.tiny.vocab=" + "".join(map(chr, range(32, 127))) + "\n"]
+
+
+def run_logged(cmd: list[str], run_dir: Path, log: Path, timeout: float, env: dict | None = None
+               ) -> tuple[list[dict], int]:
+    """One train_grpo.py run: its run dir emptied first, stdout + stderr to `log`, its process group
+    (the trainer and its engine's processes) stopped after `timeout` s (rc 124). -> (the metrics.jsonl
+    rows it logged, rc)."""
+    subprocess.run(["rm", "-rf", str(run_dir)])
+    with open(log, "w") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _stop([p])
+            rc = 124
+    metrics = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").is_file() else []:
+        try:
+            metrics.append(json.loads(line))
+        except json.JSONDecodeError:  # a run stopped mid-write leaves a partial last line
+            pass
+    return metrics, rc
 
 
 def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int) -> dict:
@@ -316,21 +340,14 @@ def main():
             run_short = shipped_run(config, args.prompts) if args.shipped else short_run
             cmd = command(config, name, extra, run_short, args.steps, runs, args.moe_layers, args.overrides,
                           args.ranks)
-            subprocess.run(["rm", "-rf", str(runs / name)])
             smi = smi_peak_watcher(out / f"smi_{name}.txt", slot)
             env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": slot} if slot is not None else {})}
             t0 = time.time()
-            with open(out / f"{name}.log", "w") as log:
-                try:
-                    rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
-                except subprocess.TimeoutExpired:
-                    rc = 124
+            metrics, rc = run_logged(cmd, runs / name, out / f"{name}.log", timeout, env)
             if smi is not None:
                 smi.terminate()
         finally:
             slots.append(slot)
-        metrics_file = runs / name / "metrics.jsonl"
-        metrics = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
         mib = [int(x) for x in (out / f"smi_{name}.txt").read_text().split() if x.isdigit()]
         result = {**row(name, metrics, mib, time.time() - t0, rc), "gpu": gpu, "gpus": args.ranks}
         if args.shipped:

@@ -23,6 +23,12 @@
 #                                      ~2 min each, until 570 s; ARGS go to it) -> $OUT/rollout.json; all (default):
 #                                      both, which leaves the last rollout mode out of one call. Needs vLLM's MoE kernels: the offline
 #                                      bundle built with make_bundle.sh --moe (as moe and tests/gpu/test_moe_gpu.py)
+#   bash scripts/gpu_check.sh kvmismatch [ARGS]  scripts/kv_mismatch.py: trainer/engine mismatch of a real model
+#                                      (--model DIR: SmolLM2 from `scripts/real_model.py --gguf part1 part2 ...`) on
+#                                      configs/gsm8k.yaml scaled down, BF16 KV vs FP8 KV (fa3 / triton attention, scales
+#                                      recalibrated or unit); no run starts with < 120 s left of 570 s (--variants and
+#                                      --merge finish the rest) -> $OUT/kv_mismatch.{md,json} (per-layer q/k/v amax too),
+#                                      logs + metrics in $OUT/kv_mismatch_runs.tgz
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
 #   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, its SFT warm start then
 #                                      quickstart_gpu x 4 seeds x {FP8 recipe, BF16}, concurrent on the one GPU,
@@ -95,6 +101,10 @@ case "$1" in
          [ "$part" = rollout ] || $PY bench/alignment.py --moe --out "$OUT" 2>&1 | tee "$OUT/alignment_moe.log"
          [ "$part" = align ] || $PY bench/rollout.py --models qwen3-30b-a3b --out "$OUT" --time-limit $((SECONDS < 560 ? 570 - SECONDS : 10)) \
            --workloads '512x256->1024' "${@:2}" 2>&1 | tee "$OUT/bench_rollout_moe.log" ;;
+  kvmismatch) $PY scripts/kv_mismatch.py --out "$OUT/kv_mismatch" --time-limit 570 "${@:2}" 2>&1 \
+           | tee "$OUT/kv_mismatch.log"
+         rc=${PIPESTATUS[0]}; cp "$OUT"/kv_mismatch/kv_mismatch.{md,json} "$OUT"/ 2>/dev/null
+         tar -czf "$OUT/kv_mismatch_runs.tgz" -C "$OUT" kv_mismatch --remove-files; exit $rc ;;
   learn) $PY scripts/learn_gate.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
          exit "${PIPESTATUS[0]}" ;;
   rollout)  $PY bench/rollout.py --out "$OUT" --time-limit 540 "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
@@ -106,5 +116,5 @@ case "$1" in
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac
