@@ -94,6 +94,7 @@ def main():
                                    str(args.save_ranks), "--resume-ranks", str(args.resume_ranks), *args.overrides])}
     result["save"] = phase(f"{tag}_save", first, gpus[:args.save_ranks], out, runs / name)
     print(json.dumps(result["save"]), flush=True)
+    (out / f"{tag}.json").write_text(json.dumps({**result, "ok": False}, indent=1))  # kept if the resume is cut off
     if result["save"]["rc"] == 0:
         result["resume"] = phase(f"{tag}_resume", ["--resume", str(runs / name), f"train.steps={args.steps + 1}",
                                                    *args.overrides], gpus[:args.resume_ranks], out, runs / name,
