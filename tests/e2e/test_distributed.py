@@ -290,7 +290,7 @@ s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.clos
 guard = own_rendezvous(1) if sys.argv[1] == "guarded" else open(os.devnull)
 with guard:  # as vLLM 0.26 starts a one-rank engine: its own group on a fresh TCP port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
-                            timeout=datetime.timedelta(seconds=3))
+                            timeout=datetime.timedelta(seconds=60 if sys.argv[1] == "guarded" else 3))
 print("agent store after:", os.environ.get("TORCHELASTIC_USE_AGENT_STORE"))
 """
 

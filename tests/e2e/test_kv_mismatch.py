@@ -114,18 +114,21 @@ def test_end_to_end_on_cpu_then_merge(tmp_path):
 
 
 def test_run_logged_stops_a_run_past_its_timeout(tmp_path):
-    """flagship_check.run_logged (each variant's run): the whole process group stopped at the timeout, rc 124,
-    the metrics it logged so far; the run dir emptied first."""
+    """flagship_check.run_logged (each variant's run): the whole process group stopped at the timeout (the
+    child's own child too), rc 124, the metrics it logged so far; the run dir emptied first."""
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 9}\n')
-    child = "import json, pathlib, subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; " \
-            f"time.sleep(60)']); pathlib.Path({str(tmp_path / 'run')!r}).mkdir(); " \
+    child = "import json, pathlib, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; " \
+            f"time.sleep(600)']); pathlib.Path({str(tmp_path / 'run')!r}).mkdir(); " \
+            f"pathlib.Path({str(tmp_path / 'grandchild')!r}).write_text(str(p.pid)); " \
             f"pathlib.Path({str(tmp_path / 'run' / 'metrics.jsonl')!r}).write_text(json.dumps({{'step': 0}}) + '\\n'); " \
-            "print('started', flush=True); time.sleep(60)"
+            "print('started', flush=True); time.sleep(600)"
     t0 = time.time()
-    metrics, rc = kv_mismatch.run_logged([sys.executable, "-c", child], tmp_path / "run", tmp_path / "log", 3)
-    assert rc == 124 and metrics == [{"step": 0}] and time.time() - t0 < 30
+    metrics, rc = kv_mismatch.run_logged([sys.executable, "-c", child], tmp_path / "run", tmp_path / "log", 20)
+    assert rc == 124 and metrics == [{"step": 0}] and time.time() - t0 < 300  # not the child's 600 s
     assert (tmp_path / "log").read_text() == "started\n"
+    status = Path(f"/proc/{(tmp_path / 'grandchild').read_text()}/status")
+    assert not status.exists() or "State:\tZ" in status.read_text()  # gone (or dead, not yet reaped)
 
 
 def test_qkv_rounding_on_the_real_model(real_model_dir, tmp_path):
