@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench.rollout import MOE_LAYERS, tiny_flow  # noqa: E402
 from bench.runner import visible_gpus  # noqa: E402
 from learn_gate import _stop  # noqa: E402
+from plot_runs import load_rows  # noqa: E402
 
 CONFIGS = ["llama31_8b_bf16", "llama31_8b_fp8", "qwen3_8b_bf16", "qwen3_8b_fp8", "qwen3_8b_fp8_kv"]
 MOE_CONFIGS = ["qwen3_30b_a3b_bf16", "qwen3_30b_a3b_fp8", "qwen3_30b_a3b_fp8_kv"]
@@ -193,13 +194,19 @@ def run_logged(cmd: list[str], run_dir: Path, log: Path, timeout: float, env: di
         except subprocess.TimeoutExpired:
             _stop([p])
             rc = 124
-    metrics = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").is_file() else []:
-        try:
-            metrics.append(json.loads(line))
-        except json.JSONDecodeError:  # a run stopped mid-write leaves a partial last line
-            pass
-    return metrics, rc
+    return (load_rows(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []), rc
+
+
+def run_timeout(name: str, timeout: float, time_limit: float, t_start: float) -> float | None:
+    """A run's timeout under --time-limit S counted from t_start (0: none): at most what is left, or None
+    (said on stdout) when less than MIN_RUN_S is left and the run should not start."""
+    if not time_limit:
+        return timeout
+    timeout = min(timeout, t_start + time_limit - time.time())
+    if timeout < MIN_RUN_S:
+        print(f"{name}: not started, {timeout:.0f} s left of --time-limit {time_limit:.0f}", flush=True)
+        return None
+    return timeout
 
 
 def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int) -> dict:
@@ -331,12 +338,9 @@ def main():
         """One run on a free GPU slot (None: this process's GPUs); its row."""
         slot = slots.pop(0)
         try:
-            timeout = args.timeout
-            if args.time_limit:
-                timeout = min(timeout, t_start + args.time_limit - time.time())
-                if timeout < MIN_RUN_S:
-                    print(f"{name}: not started, {timeout:.0f} s left of --time-limit {args.time_limit:.0f}", flush=True)
-                    return {"config": name, "ok": False, "rc": "not started (--time-limit)"}
+            timeout = run_timeout(name, args.timeout, args.time_limit, t_start)
+            if timeout is None:
+                return {"config": name, "ok": False, "rc": "not started (--time-limit)"}
             run_short = shipped_run(config, args.prompts) if args.shipped else short_run
             cmd = command(config, name, extra, run_short, args.steps, runs, args.moe_layers, args.overrides,
                           args.ranks)

@@ -69,7 +69,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from flagship_check import MIN_RUN_S, gpu_name, real_data, run_logged  # noqa: E402
+from flagship_check import MIN_RUN_S, gpu_name, real_data, run_logged, run_timeout  # noqa: E402
 from plot_runs import load_rows  # noqa: E402
 
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -260,13 +260,10 @@ def main(argv=None) -> int:
     amax = {v: {int(i): d for i, d in layers.items()} for m in merged for v, layers in m.get("amax", {}).items()}
     gpu = gpu_name() or "cpu"
     for v in args.variants:
-        timeout = args.timeout
-        if args.time_limit:
-            timeout = min(timeout, t_start + args.time_limit - time.time())
-            if timeout < MIN_RUN_S:
-                print(f"{v}: not started, {timeout:.0f} s left of --time-limit {args.time_limit:.0f}", flush=True)
-                rows[v] = {"variant": v, "overrides": VARIANTS[v], "ok": False, "rc": "not started (--time-limit)"}
-                continue
+        timeout = run_timeout(v, args.timeout, args.time_limit, t_start)
+        if timeout is None:
+            rows[v] = {"variant": v, "overrides": VARIANTS[v], "ok": False, "rc": "not started (--time-limit)"}
+            continue
         t0 = time.time()
         metrics, rc = run_logged(command(v, Path(args.config), run, runs, args.overrides), runs / v, out / f"{v}.log",
                                  timeout)

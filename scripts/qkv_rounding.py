@@ -66,6 +66,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from batch import token_logprobs
     from config import load_config
     from fp8.calibrate import QKVCalibrator, install
     from losses.mismatch import mismatch_metrics
@@ -94,7 +95,7 @@ def main(argv=None) -> int:
         lps, masks = [], []
         with torch.no_grad():
             for s, n in seqs:
-                lp = torch.log_softmax(model(s[None]).logits[0, :-1].float(), -1).gather(-1, s[1:, None])[:, 0]
+                lp = token_logprobs(model, s[None], torch.ones_like(s[None]), 1.0)[0, 1:]
                 mask = (s[1:] != tok.pad_token_id).float()
                 mask[: n - 1] = 0  # prompt tokens
                 lps.append(lp.cpu())

@@ -25,15 +25,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 import flagship_check  # noqa: E402
-
-
-def visible_gpus() -> list[str]:
-    if os.environ.get("CUDA_VISIBLE_DEVICES"):
-        return os.environ["CUDA_VISIBLE_DEVICES"].split(",")
-    out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True, text=True)
-    return out.stdout.split()
+from bench.runner import visible_gpus  # noqa: E402
+from plot_runs import load_rows  # noqa: E402
 
 
 def phase(label: str, args: list[str], gpus: list[str], out: Path, run_dir: Path, first_step: int = 0) -> dict:
@@ -55,8 +51,7 @@ def phase(label: str, args: list[str], gpus: list[str], out: Path, run_dir: Path
         if len(parts) == 2 and parts[1].isdigit():
             peaks[parts[0]] = max(peaks.get(parts[0], 0), int(parts[1]))
     text = (out / f"{label}.log").read_text(errors="replace")
-    metrics_file = run_dir / "metrics.jsonl"
-    steps = [json.loads(x) for x in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
+    steps = load_rows(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
     steps = [m for m in steps if "time/step" in m and m.get("step", 0) >= first_step]
     seconds = re.findall(r"(?:saved|loaded) in ([0-9.]+) s", text)
     return {"rc": rc, "ranks": len(gpus), "wall_s": round(wall, 1),
@@ -76,7 +71,7 @@ def main():
     p.add_argument("--runs", default="/tmp/resume_runs")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for both phases")
     args = p.parse_args()
-    gpus = visible_gpus()
+    gpus = [g for g in visible_gpus() if g is not None]  # (bench.runner's: CUDA_VISIBLE_DEVICES, else all)
     if max(args.save_ranks, args.resume_ranks) > len(gpus):
         print(f"error: --save-ranks/--resume-ranks: {max(args.save_ranks, args.resume_ranks)} ranks, {len(gpus)} GPUs "
               "visible; lower them or set CUDA_VISIBLE_DEVICES", file=sys.stderr)

@@ -62,7 +62,7 @@ def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
     fake.write_text(
         "import json, os, sys, time\n"
         "run = sys.argv[1]; os.makedirs(run, exist_ok=True); time.sleep(0.5)\n"
-        "step = {'time/step': 10.0 if 'bf16' in run else 8.0, 'optim/changed_frac': 1.0,\n"
+        "step = {'step': 0, 'time/step': 10.0 if 'bf16' in run else 8.0, 'optim/changed_frac': 1.0,\n"
         "        'mismatch/token_mult_prob_error': 1.0, 'gpu': os.environ.get('CUDA_VISIBLE_DEVICES')}\n"
         "open(os.path.join(run, 'metrics.jsonl'), 'w').write(json.dumps(step) + '\\n')\n")
     monkeypatch.setattr(fc, "command", lambda config, name, extra, short, steps, runs, *a: [sys.executable, str(fake),
