@@ -97,6 +97,7 @@ def train(args) -> Path:
         prof = observe.StepProfile(step, cfg.log, device)
         if cfg.train.val_every and step % cfg.train.val_every == 0:
             metrics["val/accuracy"] = trainer.validate(run)
+            metrics["time/validate"] = time.perf_counter() - t_step
         rounds = trainer.rollout_phase(run, step, metrics)            # generate + reward
         prof.after_rollout()
         batch = trainer.assemble_batch(run, rounds, metrics)          # advantages, [B, L] tensors

@@ -294,6 +294,7 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
         from fp8.fast.cache import refill_weight_caches, release_weight_caches
         release_weight_caches(run.model)
     run.engine.wake()
+    metrics["time/wake"] = time.perf_counter() - t0  # within time/rollout: the weight cache's release + the wake
     preempted = getattr(run.engine, "preemptions", None)  # vLLM: sequences recomputed for KV-cache room
     rounds = [rollout_round(run, step, 0, metrics)]
     while cfg.train.dynamic_sampling == "resample" and len(rounds) < cfg.train.max_rollout_rounds and \
@@ -303,10 +304,12 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
         metrics["mem/rollout_peak_gib"] = distributed.peak_gib(run.d.device)
     if preempted is not None:
         metrics["rollout/preemptions"] = run.engine.preemptions - preempted
+    t_sleep = time.perf_counter()
     run.engine.sleep()
     distributed.peak_gib(run.d.device)  # the trainer's interval starts with the engine asleep
     if cached:
         refill_weight_caches(run.model)
+    metrics["time/sleep"] = time.perf_counter() - t_sleep  # within time/rollout: the sleep + the cache's refill
     metrics["time/rollout"] = time.perf_counter() - t0 - metrics["time/reward"]
     return rounds
 
@@ -315,6 +318,7 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
     """Advantages and the padded batch; groups left out by dynamic sampling get loss mask 0 (the batch
     keeps its shape). Logs the collapse signals over round 0 (the step's fresh draw)."""
     cfg, d, n = run.cfg, run.d, run.cfg.rollout.n
+    t0 = time.perf_counter()
     groups, keep = collapse.assemble(rounds, n, cfg.train.dynamic_sampling)  # keep: bool [B / n]
     advantages = group_advantages(groups.rewards, n, cfg.advantage.normalize_std, cfg.advantage.eps)  # [B]
     signals = {"reward/zero_std_groups": (~collapse.has_variance(rounds[0].rewards, n)).float(),
@@ -330,6 +334,7 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
         groups.samples, run.tokenizer.pad_token_id, multiple))
     loss_mask = mask * keep.repeat_interleave(n).to(d.device)[:, None]  # [B, L]
     routed = routing.collate_routing(groups.samples, input_ids.shape[1])  # MoE: the engine's experts, else None
+    metrics["time/assemble"] = time.perf_counter() - t0
     return StepBatch(groups.prompts, groups.samples, groups.texts, groups.rewards, groups.correct, keep,
                      advantages.to(d.device), input_ids, attention_mask, mask, loss_mask, rollout_logp,
                      routed_experts=None if routed is None else routed.to(d.device), multiple=multiple)
@@ -539,12 +544,13 @@ def validate(run: Run) -> float:
     return float(distributed.all_sum(correct, d)) / len(val)
 
 
-PHASE_TIMES = ("time/rollout", "time/reward", "time/logprobs", "time/train", "time/recalibrate", "time/refit")
+PHASE_TIMES = ("time/validate", "time/rollout", "time/reward", "time/assemble", "time/logprobs", "time/train",
+               "time/recalibrate", "time/refit")
 
 
 def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
     """Rewards, lengths, lr, time and memory of the step, over all ranks' samples. time/other: the step's
-    seconds outside its timed phases (validation, batch assembly, metrics, host syncs, the probe)."""
+    seconds outside its timed phases (PHASE_TIMES: the metrics' host syncs, the batch dump, the probe)."""
     d, n = run.d, run.cfg.rollout.n
     truncated = torch.tensor([float(s.finish_reason == "length") for s in b.samples])
     rewards, correct, lengths, truncated = (distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu()
