@@ -1,0 +1,267 @@
+"""Does a real pretrained model learn with GRPO? SmolLM2-135M-Instruct over seeds, BF16 vs FP8 KV cache.
+
+    python scripts/real_learn.py --out /tmp/real             # one GPU: 4 seeds x {fp8kv, bf16}, concurrent, < 570 s
+    python scripts/real_learn.py --cpu --model tiny --config configs/tiny_cpu.yaml --seeds 0 --steps 2   # the machinery
+
+The runs are scripts/learn_gate.py's (its launcher: concurrent processes on one GPU, each a small vLLM
+share, rollout.sleep_mode=false, staggered starts, whatever still runs at --deadline-s stopped), on
+configs/gsm8k.yaml scaled down as scripts/kv_mismatch.py does (plain AdamW, eager trainer, no
+checkpoints), every run starting from the same pretrained model: no warm start. Two modes:
+
+    fp8kv   fp8.kv_cache=true: the engine's KV cache and attention in FP8 (scales recalibrated per rollout)
+    bf16    fp8.kv_cache=false
+Both keep BF16 linears (fp8.train=false fp8.rollout=false): SmolLM2's hidden size 576 is not a multiple
+of FP8's 128-blocks, so its linears would stay BF16 in the full recipe too.
+
+The task: "What is a + b?" with the answer in \\boxed{} (the config's chat template and reward), written
+as GSM8K-format JSONL into WORK/data from --data-seed; the test rows are held-out problems. --task add1:
+a, b in 0..9 (100 problems, 40 held out); add2: a in 10..49, b in 1..9 (360 problems, 64 held out).
+Why this task: GRPO learns only from groups with both right and wrong samples. On GSM8K-style multi-step
+prompts (and on two-digit + two-digit sums) the 135M model's sampled reward at temperature 1 sits near
+0 (measured on the H200: ~0.5% on 2-digit additions), so most groups carry no gradient. On one-digit
+sums it usually computes the sum ("6 + 6 = 12") but often leaves the \\boxed{} empty or wanders off:
+its reward starts well above 0 and well below 1, which is the learnable part (the format and staying
+on task). The rollout temperature stays 1.0 (the trainer scores tokens under logits / temperature,
+so another would be consistent, but 1.0 keeps the recipe's exploration and IS figures comparable).
+
+Greedy validation at step 0 and at the last step (train.val_every=--steps); the gain is the final
+accuracy minus step 0's. Reported per run: both accuracies, the gain, the sampled reward's mean over
+the first and the last 5 steps, mismatch/token_mult_prob_error's mean; per mode the mean and standard
+deviation of the gain and of the final accuracy; the gap fp8kv - bf16 of both means. No PASS/FAIL: the
+learning gate's thresholds are the quickstart's. A run without its final validation is listed as
+unfinished and left out of the means.
+
+Writes into --out: real_learn.json, real_learn.md, <mode>_s<seed>_metrics.jsonl and .log per run, and
+real_learn_runs.tgz holding all of those. Exit 0 when every run finished, 1 if one did not, 2 on bad
+arguments (one line `error: ...`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import sys
+import tarfile
+import time
+from datetime import datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+from kv_mismatch import model_dir  # noqa: E402
+from learn_gate import _device, _log, launch_all  # noqa: E402
+from plot_runs import load_rows  # noqa: E402
+
+BF16_LINEARS = ["fp8.train=false", "fp8.rollout=false"]
+MODES = {"fp8kv": [*BF16_LINEARS, "fp8.kv_cache=true"], "bf16": [*BF16_LINEARS, "fp8.kv_cache=false"]}
+TASKS = {"add1": (range(0, 10), range(0, 10), 40), "add2": (range(10, 50), range(1, 10), 64)}  # a, b, held out
+INSTRUCTION = "Put your final answer within \\boxed{}."
+CPU = ["train.device=cpu", "rollout.engine=hf", "model.gradient_checkpointing=false", "fp8.cache_weights=false"]
+MISMATCH = "mismatch/token_mult_prob_error"
+TAIL = 5
+
+
+def fail(msg: str) -> None:
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+def write_task(d: Path, task: str, seed: int, train_rows: int = 2000) -> Path:
+    """DIR/train.jsonl and DIR/test.jsonl in GSM8K's fields for `task` (TASKS), from `seed`: the test rows
+    are held-out problems (each once), the train rows drawn with repetition from the others."""
+    a_range, b_range, held_out = TASKS[task]
+    problems = [(a, b) for a in a_range for b in b_range]
+    rng = random.Random(seed)
+    rng.shuffle(problems)
+    test, train = problems[:held_out], problems[held_out:]
+    d.mkdir(parents=True, exist_ok=True)
+
+    def row(a, b):
+        return json.dumps({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}) + "\n"
+    (d / "train.jsonl").write_text("".join(row(*rng.choice(train)) for _ in range(train_rows)))
+    (d / "test.jsonl").write_text("".join(row(a, b) for a, b in test))
+    return d
+
+
+def run_overrides(args, data: Path) -> list[str]:
+    """configs/gsm8k.yaml scaled down to the task, for every run."""
+    run = [f"model.name_or_path={args.model}", "data.source=jsonl", f"data.path={data / 'train.jsonl'}",
+           f"data.val_split={data / 'test.jsonl'}", "data.prompt_field=question", "data.answer_field=answer",
+           "data.answer_regex=#### (.*)", f"data.instruction={INSTRUCTION}", "data.max_prompt_tokens=128",
+           f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
+           f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_model_len=0", "optim.name=adamw",
+           f"optim.lr={args.lr}", "optim.warmup_steps=0", "train.mini_batch_size=0", "train.compile=none",
+           f"train.steps={args.steps}", f"train.val_every={args.steps}", f"train.val_max_prompts={TASKS[args.task][2]}",
+           "train.ckpt_every=0", "train.save_final=false", "train.probe=false", "log.tensorboard=false",
+           "log.dump_episodes_every=0"]
+    if args.model == "tiny":  # a char tokenizer: no chat template, and the task's characters in its vocabulary
+        run += ["data.template=plain", "model.tiny.vocab=" + "".join(map(chr, range(32, 127))) + "\n"]
+    return run + (CPU if args.cpu else [f"rollout.gpu_memory_utilization={args.gpu_share}", "rollout.sleep_mode=false"])
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(rows: list[dict], steps: int) -> dict:
+    """One run's metrics.jsonl rows -> its table row."""
+    train = [r for r in rows if "reward/mean" in r]
+    val = {r["step"]: float(r["val/accuracy"]) for r in rows if "val/accuracy" in r}
+    v0, vend = val.get(0), val.get(steps)
+    return {"val_step0": v0, "val_final": vend, "gain": None if v0 is None or vend is None else vend - v0,
+            "steps_logged": len(train), "finished": vend is not None,
+            "reward_first5": _mean([r["reward/mean"] for r in train[:TAIL]]),
+            "reward_last5": _mean([r["reward/mean"] for r in train[-TAIL:]]),
+            "token_mult_prob_error": _mean([r[MISMATCH] for r in train if MISMATCH in r])}
+
+
+def aggregate(runs: list[dict], modes: list[str]) -> dict:
+    """Per mode: n finished, mean and std (sample, n-1) of gain and of final accuracy; the fp8kv - bf16 gaps."""
+    out = {}
+    for mode in modes:
+        done = [r for r in runs if r["mode"] == mode and r["finished"]]
+        out[mode] = {"finished": len(done), "of": len([r for r in runs if r["mode"] == mode])}
+        for key in ("gain", "val_final"):
+            xs = [r[key] for r in done if r[key] is not None]
+            out[mode][f"{key}_mean"] = _mean(xs)
+            out[mode][f"{key}_std"] = statistics.stdev(xs) if len(xs) > 1 else None
+    if {"fp8kv", "bf16"} <= set(out):
+        for key in ("gain", "val_final"):
+            a, b = out["fp8kv"][f"{key}_mean"], out["bf16"][f"{key}_mean"]
+            out[f"gap_{key}"] = None if a is None or b is None else a - b
+    return out
+
+
+def _f(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(runs: list[dict], agg: dict, modes: list[str]) -> str:
+    lines = ["| mode | seed | val step 0 | val final | gain | steps | reward first 5 | reward last 5 | "
+             "token_mult_prob_error |", "|" + "---|" * 9]
+    for r in sorted(runs, key=lambda r: (modes.index(r["mode"]), r["seed"])):
+        lines.append(f"| {r['mode']} | {r['seed']} | {_f(r['val_step0'])} | {_f(r['val_final'])} | "
+                     f"{_f(r['gain'], '+.3f')} | {r['steps_logged']}{'' if r['finished'] else ' (unfinished)'} | "
+                     f"{_f(r['reward_first5'])} | {_f(r['reward_last5'])} | {_f(r['token_mult_prob_error'], '.4f')} |")
+    lines += ["", "| mode | finished | gain mean | gain std | final val mean | final val std |", "|" + "---|" * 6]
+    for m in modes:
+        a = agg[m]
+        lines.append(f"| {m} | {a['finished']}/{a['of']} | {_f(a['gain_mean'], '+.3f')} | {_f(a['gain_std'])} | "
+                     f"{_f(a['val_final_mean'])} | {_f(a['val_final_std'])} |")
+    if "gap_gain" in agg:
+        lines += ["", f"fp8kv - bf16: gain {_f(agg['gap_gain'], '+.3f')}, final val {_f(agg['gap_val_final'], '+.3f')}"]
+    return "\n".join(lines) + "\n"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", help="HF model dir, or 'tiny' (the config's model.tiny) (default: scripts/real_model.py's)")
+    p.add_argument("--config", default=str(ROOT / "configs" / "gsm8k.yaml"))
+    p.add_argument("--task", default="add1", help=f"one of {', '.join(TASKS)} (default add1)")
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the task's train/test files")
+    p.add_argument("--seeds", default="0,1,2,3", help="train.seed of the runs")
+    p.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--prompts", type=int, default=32, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--lr", type=float, default=5e-6)
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/real_learn"))
+    p.add_argument("--work", default="/tmp/real_learn_runs", help="run dirs (emptied first)")
+    p.add_argument("--deadline-s", type=float, default=570, help="stop runs still going this long after the start")
+    p.add_argument("--gpu-share", type=float, default=0.06, help="rollout.gpu_memory_utilization of each run")
+    p.add_argument("--max-concurrent", type=int, default=8)
+    p.add_argument("--stagger-timeout-s", type=float, default=150)
+    p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run")
+    p.add_argument("--cpu", action="store_true", help="train.device=cpu, HF engine, 2 runs at a time, no stagger")
+    p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every run")
+    return p
+
+
+def check_args(args) -> None:
+    """Bad input -> `error: ...`, exit 2, before any run starts."""
+    try:
+        args.seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        fail(f"--seeds {args.seeds!r}: expected integers like 0,1,2,3")
+    if not args.seeds:
+        fail("--seeds: give at least one seed, like 0,1,2,3")
+    args.modes = [m for m in args.modes.split(",") if m]
+    if not args.modes or any(m not in MODES for m in args.modes):
+        fail(f"--modes {','.join(args.modes)}: expected a subset of {','.join(MODES)}")
+    if args.task not in TASKS:
+        fail(f"--task {args.task}: expected one of {', '.join(TASKS)}")
+    for name in ("steps", "prompts", "n", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            fail(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    if not args.lr > 0:
+        fail(f"--lr {args.lr}: must be > 0")
+    if not Path(args.config).is_file():
+        fail(f"--config {args.config}: no such file; give a YAML config such as configs/gsm8k.yaml")
+    args.model = model_dir(args.model)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    out, work, t0 = Path(args.out), Path(args.work), time.time()
+    if work.exists():
+        shutil.rmtree(work)
+    data = write_task(work / "data", args.task, args.data_seed)
+    from config import load_config
+    from errors import UserError
+    run = run_overrides(args, data)
+    try:  # a bad override fails here, once, not in every run
+        for m in args.modes:
+            load_config(args.config, [*run, *MODES[m], *args.overrides])
+    except UserError as e:
+        fail(str(e))
+    # learn_gate's launcher: train.seed, out dir and run name per run; then run_overrides, the mode's, extra
+    gate = argparse.Namespace(seeds=args.seeds, modes=args.modes, deadline_s=args.deadline_s, threads=args.threads,
+                              max_concurrent=min(args.max_concurrent, 2) if args.cpu else args.max_concurrent,
+                              stagger=not args.cpu, stagger_timeout_s=args.stagger_timeout_s,
+                              config=Path(args.config).resolve(), run_overrides=run, mode_overrides=MODES,
+                              extra=args.overrides)
+    _log(f"real_learn: model {args.model}, task {args.task}, {args.steps} steps, seeds {args.seeds}, "
+         f"modes {args.modes}, deadline {args.deadline_s:.0f}s, out {out}", t0)
+    launched = launch_all(gate, work, t0)
+    out.mkdir(parents=True, exist_ok=True)
+    runs, files = [], []
+    for s in args.seeds:
+        for m in args.modes:
+            metrics = work / f"{m}_s{s}" / "metrics.jsonl"
+            runs.append({"mode": m, "seed": s, **summarize(load_rows(metrics) if metrics.is_file() else [], args.steps),
+                         "rc": launched.get((m, s), {}).get("rc", "not started")})
+            for src, dst in ((metrics, out / f"{m}_s{s}_metrics.jsonl"), (work / f"{m}_s{s}.log", out / f"{m}_s{s}.log")):
+                if src.is_file():
+                    dst.write_bytes(src.read_bytes())
+                    files.append(dst)
+    agg = aggregate(runs, args.modes)
+    md = markdown(runs, agg, args.modes)
+    unfinished = [f"{r['mode']} seed {r['seed']}" for r in runs if not r["finished"]]
+    if unfinished:
+        md += "\nunfinished (no final validation by the deadline or the run failed): " + ", ".join(unfinished) + "\n"
+    print(md, flush=True)
+    (out / "real_learn.json").write_text(json.dumps({
+        "model": args.model, "config": args.config, "task": args.task, "data_seed": args.data_seed,
+        "instruction": INSTRUCTION, "modes": {m: MODES[m] for m in args.modes},
+        "settings": {k: getattr(args, k) for k in ("steps", "prompts", "n", "max_new_tokens", "lr", "gpu_share",
+                                                   "deadline_s", "cpu")},
+        "overrides": [*run, *args.overrides], "runs": runs, "summary": agg, "unfinished": unfinished,
+        "commands": {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}, "device": _device(),
+        "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1)}, indent=1) + "\n")
+    (out / "real_learn.md").write_text(md)
+    with tarfile.open(out / "real_learn_runs.tgz", "w:gz") as tar:
+        for f in [out / "real_learn.json", out / "real_learn.md", *files]:
+            tar.add(f, arcname=f.name)
+    _log(f"results in {out}", t0)
+    return 1 if unfinished else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
