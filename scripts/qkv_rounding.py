@@ -13,6 +13,11 @@ per-tensor K/V scales make a cache write the same rounding as in a full forward,
 engine with exact attention math would log. Per case: losses/mismatch.py's metrics (token_mult_prob_error,
 kl, ...) over the completion tokens against the unrounded model. Writes OUT/qkv_rounding.json and
 OUT/qkv_rounding.md. Bad input: `error: ...`, exit 2.
+
+--per-layer adds where the cost sits: q, k and v rounded (calibrated scales) in one layer at a time, then
+in every layer but the k costliest of those (k = 1, 2, 4, 8, ...). The second is what vLLM's
+`kv_cache_dtype_skip_layers` (fp8.kv_skip_layers) does: the skipped layers keep a BF16 cache and BF16
+attention, the rest FP8.
 """
 
 from __future__ import annotations
@@ -42,6 +47,27 @@ def rounding(which: str, scales: tuple[float, float, float]):
     return t
 
 
+def per_layer(mods: dict, scales: dict, logps, ref, mask) -> dict:
+    """q, k, v rounded in one layer at a time; then in all but the k layers costliest alone (k = 1, 2, 4, ...)."""
+    from losses.mismatch import mismatch_metrics
+
+    def score(rounded: set) -> dict:
+        for i, m in mods.items():
+            m._fp8_qkv.transform = rounding("qkv", scales[i]) if i in rounded else None
+        return {k: round(float(v), 5) for k, v in mismatch_metrics(ref, logps()[0], mask).items()}
+    single = []
+    for i in mods:
+        single.append({"layer": i, **score({i})})
+        print(json.dumps(single[-1]), flush=True)
+    costliest = [r["layer"] for r in sorted(single, key=lambda r: -r["token_mult_prob_error"])]
+    skip, k = [], 1
+    while k < len(mods):
+        skip.append({"bf16_layers": sorted(costliest[:k]), **score(set(mods) - set(costliest[:k]))})
+        print(json.dumps(skip[-1]), flush=True)
+        k *= 2
+    return {"single": single, "skip": skip}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", help="HF model dir (default: scripts/real_model.py's)")
@@ -52,6 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="/tmp/qkv_rounding")
+    p.add_argument("--per-layer", action="store_true", help="also the cost per layer, and with the costliest layers left BF16")
     args = p.parse_args(argv)
     for name in ("prompts", "samples", "max_new_tokens"):
         if getattr(args, name) < 1:
@@ -114,17 +141,23 @@ def main(argv=None) -> int:
             results.append({"rounded": which, "scales": kind,
                             **{k: round(float(v), 5) for k, v in mismatch_metrics(ref, lp, mask).items()}})
             print(json.dumps(results[-1]), flush=True)
+    layers = per_layer(mods, scales, logps, ref, mask) if args.per_layer else None
     for m in mods.values():
         m._fp8_qkv.transform = None
     out.mkdir(parents=True, exist_ok=True)
     (out / "qkv_rounding.json").write_text(json.dumps({
         "model": args.model, "device": args.device, "tokens": int(mask.sum()), "sequences": len(seqs),
         "settings": {k: getattr(args, k) for k in ("prompts", "samples", "max_new_tokens", "seed")},
-        "scales": {i: list(s) for i, s in scales.items()}, "cases": results}, indent=1) + "\n")
+        "scales": {i: list(s) for i, s in scales.items()}, "cases": results, "per_layer": layers}, indent=1) + "\n")
     md = ["| rounded to e4m3 | scales | token_mult_prob_error | kl | mean abs diff | max abs diff |", "|---|---|---|---|---|---|"]
     md += [f"| {r['rounded']} | {r['scales']} | {r['token_mult_prob_error']:.4f} | {r['kl']:.5f} | "
            f"{r['mean_abs_diff']:.4f} | {r['max_abs_diff']:.3f} |" for r in results]
     md.append(f"\n{int(mask.sum())} completion tokens of {len(seqs)} sequences; against the same model unrounded.")
+    if layers:
+        md += ["", "| q, k, v rounded in | token_mult_prob_error | kl |", "|---|---|---|"]
+        md += [f"| layer {r['layer']} only | {r['token_mult_prob_error']:.4f} | {r['kl']:.5f} |" for r in layers["single"]]
+        md += [f"| all but layers {r['bf16_layers']} | {r['token_mult_prob_error']:.4f} | {r['kl']:.5f} |"
+               for r in layers["skip"]]
     (out / "qkv_rounding.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0
