@@ -32,7 +32,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from kv_mismatch import fail, model_dir, synthetic_gsm8k  # noqa: E402
+from kv_mismatch import fail, model_dir, synthetic_gsm8k
 
 CASES = ["q", "k", "v", "kv", "qkv"]
 
