@@ -31,14 +31,16 @@ file and `.metadata`); rank 0 writes meta.pt, fsyncs it and the dir, renames the
 leaves either the complete `step_N/` or none, plus at most a `.tmp-*` dir. Several nodes: the
 checkpoint dir must be on a filesystem every node sees (as DCP's FileSystemWriter assumes).
 
-Resume (load_latest): the newest complete checkpoint that loads; one that does not (a file
-truncated or garbled after its commit, a disk error, tensors of another shape) is skipped with
-one line naming it and why, and the next older one is tried. What is caught: a missing, truncated
-or unreadable file (.metadata, a .distcp, meta.pt), a torn record, a missing key, a shape that
-differs. Not caught: flipped bits inside a tensor's data (DCP keeps no checksums and torch.load
-does not verify them): those load. Running out of device memory is no damage (an older checkpoint
-needs as much): it stops the resume with one line naming the checkpoint, the memory asked for and
-free, and the fix (more GPUs, a smaller vLLM share).
+Resume (load_latest): the newest complete checkpoint that loads. One whose files are damaged (a
+file truncated or garbled after its commit, a disk error: `damage` finds meta.pt or .metadata
+unreadable, or a file shorter than its index says) is skipped with one line naming it and why, and
+the next older one is tried. A checkpoint whose files are intact but that does not load (a shape or
+key that differs from this run, a bug) stops the resume: an older checkpoint would fail alike, and
+the files are not to blame. The error names the checkpoint and the reason, after the traceback.
+Not caught: flipped bits inside a tensor's data (DCP keeps no checksums and torch.load does not
+verify them): those load. Running out of device memory is no damage either: it stops the resume
+with one line naming the checkpoint, the memory asked for and free, and the fix (more GPUs, a
+smaller vLLM share).
 
 RNG: meta.pt keeps every rank's global RNG states (python, numpy, torch CPU, CUDA). Resumed on
 the same number of ranks, each rank gets its own back: exact. On another number there is no
@@ -74,6 +76,7 @@ import random
 import re
 import shutil
 import signal
+import traceback
 import warnings
 from datetime import datetime
 from pathlib import Path
@@ -260,6 +263,30 @@ def _oom_error(path: Path, oom: BaseException, d: Dist) -> UserError:
                      "resume on more GPUs (torchrun --nproc_per_node N), or lower rollout.gpu_memory_utilization")
 
 
+def damage(path: str | Path) -> str | None:
+    """Why checkpoint `path`'s files are damaged, else None: meta.pt or DCP's .metadata unreadable, or a
+    file the index points into missing or shorter than the index says (a copy or write cut short).
+    Bytes changed inside a file's length are not seen (DCP keeps no checksums)."""
+    path = Path(path)
+    try:
+        if (path / LEGACY).is_file():
+            torch.load(path / LEGACY, map_location="cpu", weights_only=False)
+            return None
+        torch.load(path / META, map_location="cpu", weights_only=False)
+        with _quiet():
+            index = dcp.FileSystemReader(path).read_metadata().storage_data
+    except Exception as e:
+        return _reason(e)
+    need: dict[str, int] = {}
+    for item in index.values():
+        need[item.relative_path] = max(need.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(need.items()):
+        have = (path / name).stat().st_size if (path / name).is_file() else None
+        if have is None or have < size:
+            return f"{name} is {'missing' if have is None else f'{have} bytes'}, its index needs {size}"
+    return None
+
+
 def _load_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> dict:
     """Load checkpoint `path` into model and optimizer (collective); its meta with this rank's RNG state."""
     if (path / LEGACY).is_file():
@@ -283,11 +310,12 @@ def _load_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d
 def load_latest(root: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist = Dist(),
                 log=print) -> tuple[Path, dict] | None:
     """Load the newest checkpoint under root that loads into model and optimizer (collective):
-    (its dir, its meta, with "rng" this rank's RNG state to restore). A checkpoint that fails to load
-    is skipped with one line through `log`; a skipped one may have left some weights half-loaded,
-    which the older checkpoint then overwrites completely. None when root holds no complete
-    checkpoint; UserError when none of them loads, or when one runs out of memory (every checkpoint of
-    the run needs the same memory, so none is skipped for that)."""
+    (its dir, its meta, with "rng" this rank's RNG state to restore). A damaged checkpoint is skipped
+    with one line through `log`; a skipped one may have left some weights half-loaded, which the older
+    checkpoint then overwrites completely. None when root holds no complete checkpoint; UserError when
+    none of them loads, when one with intact files does not load (its traceback through `log` first),
+    or when one runs out of memory (every checkpoint of the run needs the same memory, so none is
+    skipped for that)."""
     failed = []
     for _, path in reversed(checkpoints(root)):
         try:
@@ -295,6 +323,12 @@ def load_latest(root: str | Path, model: nn.Module, optimizer: torch.optim.Optim
         except (Exception, dcp.api.CheckpointException) as e:  # CheckpointException is a BaseException
             if (oom := _out_of_memory(e)) is not None:  # an older checkpoint needs as much: no fallback
                 raise _oom_error(path, oom, d) from e
+            if damage(path) is None:  # the run, not the files, stops it: an older checkpoint would fail alike
+                log(f"loading checkpoint {path} failed:\n{''.join(traceback.format_exception(e)).rstrip()}")
+                raise UserError(f"checkpoint {path} does not load into this run ({_reason(e)}), though its files "
+                                "are intact (not damaged; no older checkpoint is tried): check what changed since "
+                                "it was saved (config overrides, GPUs, library versions), and report the traceback "
+                                "above if nothing did") from e
             failed.append(f"{path.name}: {_reason(e)}")
             log(f"skipping checkpoint {path}: it does not load ({_reason(e)})")
     if failed:

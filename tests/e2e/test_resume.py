@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from checkpoint import checkpoints, latest_checkpoint, load_checkpoint, load_latest, save_checkpoint
+from checkpoint import checkpoints, damage, latest_checkpoint, load_checkpoint, load_latest, save_checkpoint
 from conftest import TINY_RUN, TINY_STEPS, read_metrics, run_train, train_cmd
 from errors import UserError
 
@@ -165,6 +165,35 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_older(tmp_path, how):
     msg = str(e.value)
     assert msg.startswith(f"no checkpoint in {root} loads (step_000003: ") and "; step_000002: " in msg
     assert "\n" not in msg and msg.endswith("start a new run without --resume")
+
+
+def test_intact_checkpoint_that_does_not_load_stops_the_resume(tmp_path):
+    """A checkpoint with intact files that does not load into this run (here: a layer of another width)
+    is not called broken and no older one is tried: the traceback, then a UserError naming it, the
+    reason and that its files are intact. damage() finds each kind of damage the fallback is for."""
+    root = tmp_path / "checkpoints"
+    model, optimizer = small_model()
+    for step in (2, 3):
+        save_checkpoint(root, step, {"step": step}, model, optimizer)
+    assert damage(root / "step_000003") is None
+    torch.manual_seed(0)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    lines = []
+    with pytest.raises(UserError) as e:
+        load_latest(root, other, torch.optim.AdamW(other.parameters()), log=lines.append)
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoint {root / 'step_000003'} does not load into this run (") and "\n" not in msg
+    assert "though its files are intact" in msg
+    assert len(lines) == 1 and lines[0].startswith(f"loading checkpoint {root / 'step_000003'} failed:\nTraceback")
+    assert not any(line.startswith("skipping") for line in lines)
+
+    for how in ("truncated shard", "garbled index", "garbled meta"):
+        path = tmp_path / how.replace(" ", "_")
+        save_checkpoint(path, 1, {"step": 1}, model, optimizer)
+        garble(path / "step_000001", how)
+        assert damage(path / "step_000001"), how
+    (root / "step_000002" / "__0_0.distcp").unlink()
+    assert damage(root / "step_000002").startswith("__0_0.distcp is missing, its index needs ")
 
 
 CUDA_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
