@@ -287,6 +287,24 @@ def damage(path: str | Path) -> str | None:
     return None
 
 
+def _stage_on_cpu(optim_sd: dict) -> dict[tuple[str, str], torch.Tensor]:
+    """Swap each torchao low-bit optimizer state (8-bit AdamW's) of a one-process optimizer state dict for
+    a CPU copy for DCP to load into; {(param name, key): the live tensor} to copy it back to.
+    Why: torchao keeps a state of < 4096 values per rank in full precision, so an RMSNorm weight's
+    moments saved on 2 ranks are plain tensors that load into 8-bit ones on 1 rank, and torchao 0.18's
+    OptimState8bit.copy_ quantizes a plain source on the source's device with the destination's
+    code map: DCP's CPU reads into CUDA states fail ("Expected all tensors to be on the same device").
+    On CPU both are on one device; 8-bit to 8-bit copies move codes and scales (1 byte per value)."""
+    from torch.distributed.tensor import DTensor
+    from torchao.utils import TorchAOBaseTensor
+    live = {}
+    for name, states in optim_sd.get("state", {}).items():
+        for key, t in states.items():
+            if isinstance(t, TorchAOBaseTensor) and not isinstance(t, DTensor):
+                live[name, key], states[key] = t, t.to("cpu")
+    return live
+
+
 def _load_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> dict:
     """Load checkpoint `path` into model and optimizer (collective); its meta with this rank's RNG state."""
     if (path / LEGACY).is_file():
@@ -295,9 +313,13 @@ def _load_into(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, d
     else:  # meta first: a bad meta.pt is found before any weight is touched; every rank reads the same file
         meta = torch.load(path / META, map_location="cpu", weights_only=False)
         model_sd, optim_sd = distributed.sharded_state(model, optimizer)
+        live = _stage_on_cpu(optim_sd)
         state = {"model": model_sd, "optimizer": optim_sd}
         with _quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path))  # errors are raised on every rank
+        for (name, key), t in live.items():  # each staged state into its live tensor, in place
+            t.copy_(optim_sd["state"][name][key])
+            optim_sd["state"][name][key] = t
         distributed.load_sharded_state(model, optimizer, state["model"], state["optimizer"])
         if not meta.get("optimizer_stepped", True):  # saved before any optimizer step: none taken yet
             optimizer.state.clear()
