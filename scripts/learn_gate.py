@@ -187,12 +187,15 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 
 def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
     """Start every (mode, seed) run, staggered and at most --max-concurrent at once; wait for them or the
-    deadline. -> {(mode, seed): {"dir", "log", "cmd", "rc"}}."""
-    todo = [(mode, seed) for seed in args.seeds for mode in args.modes]  # alternate modes: same contention
+    deadline. -> {(mode, seed): {"dir", "log", "cmd", "rc"}}. Optional: args.runs, the (mode, seed) runs to
+    start, in order (default: every seed x mode); args.env, variables added to each run's environment
+    (scripts/real_learn.py --gpus: one call per GPU, CUDA_VISIBLE_DEVICES)."""
+    todo = list(getattr(args, "runs", None) or
+                [(mode, seed) for seed in args.seeds for mode in args.modes])  # alternate modes: same contention
     runs, live = {}, []
     deadline = t0 + args.deadline_s
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(args.threads))}
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(args.threads)), **getattr(args, "env", {})}
     retried = set()
     while todo:
         mode, seed = todo.pop(0)

@@ -1,17 +1,54 @@
 """Does a real pretrained model learn with GRPO? SmolLM2-135M-Instruct over seeds, BF16 vs FP8 KV cache.
 
-    python scripts/real_learn.py --out /tmp/real             # one GPU: 4 seeds x {fp8kv, bf16}, concurrent, < 570 s
+    # one host with 4 GPUs: 4 seeds x {fp8kv, bf16}, 2 runs per GPU
+    python scripts/real_learn.py --model DIR --out OUT --gpus 0,1,2,3 --seeds 0,1,2,3 --steps 30 --deadline-s 540
+    # one GPU (an H200): 3 seeds x {fp8kv, bf16}
+    python scripts/real_learn.py --model DIR --out OUT --seeds 0,1,2 --steps 25 --deadline-s 540
+    python scripts/real_learn.py --model tiny --gpus 0,1,2,3 --dry-run       # each run's GPU and overrides
     python scripts/real_learn.py --cpu --model tiny --config configs/tiny_cpu.yaml --seeds 0 --steps 2   # the machinery
 
-The runs are scripts/learn_gate.py's (its launcher: concurrent processes on one GPU, each a small vLLM
-share, rollout.sleep_mode=false, staggered starts, whatever still runs at --deadline-s stopped), on
+The runs are scripts/learn_gate.py's (its launcher: concurrent processes, each with a small vLLM share,
+rollout.sleep_mode=false, staggered starts, whatever still runs at --deadline-s stopped), on
 configs/gsm8k.yaml scaled down as scripts/kv_mismatch.py does (plain AdamW, eager trainer, no
-checkpoints), every run starting from the same pretrained model: no warm start. Two modes:
+checkpoints, no episode dumps), every run starting from the same pretrained model: no warm start. Two modes:
 
     fp8kv   fp8.kv_cache=true: the engine's KV cache and attention in FP8 (scales recalibrated per rollout)
     bf16    fp8.kv_cache=false
 Both keep BF16 linears (fp8.train=false fp8.rollout=false): SmolLM2's hidden size 576 is not a multiple
 of FP8's 128-blocks, so its linears would stay BF16 in the full recipe too.
+
+Timing (H200, 2026-11-26: 4 seeds x 2 modes on one GPU, 25 steps of 32 prompts x 8 samples x <= 48
+tokens, share 0.06): no run finished within 540 s. A step took time/train 13-15 s and time/logprobs
+2.3-3.7 s for 256 samples of ~80 tokens, the rollout 0.3-0.5 s: the trainer ran gsm8k.yaml's
+micro-batches of 4 (the 8B configs'), 64 forward/backward passes a step with gradient checkpointing,
+each a few thousand kernel launches of a 135M model; with 8 processes time-slicing the GPU every
+launch and host sync waits its turn (time/other, the step's host syncs, was 2.5-3 s). And engines
+start one after another (41-68 s each; a start that overlaps a neighbour's memory changes trips
+vLLM's profiling), so the 8th started at +366 s. Hence:
+  - train.micro_batch_size: the largest divisor of the step's samples up to --micro-batch (64): 4
+    passes a step, for the old logprobs and the q/k/v recalibration too. train.mini_batch_size=0: one
+    optimizer step per step, as before (the batch is one mini-batch; config.validate's rule holds).
+  - model.gradient_checkpointing (--grad-ckpt auto): off when at most 2 runs share a GPU, on otherwise.
+    Memory per trainer at 64 rows x ~90 tokens (memory.py's per-token model): ~14 GiB of activations
+    without it (the 30 layers' saved tensors; the logits' 10 x vocab bytes are 0.5 MiB a token
+    either way), ~3.3 GiB with it; plus ~4 GiB of fp32 weights, grads, AdamW states and runtime, and
+    the vLLM share (0.06: 4.8 GiB of an H100, 8.4 of an H200). 2 runs x ~23 GiB fit any 80 GB card;
+    6-8 on one GPU only checkpointed, and only on an H200 (8 x (7.3 + 8.4) = 126 GiB of 140).
+  - --gpus 0,1,2,3: runs round-robin over the GPUs in launch order (fp8kv s0, bf16 s0, fp8kv s1, ...),
+    each round shifted by one GPU so each GPU gets both modes; CUDA_VISIBLE_DEVICES per run; one
+    learn_gate launcher per GPU, concurrently, so the one-start-at-a-time stagger holds per GPU:
+    4 GPUs x 2 runs start in ~2 engine starts (~2 x 60 s) instead of 8. Without --gpus: one launcher,
+    the environment's GPU. --max-concurrent counts per GPU.
+Expected (an estimate, not yet measured): a step ~2-3 s with 2 runs per GPU (train and logprobs 16x
+fewer passes, less time-slicing), so on 4 GPUs the second run of each GPU is up at ~+110 s and done
+by ~+200-270 s; on one GPU with 6 runs, ~4-5 s a step and the 6th engine up at ~+320 s, done by
+~+430-470 s. 8 runs on one GPU do not fit 540 s (8 starts alone ~370 s).
+Step 0's greedy validation is the same for every seed of a mode (one model, the same held-out
+prompts, greedy): bf16 0.725, fp8kv 0.775 on the H200 (40 problems); seeds differ from step 0's
+rollout on (train.seed seeds the sampling; the prompt order is data.seed's, the same for every run).
+A mode whose step-0 accuracies differ across seeds is flagged under the table. Sampled reward rose
+0.19 -> 0.35 over ~20 steps in the runs that got that far; mismatch/token_mult_prob_error 1.040
+(bf16), 1.147-1.150 (fp8kv).
 
 The task: "What is a + b?" with the answer in \\boxed{} (the config's chat template and reward), written
 as GSM8K-format JSONL into WORK/data from --data-seed; the test rows are held-out problems. --task add1:
@@ -35,7 +72,7 @@ deviation of the gain and of the final accuracy; the gap fp8kv - bf16 of both me
 learning gate's thresholds are the quickstart's. A run without its final validation is listed as
 unfinished and left out of the means.
 
-Writes into --out: real_learn.json, real_learn.md, <mode>_s<seed>_metrics.jsonl and .log per run, and
+Writes into --out: real_learn.json (with each run's GPU), real_learn.md, <mode>_s<seed>_metrics.jsonl and .log per run, and
 real_learn_runs.tgz holding all of those. Exit 0 when every run finished, 1 if one did not, 2 on bad
 arguments (one line `error: ...`).
 """
@@ -50,6 +87,7 @@ import shutil
 import statistics
 import sys
 import tarfile
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -92,6 +130,29 @@ def write_task(d: Path, task: str, seed: int, train_rows: int = 2000) -> Path:
     return d
 
 
+def micro_batch(samples: int, cap: int) -> int:
+    """train.micro_batch_size: the largest divisor of a step's samples that is <= cap (config.validate wants
+    the mini-batch, here all of the step's samples, a multiple of it)."""
+    return max(d for d in range(1, min(cap, samples) + 1) if samples % d == 0)
+
+
+def runs_per_gpu(args) -> int:
+    return -(-len(args.seeds) * len(args.modes) // max(len(args.gpus), 1))
+
+
+def grad_ckpt(args) -> bool:
+    """--grad-ckpt auto: on when more than 2 runs share a GPU (module docstring: memory), else off."""
+    return args.grad_ckpt == "on" or (args.grad_ckpt == "auto" and runs_per_gpu(args) > 2)
+
+
+def assign_gpus(runs: list[tuple[str, int]], gpus: list[str]) -> dict[tuple[str, int], str | None]:
+    """Run -> GPU id: round-robin over `gpus` in launch order, each round shifted by one GPU, so that with
+    an even number of GPUs each still gets both modes (plain round-robin would put every fp8kv run on the
+    even GPUs). No --gpus: None for all (the runs inherit the environment's GPU)."""
+    g = len(gpus)
+    return {r: (gpus[(k + k // g) % g] if g else None) for k, r in enumerate(runs)}
+
+
 def run_overrides(args, data: Path) -> list[str]:
     """configs/gsm8k.yaml scaled down to the task, for every run."""
     run = [f"model.name_or_path={args.model}", "data.source=jsonl", f"data.path={data / 'train.jsonl'}",
@@ -101,6 +162,8 @@ def run_overrides(args, data: Path) -> list[str]:
            f"rollout.prompts_per_step={args.prompts}", f"rollout.n={args.n}",
            f"rollout.max_new_tokens={args.max_new_tokens}", "rollout.max_model_len=0", "optim.name=adamw",
            f"optim.lr={args.lr}", "optim.warmup_steps=0", "train.mini_batch_size=0", "train.compile=none",
+           f"train.micro_batch_size={micro_batch(args.prompts * args.n, args.micro_batch)}",
+           f"model.gradient_checkpointing={str(grad_ckpt(args)).lower()}",
            f"train.steps={args.steps}", f"train.val_every={args.steps}", f"train.val_max_prompts={TASKS[args.task][2]}",
            "train.ckpt_every=0", "train.save_final=false", "train.probe=false", "log.tensorboard=false",
            "log.dump_episodes_every=0"]
@@ -130,7 +193,10 @@ def aggregate(runs: list[dict], modes: list[str]) -> dict:
     out = {}
     for mode in modes:
         done = [r for r in runs if r["mode"] == mode and r["finished"]]
-        out[mode] = {"finished": len(done), "of": len([r for r in runs if r["mode"] == mode])}
+        out[mode] = {"finished": len(done), "of": len([r for r in runs if r["mode"] == mode]),
+                     # greedy, the same model, prompts and engine seed: one value per mode, seeds alike
+                     "val_step0_values": sorted({r["val_step0"] for r in runs if r["mode"] == mode
+                                                 and r["val_step0"] is not None})}
         for key in ("gain", "val_final"):
             xs = [r[key] for r in done if r[key] is not None]
             out[mode][f"{key}_mean"] = _mean(xs)
@@ -158,6 +224,10 @@ def markdown(runs: list[dict], agg: dict, modes: list[str]) -> str:
         a = agg[m]
         lines.append(f"| {m} | {a['finished']}/{a['of']} | {_f(a['gain_mean'], '+.3f')} | {_f(a['gain_std'])} | "
                      f"{_f(a['val_final_mean'])} | {_f(a['val_final_std'])} |")
+    differ = [f"{m} {', '.join(map(_f, agg[m]['val_step0_values']))}" for m in modes
+              if len(agg[m]["val_step0_values"]) > 1]
+    if differ:
+        lines += ["", "step-0 validation differs across seeds (expected one value per mode): " + "; ".join(differ)]
     if "gap_gain" in agg:
         lines += ["", f"fp8kv - bf16: gain {_f(agg['gap_gain'], '+.3f')}, final val {_f(agg['gap_val_final'], '+.3f')}"]
     return "\n".join(lines) + "\n"
@@ -180,10 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", default="/tmp/real_learn_runs", help="run dirs (emptied first)")
     p.add_argument("--deadline-s", type=float, default=570, help="stop runs still going this long after the start")
     p.add_argument("--gpu-share", type=float, default=0.06, help="rollout.gpu_memory_utilization of each run")
-    p.add_argument("--max-concurrent", type=int, default=8)
+    p.add_argument("--gpus", default="", help="GPU ids, like 0,1,2,3: runs round-robin over them (CUDA_VISIBLE_DEVICES\n"
+                   "per run), engine starts staggered per GPU (default: one GPU, the environment's)")
+    p.add_argument("--micro-batch", type=int, default=64,
+                   help="train.micro_batch_size cap: the largest divisor of --prompts x --n up to it (default 64)")
+    p.add_argument("--grad-ckpt", default="auto", choices=["auto", "on", "off"],
+                   help="model.gradient_checkpointing; auto: on when more than 2 runs share a GPU")
+    p.add_argument("--max-concurrent", type=int, default=8, help="runs at once per GPU")
     p.add_argument("--stagger-timeout-s", type=float, default=150)
     p.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run")
-    p.add_argument("--cpu", action="store_true", help="train.device=cpu, HF engine, 2 runs at a time, no stagger")
+    p.add_argument("--cpu", action="store_true", help="train.device=cpu, HF engine, 2 runs at a time (per --gpus\n"
+                   "group), no stagger")
+    p.add_argument("--dry-run", action="store_true", help="print each run's GPU and the overrides; start nothing")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every run")
     return p
 
@@ -206,9 +284,42 @@ def check_args(args) -> None:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if not args.lr > 0:
         fail(f"--lr {args.lr}: must be > 0")
+    if args.micro_batch < 1:
+        fail(f"--micro-batch {args.micro_batch}: must be >= 1")
+    args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if any(not g.isdigit() for g in args.gpus) or len(set(args.gpus)) < len(args.gpus):
+        fail(f"--gpus {','.join(args.gpus)}: expected distinct GPU ids like 0,1,2,3")
     if not Path(args.config).is_file():
         fail(f"--config {args.config}: no such file; give a YAML config such as configs/gsm8k.yaml")
     args.model = model_dir(args.model)
+
+
+def launch(args, run: list[str], work: Path, gpu_of: dict, t0: float) -> dict:
+    """learn_gate.launch_all once per GPU (its runs in launch order, CUDA_VISIBLE_DEVICES), concurrently:
+    each call staggers its own engine starts (a start only races a neighbour on the same GPU) and
+    stops what still runs at the deadline. Without --gpus: one call, the environment's GPU."""
+    groups: dict[str | None, list] = {}
+    for r, g in gpu_of.items():
+        groups.setdefault(g, []).append(r)
+    launched, calls = {}, []
+    for g, runs in groups.items():
+        # learn_gate's launcher: train.seed, out dir and run name per run; then run_overrides, the mode's, extra
+        gate = argparse.Namespace(seeds=args.seeds, modes=args.modes, runs=runs, deadline_s=args.deadline_s,
+                                  threads=args.threads, env={} if g is None else {"CUDA_VISIBLE_DEVICES": g},
+                                  max_concurrent=min(args.max_concurrent, 2) if args.cpu else args.max_concurrent,
+                                  stagger=not args.cpu, stagger_timeout_s=args.stagger_timeout_s,
+                                  config=Path(args.config).resolve(), run_overrides=run, mode_overrides=MODES,
+                                  extra=args.overrides)
+        calls.append(gate)
+    if len(calls) == 1:
+        return launch_all(calls[0], work, t0)
+    work.mkdir(parents=True, exist_ok=True)
+    threads = [threading.Thread(target=lambda c=c: launched.update(launch_all(c, work, t0))) for c in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return launched
 
 
 def main(argv=None) -> int:
@@ -226,22 +337,24 @@ def main(argv=None) -> int:
             load_config(args.config, [*run, *MODES[m], *args.overrides])
     except UserError as e:
         fail(str(e))
-    # learn_gate's launcher: train.seed, out dir and run name per run; then run_overrides, the mode's, extra
-    gate = argparse.Namespace(seeds=args.seeds, modes=args.modes, deadline_s=args.deadline_s, threads=args.threads,
-                              max_concurrent=min(args.max_concurrent, 2) if args.cpu else args.max_concurrent,
-                              stagger=not args.cpu, stagger_timeout_s=args.stagger_timeout_s,
-                              config=Path(args.config).resolve(), run_overrides=run, mode_overrides=MODES,
-                              extra=args.overrides)
+    gpu_of = assign_gpus([(m, s) for s in args.seeds for m in args.modes], args.gpus)
+    if args.dry_run:
+        for (m, s), g in gpu_of.items():
+            print(f"{m}_s{s}: " + ("(the environment's GPU)" if g is None else f"CUDA_VISIBLE_DEVICES={g}"))
+        print("overrides: " + " ".join([*run, *args.overrides]))
+        for m in args.modes:
+            print(f"{m}: " + " ".join(MODES[m]))
+        return 0
     _log(f"real_learn: model {args.model}, task {args.task}, {args.steps} steps, seeds {args.seeds}, "
-         f"modes {args.modes}, deadline {args.deadline_s:.0f}s, out {out}", t0)
-    launched = launch_all(gate, work, t0)
+         f"modes {args.modes}, GPUs {args.gpus or 'the environment'}, deadline {args.deadline_s:.0f}s, out {out}", t0)
+    launched = launch(args, run, work, gpu_of, t0)
     out.mkdir(parents=True, exist_ok=True)
     runs, files = [], []
     for s in args.seeds:
         for m in args.modes:
             metrics = work / f"{m}_s{s}" / "metrics.jsonl"
             runs.append({"mode": m, "seed": s, **summarize(load_rows(metrics) if metrics.is_file() else [], args.steps),
-                         "rc": launched.get((m, s), {}).get("rc", "not started")})
+                         "rc": launched.get((m, s), {}).get("rc", "not started"), "gpu": gpu_of[(m, s)]})
             for src, dst in ((metrics, out / f"{m}_s{s}_metrics.jsonl"), (work / f"{m}_s{s}.log", out / f"{m}_s{s}.log")):
                 if src.is_file():
                     dst.write_bytes(src.read_bytes())
@@ -256,7 +369,7 @@ def main(argv=None) -> int:
         "model": args.model, "config": args.config, "task": args.task, "data_seed": args.data_seed,
         "instruction": INSTRUCTION, "modes": {m: MODES[m] for m in args.modes},
         "settings": {k: getattr(args, k) for k in ("steps", "prompts", "n", "max_new_tokens", "lr", "gpu_share",
-                                                   "deadline_s", "cpu")},
+                                                   "gpus", "micro_batch", "grad_ckpt", "deadline_s", "cpu")},
         "overrides": [*run, *args.overrides], "runs": runs, "summary": agg, "unfinished": unfinished,
         "commands": {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}, "device": _device(),
         "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1)}, indent=1) + "\n")
