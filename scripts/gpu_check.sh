@@ -29,6 +29,9 @@
 #                                      recalibrated or unit); no run starts with < 120 s left of 570 s (--variants and
 #                                      --merge finish the rest) -> $OUT/kv_mismatch.{md,json} (per-layer q/k/v amax too),
 #                                      logs + metrics in $OUT/kv_mismatch_runs.tgz
+#   bash scripts/gpu_check.sh reallearn [ARGS]  scripts/real_learn.py: SmolLM2 GRPO over seeds, BF16 vs FP8 KV (--model
+#                                      DIR as kvmismatch; --gpus 0,1,2,3 on a 4-GPU host), deadline 540 s
+#                                      -> $OUT/real_learn.{md,json}, metrics + logs in $OUT/real_learn_runs.tgz
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
 #   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, its SFT warm start then
 #                                      quickstart_gpu x 4 seeds x {FP8 recipe, BF16}, concurrent on the one GPU,
@@ -105,6 +108,9 @@ case "$1" in
            | tee "$OUT/kv_mismatch.log"
          rc=${PIPESTATUS[0]}; cp "$OUT"/kv_mismatch/kv_mismatch.{md,json} "$OUT"/ 2>/dev/null
          tar -czf "$OUT/kv_mismatch_runs.tgz" -C "$OUT" kv_mismatch --remove-files; exit $rc ;;
+  reallearn) $PY scripts/real_learn.py --out "$OUT/real_learn" --deadline-s 540 "${@:2}" 2>&1 | tee "$OUT/real_learn.log"
+         rc=${PIPESTATUS[0]}; cp "$OUT"/real_learn/real_learn.{md,json} "$OUT"/real_learn/real_learn_runs.tgz "$OUT"/ 2>/dev/null
+         rm -rf "$OUT/real_learn"; exit $rc ;;
   learn) $PY scripts/learn_gate.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
          exit "${PIPESTATUS[0]}" ;;
   rollout)  $PY bench/rollout.py --out "$OUT" --time-limit 540 "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
@@ -116,5 +122,5 @@ case "$1" in
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac
