@@ -52,6 +52,10 @@
 #   bash scripts/gpu_check.sh ckpt [ARGS]  bench/checkpoint.py: save/load time and peak host RSS of the
 #                                      single-file full-gather checkpoint vs sharded DCP at 8B shape
 #                                      (default: up to 8 of 32 layers, fp32 + AdamW) -> $OUT/checkpoint.json
+#   bash scripts/gpu_check.sh jobs 'PART ARGS' ['GPUS=2,3 PART ARGS' ...]  the parts at once, the i-th on GPU i
+#                                      (or on GPUS), each with its own $OUT/job<i> packed into $OUT/job<i>.tgz, all
+#                                      cut at JOBS_LIMIT s (default 560; set it below the call's limit); rc per
+#                                      job in $OUT/jobs.txt. ARGS are split on spaces (no quoting)
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
 # 8B step shapes, H100: ~190 s of a first FP8 step) and bench/triton_autotune_moe_h200.tgz (the expert
 # GEMMs' quantizers at Qwen3-30B-A3B's shapes, H200: over 300 s of a first run) and leaves all autotuning results in
@@ -122,5 +126,17 @@ case "$1" in
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|learn|tiny|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
+  jobs) limit=${JOBS_LIMIT:-560}; end=$(( $(date +%s) + limit )); i=0
+         for spec in "${@:2}"; do
+           gpus=$i; if [[ $spec == GPUS=* ]]; then gpus=${spec%% *}; gpus=${gpus#GPUS=}; spec=${spec#* }; fi
+           mkdir -p "$OUT/job$i"
+           ( OUT="$OUT/job$i" CUDA_VISIBLE_DEVICES=$gpus timeout -k 5 $(( end - $(date +%s) )) bash "$0" $spec \
+               >"$OUT/job$i/job.log" 2>&1
+             echo "job$i ($spec) on GPU $gpus: rc=$? after $(( $(date +%s) - end + limit )) s" | tee -a "$OUT/jobs.txt" ) &
+           i=$((i + 1))
+         done
+         wait
+         for d in "$OUT"/job*/; do tar --exclude=triton_autotune.tgz -czf "${d%/}.tgz" -C "$OUT" "$(basename "$d")" \
+           && rm -rf "$d"; done ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|learn|tiny|jobs|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac
