@@ -94,7 +94,7 @@ SHORT_RUN = ["model.name_or_path=tiny", "data.source=synthetic", "data.template=
              "rollout.max_new_tokens=1024", "rollout.ignore_eos=true", "train.mini_batch_size=32",
              "train.val_every=0", "train.ckpt_every=0", "train.save_final=false", "train.probe=true",
              "log.tensorboard=false", "log.dump_episodes_every=0"]
-PHASES = ("rollout", "logprobs", "train", "recalibrate", "refit", "other")
+PHASES = ("rollout", "wake", "sleep", "assemble", "logprobs", "train", "recalibrate", "refit", "other")  # wake, sleep: within rollout
 
 
 def shipped_run(config: str, prompts: int) -> list[str]:
@@ -229,6 +229,7 @@ def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int
             "changed_frac": min(m["optim/changed_frac"] for m in steps),
             "update_ratio_max": round(max(m.get("optim/update_ratio_max", 0) for m in steps), 3),
             "token_mult_prob_error": round(last["mismatch/token_mult_prob_error"], 4), **moe,
+            "preemptions": sum(m.get("rollout/preemptions", 0) for m in steps),
             "policy_gain": [m["probe/policy_gain"] for m in steps if "probe/policy_gain" in m],
             "skipped_steps": sum(m.get("optim/skipped_steps", 0) for m in steps)}
 
@@ -372,7 +373,7 @@ def main():
     (out / "flagship.json").write_text(json.dumps(results, indent=1))
     moe_cols = ["routing_mismatch", "routing_mismatch_tokens"] if any("routing_mismatch" in r for r in results) else []
     cols = ["config", "ok", "step_s", *[f"{p}_s" for p in PHASES], "mem_peak_gib", "smi_peak_gib", "changed_frac",
-            "update_ratio_max", "token_mult_prob_error", *moe_cols, "policy_gain"]
+            "update_ratio_max", "token_mult_prob_error", "preemptions", *moe_cols, "policy_gain"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in results]
     if args.shipped:
