@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import textwrap
 from pathlib import Path
 
@@ -470,6 +471,23 @@ def test_gpu_check_script_parses():
     assert r.returncode == 0, r.stderr
     text = (REPO / "scripts/gpu_check.sh").read_text()
     assert "bench/rollout.py" in text and "bench/train.py" in text
+
+
+def test_gpu_check_jobs_run_parts_side_by_side(tmp_path):
+    """`gpu_check.sh jobs`: each part with its own OUT folder and GPU (the i-th on GPU i, or GPUS=...),
+    its rc in jobs.txt, each folder packed into a .tgz. Unknown parts here: each exits 2 with the usage."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "JOBS_LIMIT": "60", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    r = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "jobs", "nosuch a b", "GPUS=2,3 other"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = sorted((out / "jobs.txt").read_text().splitlines())
+    assert lines[0].startswith("job0 (nosuch a b) on GPU 0: rc=2") and lines[1].startswith("job1 (other) on GPU 2,3: rc=2")
+    for i in (0, 1):
+        assert not (out / f"job{i}").exists()
+        with tarfile.open(out / f"job{i}.tgz") as t:
+            log = t.extractfile(f"job{i}/job.log").read().decode()
+        assert "usage: gpu_check.sh" in log
 
 
 def test_kernel_summary_categories():
