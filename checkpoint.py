@@ -294,7 +294,9 @@ def _stage_on_cpu(optim_sd: dict) -> dict[tuple[str, str], torch.Tensor]:
     moments saved on 2 ranks are plain tensors that load into 8-bit ones on 1 rank, and torchao 0.18's
     OptimState8bit.copy_ quantizes a plain source on the source's device with the destination's
     code map: DCP's CPU reads into CUDA states fail ("Expected all tensors to be on the same device").
-    On CPU both are on one device; 8-bit to 8-bit copies move codes and scales (1 byte per value)."""
+    On CPU both are on one device; 8-bit to 8-bit copies move codes and scales (1 byte per value).
+    FSDP2's DTensor states are left as they are: a tensor that is 8-bit under M > 1 ranks and plain
+    under N > M (e.g. 8192 values, 4 -> 2 ranks) would still meet the failure."""
     from torch.distributed.tensor import DTensor
     from torchao.utils import TorchAOBaseTensor
     live = {}
