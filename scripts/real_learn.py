@@ -17,32 +17,19 @@ checkpoints, no episode dumps), every run starting from the same pretrained mode
 Both keep BF16 linears (fp8.train=false fp8.rollout=false): SmolLM2's hidden size 576 is not a multiple
 of FP8's 128-blocks, so its linears would stay BF16 in the full recipe too.
 
-Timing (H200, 2026-11-26: 4 seeds x 2 modes on one GPU, 25 steps of 32 prompts x 8 samples x <= 48
-tokens, share 0.06): no run finished within 540 s. A step took time/train 13-15 s and time/logprobs
-2.3-3.7 s for 256 samples of ~80 tokens, the rollout 0.3-0.5 s: the trainer ran gsm8k.yaml's
-micro-batches of 4 (the 8B configs'), 64 forward/backward passes a step with gradient checkpointing,
-each a few thousand kernel launches of a 135M model; with 8 processes time-slicing the GPU every
-launch and host sync waits its turn (time/other, the step's host syncs, was 2.5-3 s). And engines
-start one after another (41-68 s each; a start that overlaps a neighbour's memory changes trips
-vLLM's profiling), so the 8th started at +366 s. Hence:
-  - train.micro_batch_size: the largest divisor of the step's samples up to --micro-batch (64): 4
-    passes a step, for the old logprobs and the q/k/v recalibration too. train.mini_batch_size=0: one
-    optimizer step per step, as before (the batch is one mini-batch; config.validate's rule holds).
-  - model.gradient_checkpointing (--grad-ckpt auto): off when at most 2 runs share a GPU, on otherwise.
-    Memory per trainer at 64 rows x ~90 tokens (memory.py's per-token model): ~14 GiB of activations
-    without it (the 30 layers' saved tensors; the logits' 10 x vocab bytes are 0.5 MiB a token
-    either way), ~3.3 GiB with it; plus ~4 GiB of fp32 weights, grads, AdamW states and runtime, and
-    the vLLM share (0.06: 4.8 GiB of an H100, 8.4 of an H200). 2 runs x ~23 GiB fit any 80 GB card;
-    6-8 on one GPU only checkpointed, and only on an H200 (8 x (7.3 + 8.4) = 126 GiB of 140).
-  - --gpus 0,1,2,3: runs round-robin over the GPUs in launch order (fp8kv s0, bf16 s0, fp8kv s1, ...),
-    each round shifted by one GPU so each GPU gets both modes; CUDA_VISIBLE_DEVICES per run; one
-    learn_gate launcher per GPU, concurrently, so the one-start-at-a-time stagger holds per GPU:
-    4 GPUs x 2 runs start in ~2 engine starts (~2 x 60 s) instead of 8. Without --gpus: one launcher,
-    the environment's GPU. --max-concurrent counts per GPU.
-Expected (an estimate, not yet measured): a step ~2-3 s with 2 runs per GPU (train and logprobs 16x
-fewer passes, less time-slicing), so on 4 GPUs the second run of each GPU is up at ~+110 s and done
-by ~+200-270 s; on one GPU with 6 runs, ~4-5 s a step and the 6th engine up at ~+320 s, done by
-~+430-470 s. 8 runs on one GPU do not fit 540 s (8 starts alone ~370 s).
+Settings for speed (H200, 2026-11-26: 8 runs on one GPU at gsm8k.yaml's micro-batch of 4 took
+17-23 s a step, 13-15 s of it in the trainer's 64 passes; the 8 engines started one after another,
+the last at +366 s, and no run finished in 540 s):
+  - train.micro_batch_size: the largest divisor of the step's samples up to --micro-batch (64): a few
+    passes a step; train.mini_batch_size=0: one optimizer step per step.
+  - model.gradient_checkpointing (--grad-ckpt auto): off when at most 2 runs share a GPU (~14 GiB of
+    activations per trainer at 64 x ~90 tokens), on otherwise (~3.3 GiB).
+  - --gpus 0,1,2,3: runs round-robin over the GPUs (each GPU gets both modes), CUDA_VISIBLE_DEVICES per
+    run, one learn_gate launcher per GPU so the one-engine-start-at-a-time stagger holds per GPU.
+    --max-concurrent counts per GPU. The ids are physical: each run's CUDA_VISIBLE_DEVICES replaces
+    the caller's.
+Not yet measured with these settings.
+
 Step 0's greedy validation is the same for every seed of a mode (one model, the same held-out
 prompts, greedy): bf16 0.725, fp8kv 0.775 on the H200 (40 problems); seeds differ from step 0's
 rollout on (train.seed seeds the sampling; the prompt order is data.seed's, the same for every run).
