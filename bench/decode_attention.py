@@ -28,7 +28,8 @@ block tables a random permutation of the pages. The FP8 e4m3 cache quantizes the
 per-tensor scales amax / 448.
 
 Per variant: eager output vs a float32 reference over the dequantized cache (BF16 cache for
-fa3_bf16): max_abs_err, rel_err (norm of the difference / norm of the reference); then the call is
+fa3_bf16): max_abs_err, rel_err (norm of the difference / norm of the reference; rel_err_graph: the
+same for the graph's replay); then the call is
 captured in a CUDA graph (--calls-per-graph back-to-back calls, as the layers of a decode step) and
 the replays timed with CUDA events (median of --iters after --warmup): us per call, kv_tb_s (bytes of
 K + V read / time), speedup vs fa3_bf16 of the same workload. Then k_scale x2 and v_scale x0.5 are
@@ -208,7 +209,7 @@ def make_workload(a, block_size: int, device="cuda") -> SimpleNamespace:
 
 def build(variant: str, w: SimpleNamespace, out: torch.Tensor):
     """launch() writing `out` for `variant`: everything it does is what the CUDA graph captures."""
-    a, shape = w.args, (w.args.batch, w.args.kv_heads)
+    a, shape, dev = w.args, (w.args.batch, w.args.kv_heads), w.q.device
     if variant.startswith("fa3"):
         from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
@@ -232,8 +233,8 @@ def build(variant: str, w: SimpleNamespace, out: torch.Tensor):
         from vllm.v1.kv_cache_interface import KVQuantMode
 
         seq_3d, segs = max(1, 128 // a.kv_heads), 16  # vLLM's TritonAttentionMetadataBuilder buffers
-        segm = [torch.empty(seq_3d, a.q_heads, segs, *d, dtype=torch.float32, device="cuda")
-                for d in ([triton_next_pow2(a.head_dim)], [], [])]
+        segm = [torch.empty(seq_3d, a.q_heads, segs, *d, dtype=torch.float32, device=dev)
+                for d in ([next_pow2(a.head_dim)], [], [])]
 
         def launch():
             unified_attention(q=quantize_fp8(w.q, w.q_scale), k=w.k8, v=w.v8, out=out, cu_seqlens_q=w.cu_q,
@@ -246,8 +247,8 @@ def build(variant: str, w: SimpleNamespace, out: torch.Tensor):
         return launch
     from flashinfer.decode import trtllm_batch_decode_with_kv_cache
 
-    workspace = torch.zeros(394 * 1024 * 1024, dtype=torch.uint8, device="cuda")  # vLLM's default size
-    bmm1 = torch.empty(1, dtype=torch.float32, device="cuda")
+    workspace = torch.zeros(394 * 1024 * 1024, dtype=torch.uint8, device=dev)  # vLLM's default size
+    bmm1 = torch.empty(1, dtype=torch.float32, device=dev)
     const = (w.sm_scale * w.k_scale.item(), w.v_scale.item())
 
     def launch():
@@ -260,7 +261,7 @@ def build(variant: str, w: SimpleNamespace, out: torch.Tensor):
     return launch
 
 
-def triton_next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
@@ -279,6 +280,7 @@ def measure(variant: str, w: SimpleNamespace, workload: str) -> list[dict]:
             launch()
     row["us"] = 1e3 * cuda_time_ms(graph.replay, a.warmup, a.iters) / a.calls_per_graph
     row["kv_tb_s"] = tb_per_s(kv_bytes(a.batch, a.context, a.kv_heads, a.head_dim, 1 if fp8 else 2), row["us"])
+    row["rel_err_graph"] = rel_err(out, ref)  # the replayed graph's output, as the eager one's
     if fp8:  # the trainer's recalibration: new scales written in place, the same graph replayed
         before = out.float().clone()
         ks, vs = w.k_scale.clone(), w.v_scale.clone()

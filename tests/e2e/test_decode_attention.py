@@ -1,7 +1,8 @@
 """bench/decode_attention.py without a GPU: argument errors (exit 2, one `error:` line), the exit
 without CUDA, the page table, the FP8 cache and its scales, the float32 paged reference against a
-direct per-sequence computation, the workload's references, the bandwidth arithmetic, the verdict.
-(The kernels, the CUDA graphs and the in-place scale check run only on the Hopper host.)"""
+direct per-sequence computation, the workload's references, the bandwidth arithmetic, the verdict, and
+each variant's calls bound to the installed vLLM / FlashInfer signatures (the kernels replaced by
+recorders). The kernels, the CUDA graphs and the in-place scale check run only on the Hopper host."""
 
 import os
 import subprocess
@@ -134,3 +135,82 @@ def test_verdict_takes_the_fastest_scale_updating_fp8_kernel():
     da.add_ratio(rows, "speedup", "us", lower_is_better=True, base="fa3_bf16")
     assert da.verdict(rows) == {"w": {"mode": "xqa_fp8", "speedup": 1.6, "meets_goal": True}}
     assert da.verdict(rows[:2])["w"]["meets_goal"] is False  # 1.33x
+
+
+def installed_apis() -> dict:
+    """The real functions the variants call (their signatures), from the installed vLLM and FlashInfer."""
+    import importlib.util
+    import inspect
+
+    try:
+        import flashinfer.decode
+        import vllm
+        from vllm.v1.attention.ops import triton_unified_attention
+    except Exception as e:
+        pytest.skip(f"vllm / flashinfer do not import here ({type(e).__name__}: {e})")
+    path = Path(vllm.__file__).parent / "vllm_flash_attn/flash_attn_interface.py"
+    spec = importlib.util.spec_from_file_location("fa_interface_signatures", path)
+    fa = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fa)  # its kernel imports are guarded: loads without a GPU
+    return {"flash_attn_varlen_func": inspect.signature(fa.flash_attn_varlen_func),
+            "get_scheduler_metadata": inspect.signature(fa.get_scheduler_metadata),
+            "unified_attention": inspect.signature(triton_unified_attention.unified_attention),
+            "trtllm_batch_decode_with_kv_cache": inspect.signature(flashinfer.decode.trtllm_batch_decode_with_kv_cache),
+            "modules": (triton_unified_attention, flashinfer.decode)}
+
+
+def test_variants_bind_to_the_installed_signatures(monkeypatch):
+    """Every variant's launch() on a tiny CPU workload, the kernels replaced by recorders that bind the
+    call to the real function's signature: the keyword names, the FP8 q, the scales passed as the
+    workload's own tensors (what the in-place update relies on), floats only for xqa_fp8_const."""
+    import types
+
+    apis, calls = installed_apis(), []
+    triton_mod, flashinfer_decode = apis.pop("modules")
+
+    def recorder(name):
+        def call(*args, **kw):
+            calls.append((name, apis[name].bind(*args, **kw).arguments))
+            if name == "get_scheduler_metadata":
+                return torch.zeros(8, dtype=torch.int32)
+            out = kw.get("out")
+            out.zero_()
+            return out
+        return call
+
+    fa = types.ModuleType("vllm.vllm_flash_attn")
+    fa.flash_attn_varlen_func, fa.get_scheduler_metadata = (recorder(n) for n in list(apis)[:2])
+    monkeypatch.setitem(sys.modules, "vllm.vllm_flash_attn", fa)
+    monkeypatch.setattr(triton_mod, "unified_attention", recorder("unified_attention"))
+    monkeypatch.setattr(flashinfer_decode, "trtllm_batch_decode_with_kv_cache",
+                        recorder("trtllm_batch_decode_with_kv_cache"))
+    a = da.build_parser().parse_args(["--batch", "2", "--context", "32", "--q-heads", "4", "--kv-heads", "2",
+                                      "--head-dim", "16"])
+    w = da.make_workload(a, 16, device="cpu")
+    for variant in da.VARIANTS:
+        calls.clear()
+        da.build(variant, w, torch.empty_like(w.q))()
+        name, kw = calls[-1]
+        if variant.startswith("fa3"):
+            meta = calls[0][1]
+            splits = 1 if variant.endswith("splits1") else a.max_splits
+            assert meta["num_splits"] == kw["num_splits"] == splits and kw["scheduler_metadata"] is not None
+            assert kw["fa_version"] == 3 and kw["block_table"] is w.bt and meta["page_size"] == 16
+            if variant == "fa3_bf16":
+                assert kw["q"].dtype == torch.bfloat16 and kw["k"] is w.k16 and kw["k_descale"] is None
+                continue
+            assert kw["q"].dtype == torch.float8_e4m3fn and kw["k"] is w.k8 and meta["qkv_dtype"] == torch.float8_e4m3fn
+            for s in ("q", "k", "v"):
+                scale = kw[f"{s}_descale"]
+                assert scale.shape == (2, 2) and scale.data_ptr() == getattr(w, f"{s}_scale").data_ptr()
+        elif variant == "triton_fp8":
+            assert kw["q"].dtype == torch.float8_e4m3fn and kw["kv_quant_mode"] == 1  # FP8_PER_TENSOR
+            assert kw["q_descale"] is w.q_scale and kw["k_descale"].data_ptr() == w.k_scale.data_ptr()
+        else:
+            assert name == "trtllm_batch_decode_with_kv_cache" and kw["backend"] == "xqa" and kw["kv_layout"] == "NHD"
+            assert kw["query"].dtype == torch.bfloat16 and kw["kv_cache"][0] is w.k8
+            if variant == "xqa_fp8":
+                assert kw["bmm2_scale"] is w.v_scale
+                assert kw["bmm1_scale"].item() == pytest.approx(w.k_scale.item() * w.sm_scale)
+            else:
+                assert isinstance(kw["bmm1_scale"], float) and isinstance(kw["bmm2_scale"], float)
