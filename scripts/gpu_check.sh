@@ -34,6 +34,9 @@
 #                                      -> $OUT/real_learn.{md,json}, metrics + logs in $OUT/real_learn_runs.tgz
 #   bash scripts/gpu_check.sh resume [ARGS]  scripts/resume_check.py: an 8B config saved on --save-ranks GPUs and
 #                                      resumed on --resume-ranks (of the visible ones) -> $OUT/resume_<N>to<M>.json + logs
+#   bash scripts/gpu_check.sh decode [ARGS]  bench/decode_attention.py: paged decode attention kernels, FA3 BF16 vs FP8
+#                                      KV (FA3, XQA, Triton) at batch 128 x 4096, scales updated inside CUDA graphs
+#                                      -> $OUT/decode_attention.json
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
 #   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, its SFT warm start then
 #                                      quickstart_gpu x 4 seeds x {FP8 recipe, BF16}, concurrent on the one GPU,
@@ -119,6 +122,7 @@ case "$1" in
          rm -rf "$OUT/real_learn"; exit $rc ;;
   resume) $PY scripts/resume_check.py --out "$OUT" --runs /tmp/resume_runs_$$ "${@:2}" 2>&1 | tee "$OUT/resume.log"
          rc=${PIPESTATUS[0]}; rm -rf /tmp/resume_runs_$$; exit $rc ;;
+  decode) $PY bench/decode_attention.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/decode_attention.log" ;;
   learn) $PY scripts/learn_gate.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
          exit "${PIPESTATUS[0]}" ;;
   rollout)  $PY bench/rollout.py --out "$OUT" --time-limit 540 "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
@@ -142,5 +146,5 @@ case "$1" in
          wait
          for d in "$OUT"/job*/; do tar --exclude=triton_autotune.tgz -czf "${d%/}.tgz" -C "$OUT" "$(basename "$d")" \
            && rm -rf "$d"; done ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|learn|tiny|jobs|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac
