@@ -277,12 +277,28 @@ def _device() -> str:
         return "cpu"
 
 
-def write_results(out: Path, payload: dict, md: str, files: list[Path]) -> None:
+def copy_runs(work: Path, out: Path, keys) -> list[Path]:
+    """Each (mode, seed) run's WORK/<mode>_s<seed>/metrics.jsonl and WORK/<mode>_s<seed>.log into OUT as
+    <mode>_s<seed>_metrics.jsonl and <mode>_s<seed>.log; the destination paths (present or not)."""
+    copies = []
     out.mkdir(parents=True, exist_ok=True)
-    (out / "learn_gate.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (out / "learn_gate.md").write_text(md + "\n")
-    with tarfile.open(out / "learn_runs.tgz", "w:gz") as tar:  # one file: the device returns few per call
-        for f in [out / "learn_gate.json", out / "learn_gate.md", *files]:
+    for m, s in keys:
+        for src, dst in ((work / f"{m}_s{s}" / "metrics.jsonl", out / f"{m}_s{s}_metrics.jsonl"),
+                         (work / f"{m}_s{s}.log", out / f"{m}_s{s}.log")):
+            if src.is_file() and src.resolve() != dst.resolve():
+                dst.write_bytes(src.read_bytes())
+            copies.append(dst)
+    return copies
+
+
+def write_results(out: Path, payload: dict, md: str, files: list[Path], name: str = "learn_gate",
+                  archive: str = "learn_runs.tgz") -> None:
+    """OUT/<name>.json, OUT/<name>.md, and OUT/<archive> holding both and those of `files` that exist."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out / f"{name}.md").write_text(md.rstrip("\n") + "\n")
+    with tarfile.open(out / archive, "w:gz") as tar:  # one file: the device returns few per call
+        for f in [out / f"{name}.json", out / f"{name}.md", *files]:
             if f.is_file():
                 tar.add(f, arcname=f.name)
 
@@ -383,13 +399,7 @@ def main(argv=None) -> int:
     word = ("finished" if passed else "UNFINISHED") if args.sweep else ("PASS" if passed else "FAIL")
     md = table(runs, means, args.modes) + "\n\n" + word + "".join(f"\n- {r}" for r in reasons)
     print(md, flush=True)
-    copies = []
-    out.mkdir(parents=True, exist_ok=True)
-    for (m, s), f in files.items():
-        for src, dst in ((f, out / f"{m}_s{s}_metrics.jsonl"), (work / f"{m}_s{s}.log", out / f"{m}_s{s}.log")):
-            if src.is_file() and src.resolve() != dst.resolve():
-                dst.write_bytes(src.read_bytes())
-            copies.append(dst)
+    copies = copy_runs(work, out, files)
     if (work / "sft.log").is_file():
         copies.append(out / "learn_sft.log")
         copies[-1].write_bytes((work / "sft.log").read_bytes())

@@ -73,7 +73,6 @@ import random
 import shutil
 import statistics
 import sys
-import tarfile
 import threading
 import time
 from datetime import datetime
@@ -82,8 +81,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from kv_mismatch import model_dir  # noqa: E402
-from learn_gate import _device, _log, launch_all  # noqa: E402
+from kv_mismatch import fail, model_dir  # noqa: E402
+from learn_gate import _device, _log, copy_runs, launch_all, write_results  # noqa: E402
 from plot_runs import load_rows  # noqa: E402
 
 BF16_LINEARS = ["fp8.train=false", "fp8.rollout=false"]
@@ -93,11 +92,6 @@ INSTRUCTION = "Put your final answer within \\boxed{}."
 CPU = ["train.device=cpu", "rollout.engine=hf", "model.gradient_checkpointing=false", "fp8.cache_weights=false"]
 MISMATCH = "mismatch/token_mult_prob_error"
 TAIL = 5
-
-
-def fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
 
 
 def write_task(d: Path, task: str, seed: int, train_rows: int = 2000) -> Path:
@@ -335,35 +329,28 @@ def main(argv=None) -> int:
     _log(f"real_learn: model {args.model}, task {args.task}, {args.steps} steps, seeds {args.seeds}, "
          f"modes {args.modes}, GPUs {args.gpus or 'the environment'}, deadline {args.deadline_s:.0f}s, out {out}", t0)
     launched = launch(args, run, work, gpu_of, t0)
-    out.mkdir(parents=True, exist_ok=True)
-    runs, files = [], []
+    runs = []
     for s in args.seeds:
         for m in args.modes:
             metrics = work / f"{m}_s{s}" / "metrics.jsonl"
             runs.append({"mode": m, "seed": s, **summarize(load_rows(metrics) if metrics.is_file() else [], args.steps),
                          "rc": launched.get((m, s), {}).get("rc", "not started"), "gpu": gpu_of[(m, s)]})
-            for src, dst in ((metrics, out / f"{m}_s{s}_metrics.jsonl"), (work / f"{m}_s{s}.log", out / f"{m}_s{s}.log")):
-                if src.is_file():
-                    dst.write_bytes(src.read_bytes())
-                    files.append(dst)
+    files = copy_runs(work, out, [(r["mode"], r["seed"]) for r in runs])
     agg = aggregate(runs, args.modes)
     md = markdown(runs, agg, args.modes)
     unfinished = [f"{r['mode']} seed {r['seed']}" for r in runs if not r["finished"]]
     if unfinished:
         md += "\nunfinished (no final validation by the deadline or the run failed): " + ", ".join(unfinished) + "\n"
     print(md, flush=True)
-    (out / "real_learn.json").write_text(json.dumps({
+    write_results(out, {
         "model": args.model, "config": args.config, "task": args.task, "data_seed": args.data_seed,
         "instruction": INSTRUCTION, "modes": {m: MODES[m] for m in args.modes},
         "settings": {k: getattr(args, k) for k in ("steps", "prompts", "n", "max_new_tokens", "lr", "gpu_share",
                                                    "gpus", "micro_batch", "grad_ckpt", "deadline_s", "cpu")},
         "overrides": [*run, *args.overrides], "runs": runs, "summary": agg, "unfinished": unfinished,
         "commands": {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}, "device": _device(),
-        "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1)}, indent=1) + "\n")
-    (out / "real_learn.md").write_text(md)
-    with tarfile.open(out / "real_learn_runs.tgz", "w:gz") as tar:
-        for f in [out / "real_learn.json", out / "real_learn.md", *files]:
-            tar.add(f, arcname=f.name)
+        "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1)},
+        md, files, name="real_learn", archive="real_learn_runs.tgz")
     _log(f"results in {out}", t0)
     return 1 if unfinished else 0
 
