@@ -47,22 +47,19 @@ def rounding(which: str, scales: tuple[float, float, float]):
     return t
 
 
-def per_layer(mods: dict, scales: dict, logps, ref, mask) -> dict:
-    """q, k, v rounded in one layer at a time; then in all but the k layers costliest alone (k = 1, 2, 4, ...)."""
-    from losses.mismatch import mismatch_metrics
-
-    def score(rounded: set) -> dict:
-        for i, m in mods.items():
-            m._fp8_qkv.transform = rounding("qkv", scales[i]) if i in rounded else None
-        return {k: round(float(v), 5) for k, v in mismatch_metrics(ref, logps()[0], mask).items()}
+def per_layer(layers: list[int], scales: dict, score) -> dict:
+    """q, k, v rounded in one layer at a time; then in all but the k layers costliest alone (k = 1, 2, 4, ...).
+    score(transform): the mismatch metrics with transform(layer) as each layer's q/k/v transform."""
+    def rounded_in(chosen: set) -> dict:
+        return score(lambda i: rounding("qkv", scales[i]) if i in chosen else None)
     single = []
-    for i in mods:
-        single.append({"layer": i, **score({i})})
+    for i in layers:
+        single.append({"layer": i, **rounded_in({i})})
         print(json.dumps(single[-1]), flush=True)
     costliest = [r["layer"] for r in sorted(single, key=lambda r: -r["token_mult_prob_error"])]
     skip, k = [], 1
-    while k < len(mods):
-        skip.append({"bf16_layers": sorted(costliest[:k]), **score(set(mods) - set(costliest[:k]))})
+    while k < len(layers):
+        skip.append({"bf16_layers": sorted(costliest[:k]), **rounded_in(set(layers) - set(costliest[:k]))})
         print(json.dumps(skip[-1]), flush=True)
         k *= 2
     return {"single": single, "skip": skip}
@@ -132,16 +129,19 @@ def main(argv=None) -> int:
         return torch.stack(pad), torch.stack([torch.nn.functional.pad(m, (0, width - len(m))) for m in masks])
 
     ref, mask = logps()
+
+    def score(transform) -> dict:
+        """Mismatch metrics against the unrounded model with transform(layer) as each layer's q/k/v transform."""
+        for i, m in mods.items():
+            m._fp8_qkv.transform = transform(i)
+        return {k: round(float(v), 5) for k, v in mismatch_metrics(ref, logps()[0], mask).items()}
     results = []
     for which in CASES:
         for kind in ("calibrated", "unit"):
-            for i, m in mods.items():
-                m._fp8_qkv.transform = rounding(which, scales[i] if kind == "calibrated" else (1.0, 1.0, 1.0))
-            lp, _ = logps()
-            results.append({"rounded": which, "scales": kind,
-                            **{k: round(float(v), 5) for k, v in mismatch_metrics(ref, lp, mask).items()}})
+            results.append({"rounded": which, "scales": kind, **score(
+                lambda i: rounding(which, scales[i] if kind == "calibrated" else (1.0, 1.0, 1.0)))})  # noqa: B023
             print(json.dumps(results[-1]), flush=True)
-    layers = per_layer(mods, scales, logps, ref, mask) if args.per_layer else None
+    layers = per_layer(list(mods), scales, score) if args.per_layer else None
     for m in mods.values():
         m._fp8_qkv.transform = None
     out.mkdir(parents=True, exist_ok=True)
