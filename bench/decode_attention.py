@@ -49,7 +49,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import runner  # noqa: E402
-from bench.runner import add_ratio, cuda_time_ms, markdown_table, run_inline, write_results  # noqa: E402
+from bench.runner import (add_ratio, cuda_time_ms, markdown_table, parse_choices, run_inline,  # noqa: E402
+                          write_results)
 
 VARIANTS = ["fa3_bf16", "fa3_fp8", "fa3_fp8_splits1", "triton_fp8", "xqa_fp8", "xqa_fp8_const"]
 FP8 = torch.float8_e4m3fn
@@ -74,13 +75,6 @@ def parse_ints(text: str) -> list[int]:
     return out
 
 
-def parse_variants(text: str) -> list[str]:
-    out = [t.strip() for t in text.split(",") if t.strip()]
-    if not out or set(out) - set(VARIANTS):
-        raise argparse.ArgumentTypeError(f"{text!r}: choose from {VARIANTS}")
-    return out
-
-
 def build_parser() -> Parser:
     p = Parser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,7 +86,7 @@ def build_parser() -> Parser:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-sizes", "--block-size", dest="block_sizes", type=parse_ints, default=[16],
                    help="KV page sizes, comma list (multiples of 16)")
-    p.add_argument("--variants", type=parse_variants, default=VARIANTS, help=f"comma list of {VARIANTS}")
+    p.add_argument("--variants", type=lambda text: parse_choices(text, VARIANTS), default=VARIANTS, help=f"comma list of {VARIANTS}")
     p.add_argument("--max-splits", type=int, default=32, help="FA3 num_splits (vLLM's CUDA-graph default)")
     p.add_argument("--separate-kv", action="store_true", help="K and V as two contiguous tensors")
     p.add_argument("--calls-per-graph", type=int, default=8)
