@@ -100,10 +100,19 @@ def required_decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+RECOMPILE_LIMIT = 64
+
+
 def compile_layers(model: nn.Module, backend: str) -> None:
     """torch.compile each decoder layer's forward in place. Module names (so checkpoints and the
     export) are unchanged, module hooks (FSDP2's, calibration's) run outside the compiled code,
     and the layers share one graph (with use_cache=False: no per-layer cache state to guard on)."""
+    # Each layer's graph has a few variants: grad mode (logprobs vs train), whether its input needs
+    # grad, static vs dynamic length, an FP8 row count that is or is not a multiple of 128, masks
+    # present or None. Over FSDP2 these exceed dynamo's default 8, and a call past the limit runs
+    # eager: a checkpointed layer whose forward ran compiled then recomputes eagerly in backward,
+    # and torch.utils.checkpoint stops the step (CheckpointError: different saved tensors).
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in required_decoder_layers(model):
         layer.forward = torch.compile(layer.forward, backend=backend)
 

@@ -57,10 +57,11 @@
 #   bash scripts/gpu_check.sh ckpt [ARGS]  bench/checkpoint.py: save/load time and peak host RSS of the
 #                                      single-file full-gather checkpoint vs sharded DCP at 8B shape
 #                                      (default: up to 8 of 32 layers, fp32 + AdamW) -> $OUT/checkpoint.json
-#   bash scripts/gpu_check.sh jobs 'PART ARGS' ['GPUS=2,3 PART ARGS' ...]  the parts at once, the i-th on GPU i
-#                                      (or on GPUS), each with its own $OUT/job<i> packed into $OUT/job<i>.tgz, all
+#   bash scripts/gpu_check.sh jobs 'PART ARGS' ['GPUS=2,3 PART ARGS ; PART ARGS' ...]  the jobs at once, the i-th on
+#                                      GPU i (or on GPUS); the parts of one job (' ; ' between them) one after another,
+#                                      the k-th with its own $OUT/job<i>/<k>; each job packed into $OUT/job<i>.tgz, all
 #                                      cut at JOBS_LIMIT s (default 560; set it below the call's limit); rc per
-#                                      job in $OUT/jobs.txt. ARGS are split on spaces (no quoting)
+#                                      part in $OUT/jobs.txt. ARGS are split on spaces (no quoting)
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
 # 8B step shapes, H100: ~190 s of a first FP8 step) and bench/triton_autotune_moe_h200.tgz (the expert
 # GEMMs' quantizers at Qwen3-30B-A3B's shapes, H200: over 300 s of a first run) and leaves all autotuning results in
@@ -138,9 +139,12 @@ case "$1" in
          for spec in "${@:2}"; do
            gpus=$i; if [[ $spec == GPUS=* ]]; then gpus=${spec%% *}; gpus=${gpus#GPUS=}; spec=${spec#* }; fi
            mkdir -p "$OUT/job$i"
-           ( OUT="$OUT/job$i" CUDA_VISIBLE_DEVICES=$gpus timeout -k 5 $(( end - $(date +%s) )) bash "$0" $spec \
-               >"$OUT/job$i/job.log" 2>&1
-             echo "job$i ($spec) on GPU $gpus: rc=$? after $(( $(date +%s) - end + limit )) s" | tee -a "$OUT/jobs.txt" ) &
+           ( k=0; while [ -n "$spec" ]; do part=${spec%% ; *}; [ "$part" = "$spec" ] && spec= || spec=${spec#* ; }
+               mkdir -p "$OUT/job$i/$k"
+               OUT="$OUT/job$i/$k" CUDA_VISIBLE_DEVICES=$gpus timeout -k 5 $(( end - $(date +%s) )) bash "$0" $part \
+                 >"$OUT/job$i/$k/job.log" 2>&1
+               echo "job$i.$k ($part) on GPU $gpus: rc=$? after $(( $(date +%s) - end + limit )) s" | tee -a "$OUT/jobs.txt"
+               k=$((k + 1)); done ) &
            i=$((i + 1))
          done
          wait

@@ -474,20 +474,25 @@ def test_gpu_check_script_parses():
 
 
 def test_gpu_check_jobs_run_parts_side_by_side(tmp_path):
-    """`gpu_check.sh jobs`: each part with its own OUT folder and GPU (the i-th on GPU i, or GPUS=...),
-    its rc in jobs.txt, each folder packed into a .tgz. Unknown parts here: each exits 2 with the usage."""
+    """`gpu_check.sh jobs`: each job with its own OUT folder and GPU (the i-th on GPU i, or GPUS=...), the
+    parts of one job (' ; ') one after another in job<i>/<k>, each part's rc in jobs.txt, each job's
+    folder packed into a .tgz. Unknown parts here: each exits 2 with the usage."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "JOBS_LIMIT": "60", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    r = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "jobs", "nosuch a b", "GPUS=2,3 other"],
+    r = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "jobs", "nosuch a b", "GPUS=2,3 other ; third x"],
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
-    lines = sorted((out / "jobs.txt").read_text().splitlines())
-    assert lines[0].startswith("job0 (nosuch a b) on GPU 0: rc=2") and lines[1].startswith("job1 (other) on GPU 2,3: rc=2")
-    for i in (0, 1):
+    lines = (out / "jobs.txt").read_text().splitlines()
+    assert sorted(line.split(": rc=")[0] for line in lines) == [
+        "job0.0 (nosuch a b) on GPU 0", "job1.0 (other) on GPU 2,3", "job1.1 (third x) on GPU 2,3"]
+    assert all(": rc=2 after" in line for line in lines)
+    assert lines.index(next(x for x in lines if x.startswith("job1.0"))) < \
+        lines.index(next(x for x in lines if x.startswith("job1.1")))
+    for i, parts in ((0, 1), (1, 2)):
         assert not (out / f"job{i}").exists()
         with tarfile.open(out / f"job{i}.tgz") as t:
-            log = t.extractfile(f"job{i}/job.log").read().decode()
-        assert "usage: gpu_check.sh" in log
+            for k in range(parts):
+                assert "usage: gpu_check.sh" in t.extractfile(f"job{i}/{k}/job.log").read().decode()
 
 
 def test_kernel_summary_categories():
