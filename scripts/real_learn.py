@@ -243,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cpu", action="store_true", help="train.device=cpu, HF engine, 2 runs at a time (per --gpus\n"
                    "group), no stagger")
     p.add_argument("--dry-run", action="store_true", help="print each run's GPU and the overrides; start nothing")
+    p.add_argument("--from-work", action="store_true", help="launch nothing: write the results from the run dirs\n"
+                   "already under --work (runs whose call ended before their summary was written)")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every run")
     return p
 
@@ -272,6 +274,10 @@ def check_args(args) -> None:
         fail(f"--gpus {','.join(args.gpus)}: expected distinct GPU ids like 0,1,2,3")
     if not Path(args.config).is_file():
         fail(f"--config {args.config}: no such file; give a YAML config such as configs/gsm8k.yaml")
+    if args.from_work:
+        if not (Path(args.work) / "data").is_dir():
+            fail(f"--from-work: {args.work} holds no runs (no data/ dir); give --work the runs' dir")
+        return  # the runs' model is in their config.yaml
     args.model = model_dir(args.model)
 
 
@@ -307,9 +313,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
     out, work, t0 = Path(args.out), Path(args.work), time.time()
-    if work.exists():
-        shutil.rmtree(work)
-    data = write_task(work / "data", args.task, args.data_seed)
+    if args.from_work:
+        data = work / "data"
+    else:
+        if work.exists():
+            shutil.rmtree(work)
+        data = write_task(work / "data", args.task, args.data_seed)
     from config import load_config
     from errors import UserError
     run = run_overrides(args, data)
@@ -319,7 +328,7 @@ def main(argv=None) -> int:
     except UserError as e:
         fail(str(e))
     gpu_of = assign_gpus([(m, s) for s in args.seeds for m in args.modes], args.gpus)
-    if args.dry_run:
+    if args.dry_run and not args.from_work:
         for (m, s), g in gpu_of.items():
             print(f"{m}_s{s}: " + ("(the environment's GPU)" if g is None else f"CUDA_VISIBLE_DEVICES={g}"))
         print("overrides: " + " ".join([*run, *args.overrides]))
@@ -328,13 +337,14 @@ def main(argv=None) -> int:
         return 0
     _log(f"real_learn: model {args.model}, task {args.task}, {args.steps} steps, seeds {args.seeds}, "
          f"modes {args.modes}, GPUs {args.gpus or 'the environment'}, deadline {args.deadline_s:.0f}s, out {out}", t0)
-    launched = launch(args, run, work, gpu_of, t0)
+    launched = {} if args.from_work else launch(args, run, work, gpu_of, t0)
     runs = []
     for s in args.seeds:
         for m in args.modes:
             metrics = work / f"{m}_s{s}" / "metrics.jsonl"
             runs.append({"mode": m, "seed": s, **summarize(load_rows(metrics) if metrics.is_file() else [], args.steps),
-                         "rc": launched.get((m, s), {}).get("rc", "not started"), "gpu": gpu_of[(m, s)]})
+                         "rc": launched.get((m, s), {}).get("rc", "not recorded" if args.from_work else "not started"),
+                         "gpu": gpu_of[(m, s)]})
     files = copy_runs(work, out, [(r["mode"], r["seed"]) for r in runs])
     agg = aggregate(runs, args.modes)
     md = markdown(runs, agg, args.modes)
@@ -348,8 +358,9 @@ def main(argv=None) -> int:
         "settings": {k: getattr(args, k) for k in ("steps", "prompts", "n", "max_new_tokens", "lr", "gpu_share",
                                                    "gpus", "micro_batch", "grad_ckpt", "deadline_s", "cpu")},
         "overrides": [*run, *args.overrides], "runs": runs, "summary": agg, "unfinished": unfinished,
-        "commands": {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}, "device": _device(),
-        "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1)},
+        "commands": {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}, "device": "not recorded (--from-work)" if args.from_work else _device(),
+        "date": datetime.now().isoformat(timespec="seconds"),
+        "wall_s": None if args.from_work else round(time.time() - t0, 1)},
         md, files, name="real_learn", archive="real_learn_runs.tgz")
     _log(f"results in {out}", t0)
     return 1 if unfinished else 0

@@ -59,7 +59,8 @@ def test_summary_gain_std_and_gap():
     (["--seeds", "a"], "error: --seeds"), (["--steps", "0"], "error: --steps 0"),
     (["--model", "/nonexistent"], "error: --model /nonexistent"), (["--model", "tiny", "train.bogus=1"], "train.bogus"),
     (["--model", "tiny", "--gpus", "0,x"], "error: --gpus 0,x"), (["--model", "tiny", "--gpus", "1,1"], "error: --gpus 1,1"),
-    (["--model", "tiny", "--micro-batch", "0"], "error: --micro-batch 0")])
+    (["--model", "tiny", "--micro-batch", "0"], "error: --micro-batch 0"),
+    (["--from-work"], "error: --from-work: ")])
 def test_bad_input_exits_2(tmp_path, argv, says):
     p = subprocess.run([sys.executable, str(ROOT / "scripts/real_learn.py"), "--cpu", "--config",
                         str(ROOT / "configs/tiny_cpu.yaml"), "--out", str(tmp_path / "out"), "--work",
@@ -149,3 +150,13 @@ def test_end_to_end_on_cpu(tmp_path, gpus):
     assert "| fp8kv | 0 |" in (out / "real_learn.md").read_text()
     with tarfile.open(out / "real_learn_runs.tgz") as tar:
         assert {"real_learn.json", "real_learn.md", "fp8kv_s0_metrics.jsonl", "bf16_s0.log"} <= set(tar.getnames())
+    # a call cut before its summary: --from-work writes the same table from the run dirs, launching nothing
+    again = tmp_path / "again"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_learn.py"), "--from-work", "--config",
+                        str(ROOT / "configs/tiny_cpu.yaml"), "--seeds", "0", "--steps", "2", "--out", str(again),
+                        "--work", str(work), *gpus], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rebuilt = json.loads((again / "real_learn.json").read_text())
+    assert rebuilt["summary"] == res["summary"] and rebuilt["commands"] == {}
+    assert [r["rc"] for r in rebuilt["runs"]] == ["not recorded"] * 2
+    assert (again / "real_learn.md").read_text() == (out / "real_learn.md").read_text()
