@@ -21,16 +21,24 @@ them; activations are per rank), GiB = 2^30 bytes:
                   1 in FP8 linears; / tensor_parallel_size), ~2 GiB of activations and CUDA graphs, the
                   KV cache the rest (2 x layers x kv_heads x head_dim x 2 bytes per token, 1 with fp8.kv_cache)
 
+    first refit   2 bytes per parameter, not sharded: the first weight sync into vLLM holds about a
+                  bf16 copy of the model until its rollout ends (measured, not derived: 15-16 GiB above the
+                  rollout phase at 8B shape, in step 0 only on one rank; which allocation holds it is not
+                  pinned down)
+
     trainer phase = weights + grads + optimizer + fp8 cache + reference + gathered + activations + runtime
                     (+ the vLLM share without rollout.sleep_mode)
     rollout phase = weights + optimizer + reference + runtime + vLLM share
+    peak          = max(trainer phase, rollout phase + first refit)
 
 Calibrated on one H200 (139.8 GiB; Llama-3.1-8B, 8.03B parameters, and Qwen3-8B, 8.19B; fp32 master
 weights, adamw8bit_rms, gradient checkpointing, micro-batch 4 x 4096 tokens, vLLM 0.45): measured
 trainer-phase peaks 109.6 GiB (llama31_8b_bf16), 121.0 (llama31_8b_fp8, fp8 cache), 112.0
 (qwen3_8b_bf16), 123.7 (qwen3_8b_fp8_kv); this model gives 109.4, 119.8, 114.1, 125.3. Rollout-phase
 peaks 109-112 GiB; the model gives 109.8 (8B Llama). The activation constants (5, 10) are fitted to
-those four runs; the rest is counting bytes.
+those four runs; the rest is counting bytes. Step 0's peak (the first refit) against rollout phase +
+first refit: llama31_8b_fp8 on 1 H200 125.9 GiB (model 124.8), on 2 H200s 100.7 (102.3); qwen3_8b_bf16
+and qwen3_8b_fp8_kv on 2 H100s at vLLM 0.4, 69.2 and 73.2 (71.9 both).
 
 The run is refused before its first step only when the tensors that must exist, without
 activations or runtime, exceed the device's memory (weights + grads + optimizer states while
@@ -89,6 +97,7 @@ class Estimate:
     kv_cache: float
     kv_tokens: int             # tokens the KV cache holds
     sleep: bool
+    first_refit: float = 0.0   # engine configs only
 
     @property
     def trainer_static(self) -> float:
@@ -106,6 +115,10 @@ class Estimate:
     @property
     def rollout_peak(self) -> float:
         return self.rollout_static + self.reference + RUNTIME_GIB
+
+    @property
+    def peak(self) -> float:
+        return max(self.trainer_peak, self.rollout_peak + self.first_refit)
 
 
 def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> Estimate:
@@ -133,7 +146,7 @@ def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> E
         gathered=2 * 2 * unit / GIB if n > 1 else 0.0,
         activations=tokens * per_token / GIB, tokens=tokens,
         vllm_share=share, vllm_weights=vllm_weights, kv_cache=kv_cache, kv_tokens=int(kv_cache * GIB / kv_per_token),
-        sleep=r.sleep_mode)
+        sleep=r.sleep_mode, first_refit=2 * p / GIB if share else 0.0)
 
 
 def describe(e: Estimate) -> str:
@@ -150,7 +163,8 @@ def describe(e: Estimate) -> str:
         lines.append(f"  vLLM share {e.vllm_share:.1f}: weights {e.vllm_weights:.1f}, KV cache {e.kv_cache:.1f}"
                      f" (~{e.kv_tokens} tokens)" + ("" if e.sleep else ", awake while training (sleep_mode off)"))
     lines.append(f"  peak: trainer phase {e.trainer_peak:.1f}, rollout phase {e.rollout_peak:.1f}"
-                 f" of {e.device:.1f} ({max(e.trainer_peak, e.rollout_peak) / e.device:.0%})")
+                 + (f" (+ {e.first_refit:.1f} in the first refit's step)" if e.first_refit else "")
+                 + f" of {e.device:.1f} ({e.peak / e.device:.0%})")
     return "\n".join(lines)
 
 
@@ -164,7 +178,7 @@ def check(e: Estimate) -> str | None:
                 "weights + optimizer states + vLLM share"
             raise UserError(f"memory: {what} need {need:.1f} GiB per rank during {phase}, more than the device's "
                             f"{e.device:.1f} GiB: {fix}")
-    peak = max(e.trainer_peak, e.rollout_peak)
+    peak = e.peak
     if peak > WARN_SHARE * e.device:
         return (f"warning: memory model: {peak:.1f} GiB per rank at peak, {peak / e.device:.0%} of the device's "
                 f"{e.device:.1f} GiB; if it runs out, {fix}, or lower train.micro_batch_size")
