@@ -137,7 +137,7 @@ from config import load_config
 from modeling import load_model_and_tokenizer
 
 run_dir, out = sys.argv[1:]
-cfg = load_config(run_dir + "/config.yaml")
+cfg = load_config(run_dir + "/config.yaml", ["rollout.prompts_per_step=12"])  # whole groups on 1, 2 or 3 ranks
 d = distributed.init(cfg)
 torch.manual_seed(d.rank + 7)  # other initial weights than the run's: the load must overwrite every one
 model, _ = load_model_and_tokenizer(cfg.model, d.device)
@@ -150,11 +150,12 @@ distributed.close(d)
 """
 
 
-@pytest.mark.parametrize("written, resumed", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("written, resumed", [(2, 1), (1, 2), (2, 3)])
 def test_checkpoint_loads_exactly_on_another_world_size(runs, tmp_path, written, resumed):
     """A `written`-rank checkpoint loaded on `resumed` ranks (DCP reshards the FSDP2 shards) and
     saved again from there is the same checkpoint bit for bit: weights, Adam moments and step
-    counts, param groups (lr included)."""
+    counts, param groups (lr included). 2 -> 3: N -> M ranks on both sides (the path of 8 -> 4),
+    with shards that do not divide evenly (FSDP2 pads dim 0 to a multiple of the world size)."""
     script = tmp_path / "reshard.py"
     script.write_text(RESHARD.format(root=str(ROOT)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(resumed),
