@@ -59,7 +59,8 @@
 #                                      (default: up to 8 of 32 layers, fp32 + AdamW) -> $OUT/checkpoint.json
 #   bash scripts/gpu_check.sh jobs 'PART ARGS' ['GPUS=2,3 PART ARGS ; PART ARGS' ...]  the jobs at once, the i-th on
 #                                      GPU i (or on GPUS); the parts of one job (' ; ' between them) one after another,
-#                                      the k-th with its own $OUT/job<i>/<k>; each job packed into $OUT/job<i>.tgz, all
+#                                      the k-th with its own $OUT/job<i>/<k>; each job packed into $OUT/job<i>.tgz when
+#                                      it ends (a call cut early keeps the jobs done), all
 #                                      cut at JOBS_LIMIT s (default 560; set it below the call's limit); rc per
 #                                      part in $OUT/jobs.txt. ARGS are split on spaces (no quoting)
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
@@ -144,11 +145,11 @@ case "$1" in
                OUT="$OUT/job$i/$k" CUDA_VISIBLE_DEVICES=$gpus timeout -k 5 $(( end - $(date +%s) )) bash "$0" $part \
                  >"$OUT/job$i/$k/job.log" 2>&1
                echo "job$i.$k ($part) on GPU $gpus: rc=$? after $(( $(date +%s) - end + limit )) s" | tee -a "$OUT/jobs.txt"
-               k=$((k + 1)); done ) &
+               k=$((k + 1)); done
+             # packed as soon as the job ends: a call that runs past its limit keeps the jobs already done
+             tar --exclude=triton_autotune.tgz -czf "$OUT/job$i.tgz" -C "$OUT" "job$i" && rm -rf "$OUT/job$i" ) &
            i=$((i + 1))
          done
-         wait
-         for d in "$OUT"/job*/; do tar --exclude=triton_autotune.tgz -czf "${d%/}.tgz" -C "$OUT" "$(basename "$d")" \
-           && rm -rf "$d"; done ;;
+         wait ;;
   *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac
