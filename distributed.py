@@ -117,6 +117,14 @@ def compile_layers(model: nn.Module, backend: str) -> None:
         layer.forward = torch.compile(layer.forward, backend=backend)
 
 
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process so far (the layers' variants, the optimizer's update):
+    logged per step as compile/graphs, so a step that grew it spent time compiling."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def shard(model: nn.Module, d: Dist, bf16_compute: bool) -> nn.Module:
     """FSDP2 in place: fully_shard each decoder layer, then the root (embeddings, norm, lm_head).
 

@@ -231,7 +231,9 @@ def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int
             "token_mult_prob_error": round(last["mismatch/token_mult_prob_error"], 4), **moe,
             "preemptions": sum(m.get("rollout/preemptions", 0) for m in steps),
             "policy_gain": [m["probe/policy_gain"] for m in steps if "probe/policy_gain" in m],
-            "skipped_steps": sum(m.get("optim/skipped_steps", 0) for m in steps)}
+            "skipped_steps": sum(m.get("optim/skipped_steps", 0) for m in steps),
+            # dynamo graphs compiled by the end of each step: a timed step that added some compiled
+            **({"compiled_graphs": [m["compile/graphs"] for m in steps]} if "compile/graphs" in last else {})}
 
 
 def family(config: str) -> str:

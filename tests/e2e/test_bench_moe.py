@@ -98,7 +98,9 @@ def test_flagship_moe_rows(tmp_path):
             "moe/routing_mismatch": 0.0312, "moe/routing_mismatch_tokens": 0.21}
     r = fc.row("qwen3_30b_a3b_fp8", [step, {**step, "moe/routing_mismatch": 0.0401}], [1024 * 119], 200.0, 0)
     assert r["ok"] and r["routing_mismatch"] == 0.0401 and r["routing_mismatch_tokens"] == 0.21
-    assert r["refit_s"] == 0.5 and r["smi_peak_gib"] == 119.0
+    assert r["refit_s"] == 0.5 and r["smi_peak_gib"] == 119.0 and "compiled_graphs" not in r
+    compiled = fc.row("qwen3_8b_fp8", [{**step, "compile/graphs": 6}, {**step, "compile/graphs": 9}], [], 1.0, 0)
+    assert compiled["compiled_graphs"] == [6, 9]  # step 1 compiled 3 more graphs: its time includes compiling
     assert "routing_mismatch" not in fc.row("qwen3_8b_fp8", [{k: v for k, v in step.items()
                                                               if not k.startswith("moe/")}], [], 1.0, 0)
     out = tmp_path / "out"
