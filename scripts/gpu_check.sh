@@ -63,13 +63,18 @@
 #                                      it ends (a call cut early keeps the jobs done), all
 #                                      cut at JOBS_LIMIT s (default 560; set it below the call's limit); rc per
 #                                      part in $OUT/jobs.txt. ARGS are split on spaces (no quoting)
+#   bash scripts/gpu_check.sh bg NAME PART [ARGS]  PART in the background, detached from the call (it goes on while
+#                                      the host stays warm, i.e. while calls follow each other), files in $BG_DIR/NAME
+#                                      (default ~/bg/NAME); for runs longer than one call
+#   bash scripts/gpu_check.sh collect NAME  wait for the bg job NAME (at most COLLECT_LIMIT s, default 560), pack its
+#                                      files into $OUT/NAME.tgz; finished: its rc, and its folder removed
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
 # 8B step shapes, H100: ~190 s of a first FP8 step) and bench/triton_autotune_moe_h200.tgz (the expert
 # GEMMs' quantizers at Qwen3-30B-A3B's shapes, H200: over 300 s of a first run) and leaves all autotuning results in
 # $OUT/triton_autotune.tgz (refresh the shipped file from it when shapes or the bundle change).
 # Child logs of the rollout and align parts: $OUT/logs/. $OUT/smi.csv: nvidia-smi's utilization/clock/power log.
 set -uo pipefail
-OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"; BG_DIR=${BG_DIR:-$HOME/bg}
 export PYTHONUNBUFFERED=1 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.log"
 TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}  # fp8.torchao.keep_triton_autotuning's dir
@@ -151,5 +156,16 @@ case "$1" in
            i=$((i + 1))
          done
          wait ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
+  bg)   [ $# -ge 3 ] || { echo "usage: gpu_check.sh bg NAME PART [ARGS]" >&2; exit 2; }
+         dir=$BG_DIR/$2; rm -rf "$dir"; mkdir -p "$dir"
+         OUT="$dir" setsid bash -c 'bash "$0" "$@" >"$OUT/job.log" 2>&1; echo $? >"$OUT/rc"' "$0" "${@:3}" \
+           </dev/null >/dev/null 2>&1 &
+         echo $! >"$dir/pid"; echo "$2: started in the background (pid $!), files in $dir" ;;
+  collect) [ $# -eq 2 ] && [ -d "$BG_DIR/$2" ] || { echo "usage: gpu_check.sh collect NAME (a bg job's name)" >&2; exit 2; }
+         dir=$BG_DIR/$2; end=$(( $(date +%s) + ${COLLECT_LIMIT:-560} ))
+         while [ ! -f "$dir/rc" ] && [ "$(date +%s)" -lt $end ]; do sleep 5; done
+         tar --exclude=triton_autotune.tgz -czf "$OUT/$2.tgz" -C "$BG_DIR" "$2"
+         if [ -f "$dir/rc" ]; then echo "$2: finished, rc=$(cat "$dir/rc")"; rm -rf "$dir"
+         else echo "$2: still running at COLLECT_LIMIT; its files so far in $OUT/$2.tgz; collect it again"; fi ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|collect|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac

@@ -495,6 +495,23 @@ def test_gpu_check_jobs_run_parts_side_by_side(tmp_path):
                 assert "usage: gpu_check.sh" in t.extractfile(f"job{i}/{k}/job.log").read().decode()
 
 
+def test_gpu_check_bg_and_collect(tmp_path):
+    """`gpu_check.sh bg NAME PART`: the part detached, its files in BG_DIR/NAME; `collect NAME` waits for it,
+    packs them into OUT/NAME.tgz with its rc and removes the folder; an unknown NAME is a usage error."""
+    env = {**os.environ, "BG_DIR": str(tmp_path / "bg"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    run = lambda out, *args: subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), *args], cwd=REPO,  # noqa: E731
+                                            capture_output=True, text=True, env={**env, "OUT": str(tmp_path / out)},
+                                            timeout=120)
+    started = run("o1", "bg", "job", "nosuch", "a")
+    assert started.returncode == 0 and "job: started in the background" in started.stdout, started.stderr
+    done = run("o2", "collect", "job")
+    assert done.returncode == 0 and "job: finished, rc=2" in done.stdout, done.stdout + done.stderr
+    with tarfile.open(tmp_path / "o2/job.tgz") as t:
+        assert "usage: gpu_check.sh" in t.extractfile("job/job.log").read().decode()
+    assert not (tmp_path / "bg/job").exists()
+    assert run("o3", "collect", "job").returncode == 2
+
+
 def test_kernel_summary_categories():
     """--profile's kernel table: names map to categories, ms are per iteration, shares add up."""
     kernels = [("triton_fp8_blockwise_act_quant_lhs_kernel", 4.0), ("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA", 10.0),
