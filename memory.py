@@ -22,9 +22,9 @@ them; activations are per rank), GiB = 2^30 bytes:
                   KV cache the rest (2 x layers x kv_heads x head_dim x 2 bytes per token, 1 with fp8.kv_cache)
 
     first refit   2 bytes per parameter, not sharded: the first weight sync into vLLM holds about a
-                  bf16 copy of the model until its rollout ends (measured, not derived: 15-16 GiB above the
-                  rollout phase at 8B shape, in step 0 only on one rank; which allocation holds it is not
-                  pinned down)
+                  bf16 copy of the model until its rollout ends (measured, not derived: 10-16 GiB above
+                  the rollout phase at 8B shape, in step 0 only, on 1 and on 2 ranks; which allocation
+                  holds it is not pinned down)
 
     trainer phase = weights + grads + optimizer + fp8 cache + reference + gathered + activations + runtime
                     (+ the vLLM share without rollout.sleep_mode)
