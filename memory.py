@@ -97,7 +97,7 @@ class Estimate:
     kv_cache: float
     kv_tokens: int             # tokens the KV cache holds
     sleep: bool
-    first_refit: float = 0.0   # engine configs only
+    first_refit: float         # 0 without an engine share
 
     @property
     def trainer_static(self) -> float:
