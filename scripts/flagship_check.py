@@ -321,7 +321,8 @@ def main():
         sys.exit(2)
     for f in args.merge:
         if not Path(f).is_file():
-            print(f"error: --merge {f}: no such file (a flagship.json of an earlier run)", file=sys.stderr)
+            hint = "; give overrides before --merge, which takes every word after it" if "=" in f else ""
+            print(f"error: --merge {f}: no such file (a flagship.json of an earlier run){hint}", file=sys.stderr)
             sys.exit(2)
     out.mkdir(parents=True, exist_ok=True)
     results = json.loads((out / "flagship.json").read_text()) if (out / "flagship.json").is_file() else []

@@ -93,3 +93,17 @@ def test_ranks_launch_through_torchrun_and_group_the_gpus():
     assert two[5:] == one[1:]
     assert fc.gpu_slots(["0", "1", "2", "3"], 2) == ["0,1", "2,3"] and fc.gpu_slots(["0", "1", "2"], 2) == ["0,1"]
     assert fc.gpu_slots(["0"], 2) == [] and fc.gpu_slots([None], 2) == [None]
+
+
+def test_merge_names_an_override_it_swallowed(tmp_path):
+    """--merge takes every word after it: an override there is named as such, exit 2, nothing written."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(REPO / "scripts/flagship_check.py"), "--shipped", "--out", str(out),
+                        "--configs", "qwen3_8b_bf16", "--merge", "rollout.gpu_memory_utilization=0.4"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and not out.exists()
+    assert p.stderr.startswith("error: --merge rollout.gpu_memory_utilization=0.4: no such file")
+    assert "give overrides before --merge" in p.stderr
