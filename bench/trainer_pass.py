@@ -13,6 +13,8 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
   <mode> masked  the padded batch with its attention mask passed to the model (HF builds a
                  [rows, 1, L, L] mask, SDPA runs a masked kernel: what token_logprobs avoids)
   <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
+  <mode> unfused head  the same with [tokens, vocab] logits and a per-row fp32 log-softmax (the path
+                 before batch.fused_head): its time and memory against the fused LM head + log-softmax
 Modes: bf16, then fp8 (trainer.fp8_model of the same model; torchao on Hopper),
 then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
@@ -23,9 +25,12 @@ per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs t
 """
 
 import argparse
+import contextlib
 import functools
 import sys
 from pathlib import Path
+
+import unittest.mock
 
 import torch
 
@@ -34,6 +39,13 @@ from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
 MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp8 converts it, fp8_cached adds caches
+
+
+def unfused_head():
+    """Inside: token_logprobs as before batch.fused_head (logits, then a per-row log-softmax)."""
+    import batch
+
+    return unittest.mock.patch.object(batch, "fused_head", lambda *a: contextlib.nullcontext(False))
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, iters: int) -> dict:
@@ -105,16 +117,17 @@ def main():
             print(f"[trainer_pass] fp8_cached: {attach_weight_caches(model)} weight caches", flush=True)
             refresh_weight_caches(model)  # before a compiled forward, which cannot fill them
         variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
-        variants += [("padded", True, "masked"), ("padded", False, "")]
+        variants += [("padded", True, "masked"), ("padded", False, ""), ("padded", False, "unfused head")]
         if args.compile:
-            variants = [("padded", False, "compiled")]
+            variants = [("padded", False, "compiled"), ("padded", False, "compiled unfused head")]
         runs = []
         for batch, masked, label in variants:
             memory_metrics(device)  # this variant's peak starts here
-            r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
-                 **passes(model, *batches[batch], masked, args.iters), **memory_metrics(device)}
-            with torch.no_grad():
-                r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0).double().sum().item()
+            with unfused_head() if "unfused" in label else contextlib.nullcontext():
+                r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
+                     **passes(model, *batches[batch], masked, args.iters), **memory_metrics(device)}
+                with torch.no_grad():
+                    r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0).double().sum().item()
             print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
                   flush=True)
             runs.append(r)
