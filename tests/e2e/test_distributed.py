@@ -68,8 +68,10 @@ def test_two_ranks_reproduce_one_rank(runs):
     torch.testing.assert_close(by_step(two, "mismatch/kl"), by_step(one, "mismatch/kl"), rtol=0, atol=1e-6)
     a, b = ckpt(runs[1], 3), ckpt(runs[2], 3)
     assert a["model"].keys() == b["model"].keys() and a["world"] == 1 and b["world"] == 2
+    # AdamW divides each gradient by its running RMS: the ranks' other fp32 summation order (~1e-7 of a
+    # gradient) moves a weight with a tiny gradient by up to ~1% of one step (lr 1e-3), 1e-6 measured
     for k in a["model"]:
-        torch.testing.assert_close(b["model"][k], a["model"][k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(b["model"][k], a["model"][k], rtol=1e-4, atol=1e-5)
     assert list(a["optimizer"]["state"]) == list(b["optimizer"]["state"]) == list(a["model"])
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
 
