@@ -83,8 +83,9 @@ class _HeadLogprobs(torch.autograd.Function):
     At 8B shape a 4 x 4096-token micro-batch (Qwen3's 152k vocabulary) otherwise keeps 10 GB of fp32
     log-softmax and its BF16 logits alive until backward.
 
-    The arithmetic is the unfused path's: logits in the compute dtype (autocast's, else h's), then
-    fp32 / T. d logp / dz = onehot - p; d H / dz = -p (log p + H)."""
+    As the unfused path computes: logits in the compute dtype (autocast's, else h's), then fp32 / T; the
+    log-normalizer by logsumexp instead of log_softmax's (equal up to fp32 rounding).
+    d logp / dz = onehot - p; d H / dz = -p (log p + H)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, entropy: bool) -> Tensor:
