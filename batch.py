@@ -131,14 +131,30 @@ def _chunks(n: int, vocab: int) -> list[slice]:
     return micro_batches(n, max(1, LOGIT_CHUNK_BYTES // (4 * vocab)))
 
 
+_UNFUSED = False  # unfused_head(): the reference path
+
+
+@contextlib.contextmanager
+def unfused_head():
+    """Inside: token_logprobs as without fused_head ([B, L, V] logits, then a per-row fp32 log-softmax),
+    the reference that tests and bench/trainer_pass.py compare the fused head with."""
+    global _UNFUSED
+    prev, _UNFUSED = _UNFUSED, True
+    try:
+        yield
+    finally:
+        _UNFUSED = prev
+
+
 @contextlib.contextmanager
 def fused_head(model, input_ids, temperature: float, entropy: bool):
     """Inside: the model's LM head returns [B, L, 2] (log p of token t, entropy of its distribution)
     at position t (0 at t = 0) from _HeadLogprobs instead of [B, L, V] logits; yields False (logits
-    as usual) for a head other than a bias-free nn.Linear. The result goes out through the model's
-    own output, so FSDP2's root hooks see the backward pass through it as through logits."""
+    as usual) for a head other than a bias-free nn.Linear, and inside unfused_head(). The result goes
+    out through the model's own output, so FSDP2's root hooks see the backward pass through it as
+    through logits."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not torch.nn.Linear or head.bias is not None:
+    if _UNFUSED or type(head) is not torch.nn.Linear or head.bias is not None:
         yield False
         return
 

@@ -30,8 +30,6 @@ import functools
 import sys
 from pathlib import Path
 
-import unittest.mock
-
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -39,13 +37,6 @@ from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
 MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp8 converts it, fp8_cached adds caches
-
-
-def unfused_head():
-    """Inside: token_logprobs as before batch.fused_head (logits, then a per-row log-softmax)."""
-    import batch
-
-    return unittest.mock.patch.object(batch, "fused_head", lambda *a: contextlib.nullcontext(False))
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, iters: int) -> dict:
@@ -85,7 +76,7 @@ def main():
     from fp8.quant import BLOCK
     from modeling import load_model_and_tokenizer
     from rollout import Sample
-    from batch import collate, length_multiple, token_logprobs
+    from batch import collate, length_multiple, token_logprobs, unfused_head
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
     cfg = load_config(args.config, [f"train.device={device.type}"])

@@ -70,9 +70,8 @@ def test_fused_head_matches_logits_and_log_softmax(monkeypatch):
         model.zero_grad()
         shapes = []
         hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: shapes.append(out.shape))
-        if not fused:  # the head as another module type: the unfused path
-            monkeypatch.setattr(batch, "fused_head", lambda *a: contextlib.nullcontext(False))
-        logp, ent = token_logprobs(model, input_ids, attention_mask, 0.7, entropy=True)
+        with contextlib.nullcontext() if fused else batch.unfused_head():
+            logp, ent = token_logprobs(model, input_ids, attention_mask, 0.7, entropy=True)
         ((logp * mask).sum() + 0.3 * (ent * mask).sum()).backward()
         hook.remove()
         results[fused] = logp, ent, {n: q.grad.clone() for n, q in model.named_parameters()}, shapes
