@@ -2,6 +2,7 @@
 # The Hopper-host verification, in parts that each fit one device call (logs -> $OUT):
 #   bash scripts/gpu_check.sh fp8      tests/gpu/test_fp8_gpu.py + bench/train.py linear
 #   bash scripts/gpu_check.sh vllm     tests/gpu/test_vllm_engine.py
+#   bash scripts/gpu_check.sh tests [PATH ARGS]  pytest PATH (default tests/gpu) -> $OUT/gpu_tests.log
 #   bash scripts/gpu_check.sh align    bench/alignment.py
 #   bash scripts/gpu_check.sh flagship [ARGS]  scripts/flagship_check.py: the shipped 8B configs at full shape, a few
 #                                      steps each -> $OUT/flagship.{md,json}, logs in $OUT/flagship_runs.tgz
@@ -96,6 +97,7 @@ case "$1" in
   fp8)   $PY -m pytest tests/gpu/test_fp8_gpu.py -v -rs 2>&1 | tee "$OUT/gpu_tests_fp8.log"
          $PY bench/train.py linear --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
   vllm)  $PY -m pytest tests/gpu/test_vllm_engine.py -v -rs 2>&1 | tee "$OUT/gpu_tests_vllm.log" ;;
+  tests) $PY -m pytest "${2:-tests/gpu}" "${@:3}" -v -rs 2>&1 | tee "$OUT/gpu_tests.log"; exit "${PIPESTATUS[0]}" ;;
   align) $PY bench/alignment.py --out "$OUT" 2>&1 | tee "$OUT/alignment.log" ;;
   tiny)  rm -rf /tmp/runs/tiny_gpu  # train_grpo.py refuses a run dir that holds a run
          $PY train_grpo.py --config configs/tiny_gpu.yaml train.out_dir=/tmp/runs train.run_name=tiny_gpu \
@@ -167,5 +169,5 @@ case "$1" in
          tar --exclude=triton_autotune.tgz -czf "$OUT/$2.tgz" -C "$BG_DIR" "$2"
          if [ -f "$dir/rc" ]; then echo "$2: finished, rc=$(cat "$dir/rc")"; rm -rf "$dir"
          else echo "$2: still running at COLLECT_LIMIT; its files so far in $OUT/$2.tgz; collect it again"; fi ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|collect|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|collect|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac
