@@ -75,60 +75,91 @@ def amp(mixed: bool):
 LOGIT_CHUNK_BYTES = 512 << 20  # fp32 logits of one chunk of tokens: the largest [tokens, V] tensor the head makes
 
 
+def _head_stats(z: Tensor, targets: Tensor, temperature: float, entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Per token of logits z [c, V] (compute dtype): log-normalizer, logit of the target, entropy (fp32)."""
+    zf = z.float() / temperature
+    lse = torch.logsumexp(zf, -1)
+    tgt = zf.gather(1, targets[:, None])[:, 0]
+    if not entropy:
+        return lse, tgt, torch.zeros_like(lse)
+    lp = zf - lse[:, None]
+    return lse, tgt, -(lp.exp() * lp).nan_to_num(nan=0.0).sum(-1)  # 0 * log 0 counts 0
+
+
+def _head_grad(z: Tensor, lse: Tensor, ent: Tensor, g: Tensor, targets: Tensor, temperature: float,
+               entropy: bool) -> Tensor:
+    """d loss / d z for logits z [c, Vc] (a slice of the vocabulary; targets relative to its first
+    column, those outside never match), in z's dtype: (onehot - p) g_logp - p (log p + H) g_H, / T."""
+    lp = z.float() / temperature - lse[:, None]
+    p = lp.exp()
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]
+    gz = onehot * g[:, 0:1] - p * g[:, 0:1]
+    if entropy:
+        gz = gz - (p * (lp + ent[:, None])).nan_to_num(nan=0.0) * g[:, 1:2]
+    return (gz / temperature).to(z.dtype)
+
+
+_compiled: dict = {}
+
+
+def _kernel(fn, device: torch.device):
+    """fn, compiled on CUDA (one fused pass over the logits instead of ~10 fp32 ones; the shapes
+    dynamic, so chunk sizes do not recompile), eager elsewhere."""
+    if device.type != "cuda":
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = torch.compile(fn, dynamic=True)
+    return _compiled[fn]
+
+
 class _HeadLogprobs(torch.autograd.Function):
     """out [N, 2] float32 = (log p(target), entropy) of each of N tokens under softmax(h @ W.T / T), the
-    LM head and the log-softmax in one, a chunk of tokens at a time: no [N, V] tensor is kept, in
-    forward or for backward. Saved: h [N, d] (in the compute dtype), W, the targets, and per token the
-    log-normalizer and the entropy; backward recomputes each chunk's logits (one more LM-head GEMM).
-    At 8B shape a 4 x 4096-token micro-batch (Qwen3's 152k vocabulary) otherwise keeps 10 GB of fp32
-    log-softmax and its BF16 logits alive until backward.
+    LM head and the log-softmax in one: no [N, V] tensor is made, in forward or for backward. Forward
+    takes a chunk of tokens at a time (the log-normalizer needs whole rows); backward recomputes the
+    logits a chunk of the vocabulary at a time, so each chunk's rows of grad W are written once and
+    only grad h [N, d] accumulates. Saved: h [N, d] (in the compute dtype), W, the targets, and per
+    token the log-normalizer and the entropy. At 8B shape a 4 x 4096-token micro-batch (Qwen3's 152k
+    vocabulary) otherwise keeps 10 GB of fp32 log-softmax and its BF16 logits alive until backward.
 
-    As the unfused path computes: logits in the compute dtype (autocast's, else h's), then fp32 / T; the
-    log-normalizer by logsumexp instead of log_softmax's (equal up to fp32 rounding).
-    d logp / dz = onehot - p; d H / dz = -p (log p + H)."""
+    As the unfused path computes: logits in the compute dtype (autocast's, else h's), then fp32 / T,
+    the gradient of the logits rounded to the compute dtype; the log-normalizer by logsumexp instead
+    of log_softmax's (equal up to fp32 rounding). d logp / dz = onehot - p; d H / dz = -p (log p + H)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, entropy: bool) -> Tensor:
         dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
         hc, wc = h.to(dt), weight.to(dt)
-        out = torch.zeros(h.shape[0], 2, dtype=torch.float32, device=h.device)
-        lse, ent = (torch.zeros(h.shape[0], dtype=torch.float32, device=h.device) for _ in range(2))
-        for s in _chunks(h.shape[0], weight.shape[0]):
-            z = (hc[s] @ wc.t()).float().div_(temperature)                 # [c, V]
-            lse[s] = torch.logsumexp(z, -1)
-            out[s, 0] = z.gather(1, targets[s, None])[:, 0] - lse[s]
-            if entropy:
-                lp = z.sub_(lse[s, None])
-                ent[s] = -lp.exp().mul_(lp).nan_to_num_(nan=0.0).sum(-1)  # 0 * log 0 counts 0
-        out[:, 1] = ent
-        ctx.save_for_backward(hc, weight, targets, lse, ent)
+        out, lse = torch.zeros(h.shape[0], 2, dtype=torch.float32, device=h.device), []
+        stats = _kernel(_head_stats, h.device)
+        for s in micro_batches(h.shape[0], _chunk(weight.shape[0])):
+            lse_s, tgt, ent = stats(hc[s] @ wc.t(), targets[s], temperature, entropy)
+            out[s, 0], out[s, 1] = tgt - lse_s, ent
+            lse.append(lse_s)
+        lse = torch.cat(lse)
+        ctx.save_for_backward(hc, weight, targets, lse, out[:, 1].clone())
         ctx.temperature, ctx.entropy, ctx.h_dtype = temperature, entropy, h.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         hc, weight, targets, lse, ent = ctx.saved_tensors
-        T, need_h, need_w = ctx.temperature, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wc = weight.to(hc.dtype)
-        grad_h = torch.empty(hc.shape, dtype=ctx.h_dtype, device=hc.device) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        g = grad_out.float()
-        for s in _chunks(hc.shape[0], weight.shape[0]):
-            lp = (hc[s] @ wc.t()).float().div_(T).sub_(lse[s, None])      # log p [c, V]
-            p = lp.exp()
-            gz = p * -g[s, 0:1]
-            if ctx.entropy:
-                gz -= (p * (lp + ent[s, None])).nan_to_num_(nan=0.0) * g[s, 1:2]
-            gz = gz.scatter_add_(1, targets[s, None], g[s, 0:1]).div_(T).to(hc.dtype)
+        grad_h = torch.zeros(hc.shape, dtype=torch.float32, device=hc.device) if need_h else None
+        grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
+        g, grad = grad_out.float(), _kernel(_head_grad, hc.device)
+        for v in micro_batches(weight.shape[0], _chunk(hc.shape[0])):
+            gz = grad(hc @ wc[v].t(), lse, ent, g, targets - v.start, ctx.temperature, ctx.entropy)  # [N, Vc]
             if need_h:
-                grad_h[s] = gz @ wc
+                grad_h += gz @ wc[v]
             if need_w:
-                grad_w += gz.t() @ hc[s]
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+                grad_w[v] = gz.t() @ hc
+        return None if grad_h is None else grad_h.to(ctx.h_dtype), grad_w, None, None, None
 
 
-def _chunks(n: int, vocab: int) -> list[slice]:
-    return micro_batches(n, max(1, LOGIT_CHUNK_BYTES // (4 * vocab)))
+def _chunk(other: int) -> int:
+    """Rows of a [rows, other] fp32 tensor in LOGIT_CHUNK_BYTES."""
+    return max(1, LOGIT_CHUNK_BYTES // (4 * other))
 
 
 _UNFUSED = False  # unfused_head(): the reference path

@@ -143,7 +143,7 @@ case "$1" in
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
-  jobs) limit=${JOBS_LIMIT:-560}; end=$(( $(date +%s) + limit )); i=0
+  jobs) limit=${JOBS_LIMIT:-560}; end=$(( $(date +%s) + limit )); i=0; pids=()
          for spec in "${@:2}"; do
            gpus=$i; if [[ $spec == GPUS=* ]]; then gpus=${spec%% *}; gpus=${gpus#GPUS=}; spec=${spec#* }; fi
            mkdir -p "$OUT/job$i"
@@ -155,9 +155,9 @@ case "$1" in
                k=$((k + 1)); done
              # packed as soon as the job ends: a call that runs past its limit keeps the jobs already done
              tar --exclude=triton_autotune.tgz -czf "$OUT/job$i.tgz" -C "$OUT" "job$i" && rm -rf "$OUT/job$i" ) &
-           i=$((i + 1))
+           pids+=($!); i=$((i + 1))
          done
-         wait ;;
+         wait "${pids[@]}" ;;  # the jobs only: a bare wait would also wait for the nvidia-smi logger
   bg)   [ $# -ge 3 ] || { echo "usage: gpu_check.sh bg NAME PART [ARGS]" >&2; exit 2; }
          dir=$BG_DIR/$2; rm -rf "$dir"; mkdir -p "$dir"
          OUT="$dir" setsid bash -c 'bash "$0" "$@" >"$OUT/job.log" 2>&1; echo $? >"$OUT/rc"' "$0" "${@:3}" \
