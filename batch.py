@@ -12,6 +12,7 @@ reference, the BF16 reference of a saved batch, the probe, analysis.py, bench/al
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -86,51 +87,31 @@ def _head_stats(z: Tensor, targets: Tensor, temperature: float, entropy: bool) -
     return lse, tgt, -(lp.exp() * lp).nan_to_num(nan=0.0).sum(-1)  # 0 * log 0 counts 0
 
 
-def _head_grad(z: Tensor, lse: Tensor, ent: Tensor, g: Tensor, targets: Tensor, temperature: float,
-               entropy: bool) -> Tensor:
-    """d loss / d z for logits z [c, Vc] (a slice of the vocabulary; targets relative to its first
-    column, those outside never match), in z's dtype: (onehot - p) g_logp - p (log p + H) g_H, / T."""
-    lp = z.float() / temperature - lse[:, None]
-    p = lp.exp()
-    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]
-    gz = onehot * g[:, 0:1] - p * g[:, 0:1]
-    if entropy:
-        gz = gz - (p * (lp + ent[:, None])).nan_to_num(nan=0.0) * g[:, 1:2]
-    return (gz / temperature).to(z.dtype)
-
-
-_compiled: dict = {}
-
-
-def _kernel(fn, device: torch.device):
-    """fn, compiled on CUDA (one fused pass over the logits instead of ~10 fp32 ones; the shapes
-    dynamic, so chunk sizes do not recompile), eager elsewhere."""
-    if device.type != "cuda":
-        return fn
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, dynamic=True)
-    return _compiled[fn]
+@functools.cache
+def _compiled_head_stats():
+    """_head_stats compiled, for CUDA: one pass over each chunk's logits instead of several in fp32;
+    dynamic shapes, so the chunk sizes do not recompile."""
+    return torch.compile(_head_stats, dynamic=True)
 
 
 class _HeadLogprobs(torch.autograd.Function):
     """out [N, 2] float32 = (log p(target), entropy) of each of N tokens under softmax(h @ W.T / T), the
-    LM head and the log-softmax in one: no [N, V] tensor is made, in forward or for backward. Forward
-    takes a chunk of tokens at a time (the log-normalizer needs whole rows); backward recomputes the
-    logits a chunk of the vocabulary at a time, so each chunk's rows of grad W are written once and
-    only grad h [N, d] accumulates. Saved: h [N, d] (in the compute dtype), W, the targets, and per
-    token the log-normalizer and the entropy. At 8B shape a 4 x 4096-token micro-batch (Qwen3's 152k
-    vocabulary) otherwise keeps 10 GB of fp32 log-softmax and its BF16 logits alive until backward.
+    LM head and the log-softmax in one, a chunk of tokens at a time: no [N, V] tensor is kept, in
+    forward or for backward. Saved: h [N, d] (in the compute dtype), W, the targets, and per token the
+    log-normalizer and the entropy; backward recomputes each chunk's logits (one more LM-head GEMM).
+    At 8B shape a 4 x 4096-token micro-batch (Qwen3's 152k vocabulary) otherwise keeps 10 GB of fp32
+    log-softmax and its BF16 logits alive until backward.
 
-    As the unfused path computes: logits in the compute dtype (autocast's, else h's), then fp32 / T,
-    the gradient of the logits rounded to the compute dtype; the log-normalizer by logsumexp instead
-    of log_softmax's (equal up to fp32 rounding). d logp / dz = onehot - p; d H / dz = -p (log p + H)."""
+    As the unfused path computes: logits in the compute dtype (autocast's, else h's), then fp32 / T; the
+    log-normalizer by logsumexp instead of log_softmax's (equal up to fp32 rounding).
+    d logp / dz = onehot - p; d H / dz = -p (log p + H)."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, entropy: bool) -> Tensor:
         dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
         hc, wc = h.to(dt), weight.to(dt)
         out, lse = torch.zeros(h.shape[0], 2, dtype=torch.float32, device=h.device), []
-        stats = _kernel(_head_stats, h.device)
+        stats = _compiled_head_stats() if h.is_cuda else _head_stats
         for s in micro_batches(h.shape[0], _chunk(weight.shape[0])):
             lse_s, tgt, ent = stats(hc[s] @ wc.t(), targets[s], temperature, entropy)
             out[s, 0], out[s, 1] = tgt - lse_s, ent
@@ -143,18 +124,23 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         hc, weight, targets, lse, ent = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        T, need_h, need_w = ctx.temperature, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         wc = weight.to(hc.dtype)
-        grad_h = torch.zeros(hc.shape, dtype=torch.float32, device=hc.device) if need_h else None
-        grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if need_w else None
-        g, grad = grad_out.float(), _kernel(_head_grad, hc.device)
-        for v in micro_batches(weight.shape[0], _chunk(hc.shape[0])):
-            gz = grad(hc @ wc[v].t(), lse, ent, g, targets - v.start, ctx.temperature, ctx.entropy)  # [N, Vc]
+        grad_h = torch.empty(hc.shape, dtype=ctx.h_dtype, device=hc.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        g = grad_out.float()
+        for s in micro_batches(hc.shape[0], _chunk(weight.shape[0])):
+            lp = (hc[s] @ wc.t()).float().div_(T).sub_(lse[s, None])      # log p [c, V]
+            p = lp.exp()
+            gz = p * -g[s, 0:1]
+            if ctx.entropy:
+                gz -= (p * (lp + ent[s, None])).nan_to_num_(nan=0.0) * g[s, 1:2]
+            gz = gz.scatter_add_(1, targets[s, None], g[s, 0:1]).div_(T).to(hc.dtype)
             if need_h:
-                grad_h += gz @ wc[v]
+                grad_h[s] = gz @ wc
             if need_w:
-                grad_w[v] = gz.t() @ hc
-        return None if grad_h is None else grad_h.to(ctx.h_dtype), grad_w, None, None, None
+                grad_w += gz.t() @ hc[s]
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
 
 
 def _chunk(other: int) -> int:
@@ -162,30 +148,15 @@ def _chunk(other: int) -> int:
     return max(1, LOGIT_CHUNK_BYTES // (4 * other))
 
 
-_UNFUSED = False  # unfused_head(): the reference path
-
-
 @contextlib.contextmanager
-def unfused_head():
-    """Inside: token_logprobs as without fused_head ([B, L, V] logits, then a per-row fp32 log-softmax),
-    the reference that tests and bench/trainer_pass.py compare the fused head with."""
-    global _UNFUSED
-    prev, _UNFUSED = _UNFUSED, True
-    try:
-        yield
-    finally:
-        _UNFUSED = prev
-
-
-@contextlib.contextmanager
-def fused_head(model, input_ids, temperature: float, entropy: bool):
+def fused_head(model, input_ids, temperature: float, entropy: bool, enabled: bool = True):
     """Inside: the model's LM head returns [B, L, 2] (log p of token t, entropy of its distribution)
     at position t (0 at t = 0) from _HeadLogprobs instead of [B, L, V] logits; yields False (logits
-    as usual) for a head other than a bias-free nn.Linear, and inside unfused_head(). The result goes
+    as usual) when not enabled and for a head other than a bias-free nn.Linear. The result goes
     out through the model's own output, so FSDP2's root hooks see the backward pass through it as
     through logits."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if _UNFUSED or type(head) is not torch.nn.Linear or head.bias is not None:
+    if not enabled or type(head) is not torch.nn.Linear or head.bias is not None:
         yield False
         return
 
@@ -202,10 +173,13 @@ def fused_head(model, input_ids, temperature: float, entropy: bool):
         del head.forward
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy: bool = False):
+def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy: bool = False,
+                   fused: bool = True):
     """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]
     entropy=True: (logp, H) with H [B, L] the entropy (nats) of the distribution token t was drawn from.
-    The LM head and the log-softmax run fused, chunk by chunk (_HeadLogprobs).
+    fused: the LM head and the log-softmax in one, chunk by chunk (_HeadLogprobs: faster without grad,
+    and with grad it keeps no [B, L, V] tensor for backward, at the cost of recomputing the logits
+    there); else [B, L, V] logits, then a per-row fp32 log-softmax.
 
     attention_mask must be right padding (collate's): under causal attention no real token then sees
     a pad, so the model runs without it (pad positions get finite values, masked out downstream).
@@ -213,9 +187,9 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy
     kernel for a masked one that computes all L x L scores."""
     # no KV cache: nothing to reuse, and its per-layer state would make compiled layers recompile
     # token_mask still keeps pads out of the q/k/v calibrator's amax
-    with token_mask(attention_mask), fused_head(model, input_ids, temperature, entropy) as fused:
+    with token_mask(attention_mask), fused_head(model, input_ids, temperature, entropy, fused) as head_fused:
         out = model(input_ids=input_ids, use_cache=False).logits  # [B, L, 2] fused, else [B, L, V]
-    if fused:
+    if head_fused:
         return (out[..., 0], out[..., 1]) if entropy else out[..., 0]
     lps, ents = [], []
     for row_logits, row_ids in zip(out, input_ids):  # one row at a time: fp32 [L, V] stays small

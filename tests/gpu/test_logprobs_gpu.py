@@ -9,14 +9,11 @@ over fp32 master weights; skipped without CUDA.
     python -m pytest tests/gpu/test_logprobs_gpu.py -q -s     # -s prints the peaks
 """
 
-import contextlib
-
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-import batch  # noqa: E402
 from batch import amp, token_logprobs  # noqa: E402
 from config import load_config  # noqa: E402
 from modeling import load_model_and_tokenizer  # noqa: E402
@@ -37,16 +34,15 @@ def model():
 
 def train_pass(model, ids, fused: bool):
     """logp, entropy, the parameters' gradients and the pass's peak memory above its start (bytes)."""
-    with contextlib.nullcontext() if fused else batch.unfused_head():
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        start = torch.cuda.memory_allocated()
-        with amp(True):
-            logp, ent = token_logprobs(model, ids, torch.ones_like(ids), 0.9, entropy=True)
-        (logp[:, 1:].sum() + 0.1 * ent[:, 1:].sum()).backward()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - start
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with amp(True):
+        logp, ent = token_logprobs(model, ids, torch.ones_like(ids), 0.9, entropy=True, fused=fused)
+    (logp[:, 1:].sum() + 0.1 * ent[:, 1:].sum()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
     return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, peak
 
 

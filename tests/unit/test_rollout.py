@@ -1,6 +1,5 @@
 """HFEngine: group layout, EOS handling, and the logprob convention the trainer relies on."""
 
-import contextlib
 
 import torch
 
@@ -70,8 +69,7 @@ def test_fused_head_matches_logits_and_log_softmax(monkeypatch):
         model.zero_grad()
         shapes = []
         hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: shapes.append(out.shape))
-        with contextlib.nullcontext() if fused else batch.unfused_head():
-            logp, ent = token_logprobs(model, input_ids, attention_mask, 0.7, entropy=True)
+        logp, ent = token_logprobs(model, input_ids, attention_mask, 0.7, entropy=True, fused=fused)
         ((logp * mask).sum() + 0.3 * (ent * mask).sum()).backward()
         hook.remove()
         results[fused] = logp, ent, {n: q.grad.clone() for n, q in model.named_parameters()}, shapes
