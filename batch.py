@@ -83,8 +83,7 @@ def _head_stats(z: Tensor, targets: Tensor, temperature: float, entropy: bool) -
     tgt = zf.gather(1, targets[:, None])[:, 0]
     if not entropy:
         return lse, tgt, torch.zeros_like(lse)
-    lp = zf - lse[:, None]
-    return lse, tgt, -(lp.exp() * lp).nan_to_num(nan=0.0).sum(-1)  # 0 * log 0 counts 0
+    return lse, tgt, collapse.token_entropy(zf - lse[:, None])
 
 
 def _head_grad(z: Tensor, lse: Tensor, ent: Tensor, g: Tensor, targets: Tensor, temperature: float,

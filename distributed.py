@@ -106,15 +106,20 @@ RECOMPILE_LIMIT = 64
 def compile_layers(model: nn.Module, backend: str) -> None:
     """torch.compile each decoder layer's forward in place. Module names (so checkpoints and the
     export) are unchanged, module hooks (FSDP2's, calibration's) run outside the compiled code,
-    and the layers share one graph (with use_cache=False: no per-layer cache state to guard on)."""
-    # Each layer's graph has a few variants: grad mode (logprobs vs train), whether its input needs
-    # grad, static vs dynamic length, an FP8 row count that is or is not a multiple of 128, masks
-    # present or None. Over FSDP2 these exceed dynamo's default 8, and a call past the limit runs
-    # eager: a checkpointed layer whose forward ran compiled then recomputes eagerly in backward,
-    # and torch.utils.checkpoint stops the step (CheckpointError: different saved tensors).
+    and the layers share one graph (with use_cache=False: no per-layer cache state to guard on).
+    dynamic=True: batch and length are symbolic from the first call. Without it dynamo compiles each
+    variant twice, first for the first shape it sees and again dynamic at the next one, and a step
+    that meets a variant's second shape late compiles inside the timed step."""
+    # The variants left: grad mode (logprobs vs train), whether the input needs grad, a token count
+    # that is or is not a multiple of 128 (FP8 row padding; always a multiple on the GPU), and under
+    # FSDP2 an input that is or is not a view. Past
+    # dynamo's recompile limit a call runs eager: a checkpointed layer whose forward ran compiled
+    # then recomputes eagerly in backward, and torch.utils.checkpoint stops the step
+    # (CheckpointError: different saved tensors). Over FSDP2 the static-then-dynamic variants passed
+    # the default limit of 8; the raised limit is a margin.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in required_decoder_layers(model):
-        layer.forward = torch.compile(layer.forward, backend=backend)
+        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=True)
 
 
 def compiled_graphs() -> int:
