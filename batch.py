@@ -106,7 +106,6 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
-
 class _HeadLogprobs(torch.autograd.Function):
     """out [N, 2] float32 = (log p(target), entropy) of each of N tokens under softmax(h @ W.T / T), the
     LM head and the log-softmax in one, a chunk of tokens at a time: no [N, V] tensor is kept, in
