@@ -90,7 +90,7 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
         kw["kv_cache_dtype"] = "fp8"
         kw["calculate_kv_scales"] = False  # scales come from set_kv_scales, never from a batch
         # FA3 reads q/k/v descales from device tensors at launch, so set_kv_scales' in-place
-        # updates reach it (also inside CUDA graphs); FlashInfer would bake host floats.
+        # updates reach it (also inside CUDA graphs); FlashInfer bakes host floats unless patched (xqa).
         kw["attention_config"] = {"fa3": {"backend": "FLASH_ATTN", "flash_attn_version": 3},
                                   "triton": {"backend": "TRITON_ATTN"},
                                   "xqa": {"backend": "FLASHINFER"}}[f.kv_attention]  # engines/xqa.py
