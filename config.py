@@ -201,8 +201,8 @@ class FP8Config:
     (supports_quant_query_input), computes q.K^T on the FP8 tiles and casts P to FP8 for P.V.
     xqa: vLLM's FlashInfer backend, decode by FlashInfer's XQA kernel with the scales read from device
     tensors (engines/xqa.py; SM90 only, q scale fixed at 1). As a kernel 1.76x FA3's BF16 decode at
-    batch 128, context 4096 (fa3's FP8 kernel: 1.20x; H200, docs/results.md); not yet timed or
-    checked for mismatch inside a rollout."""
+    batch 128, context 4096 (fa3's FP8 kernel: 1.20x); in qwen3_8b_fp8_kv's rollout 1.08x fa3's at
+    the same mismatch, and the learning gate passes with it (H200, docs/results.md)."""
     recalibrate: bool = True
     """Recompute q/k/v scales from the trainer's attention inputs after every step."""
     calib_pass: Literal["separate", "logprobs"] = "separate"
