@@ -176,6 +176,21 @@ class RolloutConfig:
     engine, sharded; for a model whose weights + KV do not fit one GPU's share). The group generates
     its ranks' prompts together and each rank trains on its own; must divide the world size. The HF
     engine (CPU) runs the same data flow with every rank of a group generating the group's prompts."""
+    mode: Literal["colocated", "async"] = "colocated"
+    """colocated: every rank generates its own prompts, then trains on them (engine and trainer take
+    turns on each GPU). async: the last rollout.engine_ranks ranks only generate, the others only
+    train, and the engines generate the next step's batch while the trainer trains on this one, with
+    weights up to rollout.max_staleness optimizer steps old (engines/remote.py). The importance
+    weight already uses the engine's own logprobs, so the one-step-old policy is corrected like any
+    engine/trainer mismatch (loss.is_correction); rollout/staleness logs the lag."""
+    engine_ranks: int = 1
+    """rollout.mode=async: how many of the torchrun ranks (the last ones) run engines; each serves the
+    trainer ranks r with r % engine_ranks == its index."""
+    max_staleness: int = 1
+    """rollout.mode=async: optimizer steps the generating weights may lag the trainer's. 1: the
+    engines generate step t+1 with the weights of step t while the trainer trains step t. 0: they wait
+    for the newest weights (the synchronous loop's samples, on separate ranks). One batch is in flight
+    at a time, so larger values would not overlap more."""
     hf_cpu_threads: int = 1
     """HF engine on CPU: intra-op threads while it generates (the trainer keeps torch's setting);
     0 = torch's setting. Decoding runs hundreds of small ops per token (a few rows each), where
@@ -572,6 +587,16 @@ def validate(cfg: Config) -> None:
          "0 (vLLM's default) or a multiple of 16"),
         ("rollout.max_num_seqs", r.max_num_seqs, r.max_num_seqs >= 0, ">= 0 (0 = vLLM's default)"),
         ("rollout.tensor_parallel_size", r.tensor_parallel_size, r.tensor_parallel_size >= 1, ">= 1"),
+        ("rollout.engine_ranks", r.engine_ranks, r.engine_ranks >= 1, ">= 1"),
+        ("rollout.max_staleness", r.max_staleness, r.max_staleness in (0, 1),
+         "0 or 1 (one batch is in flight at a time: engines/remote.py)"),
+        ("rollout.tensor_parallel_size", r.tensor_parallel_size, r.mode == "colocated" or r.tensor_parallel_size == 1,
+         "1 with rollout.mode=async (each engine rank runs a whole engine)"),
+        ("train.dynamic_sampling", t.dynamic_sampling, r.mode == "colocated" or t.dynamic_sampling != "resample",
+         "none or filter with rollout.mode=async (resample rounds wait on the reward of the batch in flight)"),
+        ("rollout.engine", r.engine, r.mode == "colocated" or r.engine == "hf",
+         ("hf with rollout.mode=async for now: an engine rank's vLLM would join the trainer's process group "
+          "(external_launcher); use rollout.mode=colocated with vLLM")),
         ("fp8.calib_percentile", f.calib_percentile, 0 < f.calib_percentile <= 100, "in (0, 100]"),
         ("fp8.calib_margin", f.calib_margin, f.calib_margin > 0, "> 0"),
         ("fp8.calib_samples", f.calib_samples, f.calib_samples >= 1, ">= 1"),

@@ -41,9 +41,12 @@ from errors import UserError
 @dataclass
 class Dist:
     rank: int = 0
-    world: int = 1
+    world: int = 1  # trainer ranks (rollout.mode=async: the engine ranks not counted)
     device: torch.device = torch.device("cpu")
     tp: int = 1  # rollout.tensor_parallel_size: ranks per engine (consecutive ranks)
+    engine: int = -1  # rollout.mode=async: this rank's engine index (-1: a trainer rank)
+    engines: int = 0  # rollout.mode=async: engine ranks (global ranks world ... world + engines - 1)
+    link: object = None  # rollout.mode=async: gloo over every rank, trainer <-> engine (engines/remote.py)
 
     @property
     def main(self) -> bool:
@@ -62,14 +65,13 @@ def rollout_share(d: Dist, prompts_per_step: int) -> tuple[slice, slice]:
 
 
 def init(cfg: Config) -> Dist:
-    """The device of this process; joins the process group when launched by torchrun with > 1 rank."""
+    """The device of this process; joins the process group when launched by torchrun with > 1 rank.
+    rollout.mode=async: the default process group holds the trainer ranks only (FSDP2, checkpoints and
+    the loop's reductions never see an engine rank), and `link` joins every rank (engines/remote.py)."""
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    name = cfg.train.device
-    if name == "auto":
-        name = f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if torch.cuda.is_available() else "cpu"
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"train.device={name} but CUDA is not available; set train.device=cpu")
-    device = torch.device(name)
+    if cfg.rollout.mode == "async":
+        return _init_async(cfg, world, rank)
+    device = _device(cfg)
     tp = cfg.rollout.tensor_parallel_size
     if tp < 1 or world % tp:
         raise UserError(f"rollout.tensor_parallel_size={tp} must be >= 1 and divide the {world} rank(s); launch "
@@ -87,6 +89,45 @@ def init(cfg: Config) -> Dist:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device
                                     if device.type == "cuda" else None)
     return Dist(rank, world, device, tp)
+
+
+def _device(cfg: Config) -> torch.device:
+    name = cfg.train.device
+    if name == "auto":
+        name = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"train.device={name} but CUDA is not available; set train.device=cpu")
+    return torch.device(name)
+
+
+def _init_async(cfg: Config, world: int, rank: int) -> Dist:
+    """rollout.mode=async: ranks 0 .. W-1 train (their own default process group), the last
+    rollout.engine_ranks generate; a gloo group over all of them carries batches and weights."""
+    from datetime import timedelta
+
+    k = cfg.rollout.engine_ranks
+    trainers = world - k
+    if trainers < 1:
+        raise UserError(f"rollout.mode=async with rollout.engine_ranks={k} needs more than {k} ranks (torchrun "
+                        f"--nproc_per_node {k + 1} or more: the engines plus at least one trainer); {world} launched")
+    if k > trainers:
+        raise UserError(f"rollout.engine_ranks={k} with {trainers} trainer rank(s) ({world} launched): an engine "
+                        f"serves whole trainer ranks, so at most {trainers}; launch more ranks or use fewer engines")
+    for key, value in (("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
+                       ("train.mini_batch_size", cfg.train.mini_batch_size)):
+        if value % trainers:
+            raise UserError(f"{key}={value} is not divisible by the {trainers} trainer rank(s) ({world} ranks, "
+                            f"{k} of them engines); use a multiple of {trainers}")
+    device = _device(cfg)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = next(dist.rendezvous("env://"))[0]  # torchrun's store: every rank reaches it
+    if rank < trainers and trainers > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.PrefixStore("trainer/", store),
+                                rank=rank, world_size=trainers, device_id=device if device.type == "cuda" else None)
+    # no timeout short of a whole step: a trainer waits on the engines' batch for as long as they generate
+    link = dist.ProcessGroupGloo(dist.PrefixStore("link/", store), rank, world, timedelta(hours=6))
+    return Dist(rank, trainers, device, engine=rank - trainers if rank >= trainers else -1, engines=k, link=link)
 
 
 def required_decoder_layers(model: nn.Module) -> list[nn.Module]:

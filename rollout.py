@@ -13,6 +13,8 @@ The engines (`rollout.engine`), each in its own module under engines/:
   pushed scales.
 * `engines.vllm.VLLMEngine` (GPU): vLLM in-process, colocated with the trainer. vLLM is
   imported only when the engine is built, so CPU-only use never imports it.
+* `engines.remote.RemoteEngine` (rollout.mode=async): the trainer ranks' proxy of engines that run
+  on ranks of their own, one batch ahead of the trainer.
 
 Logprob convention (both engines, and the trainer): the log-probability of each sampled token
 under the *processed* distribution, i.e. log_softmax(logits / temperature) (vLLM's
@@ -39,6 +41,9 @@ class Sample:
     """MoE models: [P + T - 1, moe layers, k] int16, the top-k expert ids each MoE layer chose at each
     position the engine ran (prompt and response tokens; the last sampled token is never fed back),
     vLLM's CompletionOutput.routed_experts layout; None for dense models (routing.py replays them)."""
+    policy_version: int | None = None
+    """rollout.mode=async: the weights the engine generated with, as the trainer's step count when it
+    sent them (its q/k/v scales came with them); None: the trainer's current weights (colocated)."""
 
 
 class Engine(Protocol):
@@ -57,8 +62,13 @@ class Engine(Protocol):
     def wake(self) -> None: ...
 
 
-def make_engine(cfg: Config, model, tokenizer, device, model_dir=None) -> Engine:
-    """The engine cfg.rollout.engine names; model_dir: the config dir vLLM loads (None: the model's)."""
+def make_engine(cfg: Config, model, tokenizer, device, model_dir=None, d=None) -> Engine:
+    """The engine cfg.rollout.engine names; model_dir: the config dir vLLM loads (None: the model's).
+    rollout.mode=async: on a trainer rank, the proxy of the engine ranks (engines/remote.py; d: its Dist)."""
+    if cfg.rollout.mode == "async":
+        from engines.remote import RemoteEngine
+
+        return RemoteEngine(cfg, d)
     if cfg.rollout.engine == "hf":
         from engines.hf import HFEngine
 

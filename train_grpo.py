@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 1 train_grpo.py --config configs/llama31_8b_fp8.yaml
     python train_grpo.py --config configs/tiny_cpu.yaml loss.is_cap=5 fp8.train=false
     python train_grpo.py --resume runs/tiny_cpu-20261122-101500           # continue a run
+    torchrun --nproc_per_node 2 train_grpo.py --config configs/tiny_cpu.yaml rollout.mode=async  # engine on rank 1
 
 Each step: rollout (engine samples n completions per prompt, with each token's logprob) ->
 reward (data.reward: math-verify) -> group advantages -> trainer logprobs of the behaviour
@@ -45,6 +46,11 @@ def train(args) -> Path:
     # ---- setup: config, ranks, run dir
     cfg, resume_dir = trainer.read_config(args)
     d = distributed.init(cfg)
+    if d.engine >= 0:  # rollout.mode=async: an engine rank generates until the trainer stops it
+        from engines.remote import serve
+
+        serve(cfg, d)
+        return None
     device = d.device
     if cfg.rollout.engine == "vllm" and device.type != "cuda":
         raise UserError(f"rollout.engine=vllm needs a CUDA GPU (the device is {device}); set rollout.engine=hf")
@@ -69,7 +75,7 @@ def train(args) -> Path:
     # before the trainer's linears become FP8: it only ever sees weights through export.
     model_dir = save_config_dir(model, tokenizer, run_dir / "engine_model") \
         if cfg.model.name_or_path == "tiny" else cfg.model.name_or_path
-    engine = make_engine(cfg, model, tokenizer, device, model_dir)
+    engine = make_engine(cfg, model, tokenizer, device, model_dir, d)
     ref_model = trainer.reference_model(model, cfg)
     fp8_tokens = trainer.prepare_trainer(model, ref_model, cfg, d, mixed, logger)  # FP8 (+ fp8/fast), compile, FSDP2
     calibrator = QKVCalibrator(model, cfg.fp8.calib_percentile, cfg.fp8.calib_margin) \
@@ -84,6 +90,8 @@ def train(args) -> Path:
                       train_set=train_set, val_set=val_set, fp8_tokens=fp8_tokens, mixed=mixed)
     state = trainer.resume(run, resume_dir, args.overrides) if resume_dir else \
         trainer.State(entropy_control=trainer.entropy_control(cfg))
+    if cfg.rollout.mode == "async":  # the engine ranks' schedule starts here
+        engine.start(state.start_step, run.sampler.state_dict())
     trainer.first_refit(run, state)  # FP8 weight caches filled, the first rollout gets calibrated scales
 
     # ---- the steps
@@ -126,6 +134,8 @@ def train(args) -> Path:
             cfg.train.ckpt_every and cfg.train.steps % cfg.train.ckpt_every == 0):
         trainer.save(run, state, cfg.train.steps)  # (else the loop has just saved this step, or nothing ran)
     logger.close()
+    if cfg.rollout.mode == "async":
+        engine.close()  # the engine ranks stop
     distributed.close(d)
     return run_dir
 

@@ -263,18 +263,21 @@ def score(run: Run, prompts: list[dict], samples) -> tuple[list[str], torch.Tens
     return texts, rewards, correct
 
 
+def step_seed(cfg: Config, step: int, r: int = 0) -> int:
+    """The seed of round r of `step`'s first sample: sample j of global prompt i gets step_seed + i*n + j,
+    disjoint across steps and ranks (a resample round r >= 1 adds r * 2**40, past every step's range)."""
+    return (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * cfg.rollout.n + (r << 40)
+
+
 def rollout_round(run: Run, step: int, r: int, metrics: dict) -> collapse.Groups:
     """Draw prompts, generate n samples each, score them: this rank's groups of round r of the step."""
     cfg, n = run.cfg, run.cfg.rollout.n
     gen, own = distributed.rollout_share(run.d, cfg.rollout.prompts_per_step)  # whole groups; see rollout_share
     prompts = next(run.sampler)[gen]  # same draw on every rank
-    # sample j of global prompt i gets seed step_seed + i*n + j: disjoint across steps and ranks (a
-    # resample round r >= 1 adds r * 2**40, past every step's range)
-    step_seed = (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * n + (r << 40)
     with torch.profiler.record_function("rollout"):  # a named span in the profile's trace
         samples = run.engine.generate([ex["prompt_ids"] for ex in prompts], n=n, temperature=cfg.rollout.temperature,
                                       top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-                                      seed=step_seed + gen.start * n)
+                                      seed=step_seed(cfg, step, r) + gen.start * n)
     batch = prompts[own]  # this rank's prompts and their samples (all of them without TP)
     samples = [dataclasses.replace(s, prompt_index=s.prompt_index - own.start)
                for s in samples[own.start * n: own.stop * n]]
@@ -289,7 +292,8 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     groups with reward variance (every rank runs the same rounds: losses/collapse.py)."""
     cfg, n = run.cfg, run.cfg.rollout.n
     t0 = time.perf_counter()
-    cached = cfg.fp8.train and cfg.fp8.cache_weights  # the FP8 weight cache makes room for the KV cache
+    # the FP8 weight cache makes room for the KV cache (async: the engines have GPUs of their own)
+    cached = cfg.fp8.train and cfg.fp8.cache_weights and cfg.rollout.mode == "colocated"
     if cached:
         from fp8.fast.cache import refill_weight_caches, release_weight_caches
         release_weight_caches(run.model)
@@ -304,6 +308,10 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
         metrics["mem/rollout_peak_gib"] = distributed.peak_gib(run.d.device)
     if preempted is not None:
         metrics["rollout/preemptions"] = run.engine.preemptions - preempted
+    versions = [s.policy_version for g in rounds for s in g.samples if s.policy_version is not None]
+    if versions:  # rollout.mode=async: how many optimizer steps old the generating weights were
+        metrics["rollout/policy_version"] = min(versions)
+        metrics["rollout/staleness"] = step - min(versions)
     t_sleep = time.perf_counter()
     run.engine.sleep()
     distributed.peak_gib(run.d.device)  # the trainer's interval starts with the engine asleep

@@ -1,0 +1,206 @@
+"""rollout.mode=async: the engines on ranks of their own, one batch ahead of the trainer.
+
+    torchrun --nproc_per_node 2 train_grpo.py --config configs/tiny_cpu.yaml rollout.mode=async
+
+The last rollout.engine_ranks ranks run `serve`; the others train, with `RemoteEngine` as their
+engine. distributed.init gives the trainer ranks a default process group of their own (FSDP2,
+checkpoints and the loop's reductions are the colocated ones) and every rank a gloo `link`.
+
+Both sides run the same schedule, so nothing but batches and weights crosses the link: an engine
+holds its own copy of the data and of the prompt sampler (resumed from the trainer's state at the
+start), and for each trainer rank it serves it makes exactly the generate() calls that rank's
+colocated engine would make (same prompts, same seeds, same validation share), so its samples do
+not depend on how many engines there are.
+
+Weights: version v is what the trainer holds after v optimizer steps. Trainer rank 0 sends each
+version to every engine as it refits (the export stream fp8/export.py makes, FP8 bytes and scales
+included, then the q/k/v scales), and marks it complete at its next generate() call. The engine
+generates step t's batch with version max(t - rollout.max_staleness, first), and answers the
+trainer's request for step t once version t is in: with staleness 1 it generates step t + 1 while
+the trainer trains step t; with staleness 0 it waits, and the loop's samples are the colocated
+loop's. Validation at step t runs on version t, as colocated. Each sample carries its version
+(Sample.policy_version); the trainer logs rollout/staleness, and the importance weight uses the
+engine's own logprobs, so the lag is corrected like any engine/trainer mismatch.
+
+One batch is in flight at a time: an engine sends step t's batch only after it has version t, and
+starts step t + 1 only after sending. So the lag is at most 1; deeper queues would overlap no more
+when generation and training take similar time.
+
+Engines: the HF engine. An engine rank's vLLM would join the torchrun world that its
+external_launcher reads (config.validate refuses rollout.engine=vllm here for now).
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+
+import torch
+
+import distributed
+from config import Config
+
+TAG = 7
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def send(d: distributed.Dist, obj, dst: int) -> None:
+    """obj (picklable; tensors on the CPU) to global rank dst over the link."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    d.link.send([torch.tensor([data.numel()])], dst, TAG).wait()
+    d.link.send([data], dst, TAG).wait()
+
+
+def recv(d: distributed.Dist, src: int):
+    n = torch.zeros(1, dtype=torch.int64)
+    d.link.recv([n], src, TAG).wait()
+    data = torch.empty(int(n), dtype=torch.uint8)
+    d.link.recv([data], src, TAG).wait()
+    return pickle.loads(data.numpy().tobytes())
+
+
+class RemoteEngine:
+    """A trainer rank's engine: generate() returns the batch its engine rank made for this call, the
+    rest is trainer rank 0 sending weights (the other ranks take part in the export, which gathers
+    sharded weights, and send nothing)."""
+
+    def __init__(self, cfg: Config, d: distributed.Dist):
+        self.cfg, self.d = cfg, d
+        self.engines = [d.world + j for j in range(d.engines)]
+        self.source = d.world + d.rank % d.engines  # the engine rank that serves this trainer rank
+        self.version: int | None = None  # the last version sent
+        self.pending = False  # sent, not yet marked complete
+
+    def start(self, step: int, sampler_state: dict) -> None:
+        """The engines' schedule starts at `step`, their samplers at the trainer's state (rank 0 sends)."""
+        self.version = step - 1
+        if self.d.main:
+            for e in self.engines:
+                send(self.d, ("start", step, sampler_state), e)
+
+    def _to_engines(self, msg) -> None:
+        if self.d.main:
+            for e in self.engines:
+                send(self.d, msg, e)
+
+    def update_weights(self, weights) -> None:
+        self.version += 1
+        for name, t in weights:  # every trainer rank iterates: the export's gathers are collective
+            t = t.detach().cpu()
+            raw = t.dtype in FP8  # pickle cannot rebuild float8 storages: send their bytes
+            self._to_engines(("tensor", name, t.view(torch.uint8) if raw else t, str(t.dtype)[6:] if raw else None))
+        self.pending = True
+
+    def set_kv_scales(self, scales) -> None:
+        self._to_engines(("scales", scales))
+
+    def _complete(self) -> None:
+        if self.pending:
+            self._to_engines(("version", self.version))
+            self.pending = False
+
+    def generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seed=None):
+        self._complete()
+        kind, prompts, samples = recv(self.d, self.source)
+        if prompts != prompt_ids:  # the two schedules disagree: a bug, never a silent wrong batch
+            raise RuntimeError(f"rollout.mode=async: engine rank {self.source} sent a {kind} batch for other "
+                               "prompts than this trainer rank asked for")
+        return samples
+
+    def sleep(self) -> None:  # the engines have GPUs of their own
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        """The last version complete, then the engines stop."""
+        self._complete()
+        self._to_engines(("stop",))
+
+
+class _Weights:
+    """The engine rank's side of the weight stream."""
+
+    def __init__(self, d: distributed.Dist, engine):
+        self.d, self.engine, self.version, self.stopped = d, engine, -1, False
+
+    def pull(self, version: int) -> None:
+        """Apply what trainer rank 0 sends until `version` is complete (or the trainer stops)."""
+        tensors, scales = [], None
+        while self.version < version and not self.stopped:
+            msg = recv(self.d, 0)
+            if msg[0] == "tensor":
+                t = msg[2] if msg[3] is None else msg[2].view(getattr(torch, msg[3]))
+                tensors.append((msg[1], t.to(self.d.device)))
+            elif msg[0] == "scales":
+                scales = msg[1]
+            elif msg[0] == "version":
+                self.engine.update_weights(iter(tensors))
+                if scales is not None:
+                    self.engine.set_kv_scales(scales)
+                tensors, scales, self.version = [], None, msg[1]
+            else:
+                self.stopped = msg[0] == "stop"
+
+
+def serve(cfg: Config, d: distributed.Dist) -> None:
+    """An engine rank: generate the schedule's batches for the trainer ranks it serves until the
+    trainer stops it."""
+    import dataclasses
+
+    import observe
+    import trainer
+    from data import PromptSampler
+    from modeling import load_model_and_tokenizer
+    from rollout import make_engine
+
+    torch.manual_seed(cfg.train.seed)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, d.device)
+    quiet = observe.RunLogger(None, enabled=False, tensorboard=False)
+    train_set, val_set = trainer.load_data(cfg, tokenizer, quiet)
+    engine = make_engine(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, mode="colocated")),
+                         model, tokenizer, d.device)
+    served = [r for r in range(d.world) if r % d.engines == d.engine]
+    r_cfg, t_cfg = cfg.rollout, cfg.train
+    msg = recv(d, 0)
+    assert msg[0] == "start", msg
+    first = msg[1]
+    sampler = PromptSampler(train_set, r_cfg.prompts_per_step, seed=cfg.data.seed)
+    sampler.load_state_dict(msg[2])
+    weights = _Weights(d, engine)
+
+    def answer(kind: str, calls: dict, version: int) -> None:
+        for r, (prompts, kw) in calls.items():
+            samples = engine.generate(prompts, **kw)
+            samples = [dataclasses.replace(s, policy_version=version) for s in samples]
+            send(d, (kind, prompts, samples), r)
+
+    def val_calls() -> dict:
+        val = val_set[: t_cfg.val_max_prompts]
+        return {r: ([ex["prompt_ids"] for ex in val[r:: d.world]],
+                    {"n": 1, "temperature": 0.0, "top_p": 1.0, "max_new_tokens": r_cfg.max_new_tokens}) for r in served}
+
+    for step in range(first, t_cfg.steps):
+        weights.pull(max(step - r_cfg.max_staleness, first))
+        batch, used = next(sampler), weights.version
+        calls = {}
+        for r in served:  # exactly the colocated rank r's call (trainer.rollout_round)
+            gen, _ = distributed.rollout_share(distributed.Dist(r, d.world), r_cfg.prompts_per_step)
+            calls[r] = ([ex["prompt_ids"] for ex in batch[gen]],
+                        {"n": r_cfg.n, "temperature": r_cfg.temperature, "top_p": r_cfg.top_p,
+                         "max_new_tokens": r_cfg.max_new_tokens,
+                         "seed": trainer.step_seed(cfg, step) + gen.start * r_cfg.n})
+        t0 = time.perf_counter()
+        done = {r: engine.generate(prompts, **kw) for r, (prompts, kw) in calls.items()}
+        print(f"engine {d.engine}: step {step} generated with version {used} in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        weights.pull(step)  # the trainer asks for step t once it has sent version t
+        if t_cfg.val_every and step % t_cfg.val_every == 0:
+            answer("validation", val_calls(), weights.version)
+        for r, (prompts, _) in calls.items():
+            send(d, ("rollout", prompts, [dataclasses.replace(s, policy_version=used) for s in done[r]]), r)
+    weights.pull(t_cfg.steps)
+    if t_cfg.val_every and not weights.stopped:
+        answer("validation", val_calls(), weights.version)
+    weights.pull(t_cfg.steps + 1)  # until the trainer's stop
