@@ -23,10 +23,11 @@ def learned(metrics: list[dict]) -> list[dict]:
 
 
 def test_staleness_0_reproduces_the_colocated_loop(tmp_path):
-    for trainers in (1, 2):
-        colocated = launch(tmp_path, f"colocated{trainers}", trainers)
-        remote = launch(tmp_path, f"async{trainers}", trainers + 1, "rollout.mode=async", "rollout.max_staleness=0")
-        assert learned(remote) == learned(colocated), trainers
+    colocated = {n: launch(tmp_path, f"colocated{n}", n) for n in (1, 2)}
+    for trainers, engines in ((1, 1), (2, 1), (2, 2)):
+        remote = launch(tmp_path, f"async{trainers}{engines}", trainers + engines, "rollout.mode=async",
+                        f"rollout.engine_ranks={engines}", "rollout.max_staleness=0")
+        assert learned(remote) == learned(colocated[trainers]), (trainers, engines)
         assert [m["rollout/staleness"] for m in remote if "rollout/staleness" in m] == [0, 0, 0, 0]
         assert [m["rollout/policy_version"] for m in remote if "rollout/policy_version" in m] == [0, 1, 2, 3]
 
@@ -41,3 +42,13 @@ def test_staleness_1_generates_with_the_weights_of_the_step_before(tmp_path):
         key = "mismatch/token_mult_prob_error"
         assert remote[step][key] > colocated[step][key], (step, remote[step][key], colocated[step][key])
     assert "val/accuracy" in remote[-1]  # the final validation ran on the last weights
+
+
+def test_a_resumed_run_restarts_the_engines_where_the_trainer_is(tmp_path):
+    """The engines' sampler resumes from the trainer's state: RemoteEngine.generate checks every batch's
+    prompts against the trainer's own draw, so a run that finishes drew the same prompts on both sides."""
+    launch(tmp_path, "run", 2, "rollout.mode=async", "train.steps=2", "train.ckpt_every=2")
+    torchrun(tmp_path, 2, "--resume", str(tmp_path / "run"), "train.steps=4")
+    metrics = read(tmp_path / "run")
+    # the first step after the resume generates with the checkpoint's weights: staleness 0 again
+    assert [m["rollout/staleness"] for m in metrics if "rollout/staleness" in m] == [0, 1, 0, 1]
