@@ -74,9 +74,7 @@ class RemoteEngine:
     def start(self, step: int, sampler_state: dict) -> None:
         """The engines' schedule starts at `step`, their samplers at the trainer's state (rank 0 sends)."""
         self.version = step - 1
-        if self.d.main:
-            for e in self.engines:
-                send(self.d, ("start", step, sampler_state), e)
+        self._to_engines(("start", step, sampler_state))
 
     def _to_engines(self, msg) -> None:
         if self.d.main:
@@ -86,9 +84,10 @@ class RemoteEngine:
     def update_weights(self, weights) -> None:
         self.version += 1
         for name, t in weights:  # every trainer rank iterates: the export's gathers are collective
-            t = t.detach().cpu()
-            raw = t.dtype in FP8  # pickle cannot rebuild float8 storages: send their bytes
-            self._to_engines(("tensor", name, t.view(torch.uint8) if raw else t, str(t.dtype)[6:] if raw else None))
+            if self.d.main:
+                t = t.detach().cpu()
+                raw = t.dtype in FP8  # pickle cannot rebuild float8 storages: send their bytes
+                self._to_engines(("tensor", name, t.view(torch.uint8) if raw else t, str(t.dtype)[6:] if raw else None))
         self.pending = True
 
     def set_kv_scales(self, scales) -> None:
