@@ -182,7 +182,9 @@ class RolloutConfig:
     train, and the engines generate the next step's batch while the trainer trains on this one, with
     weights up to rollout.max_staleness optimizer steps old (engines/remote.py). The importance
     weight already uses the engine's own logprobs, so the one-step-old policy is corrected like any
-    engine/trainer mismatch (loss.is_correction); rollout/staleness logs the lag."""
+    engine/trainer mismatch (loss.is_correction); rollout/staleness logs the lag. That covers a small
+    policy step, not a large one: on tiny_cpu the lag cost nothing at lr 3e-4 and 0.20 of final
+    accuracy at lr 1e-3 (docs/results.md, asynchronous rollouts on CPU)."""
     engine_ranks: int = 1
     """rollout.mode=async: how many of the torchrun ranks (the last ones) run engines; each serves the
     trainer ranks r with r % engine_ranks == its index."""
