@@ -1,0 +1,78 @@
+"""engines/remote.py's messages without processes: what trainer rank 0 sends for a version of the
+weights, how an engine rank applies it (FP8 bytes included), and the prompt check on every batch."""
+
+import pickle
+
+import pytest
+import torch
+
+import distributed
+from config import load_config
+from engines import remote
+
+
+class Wire:
+    """send/recv over a list, through pickle as over the link."""
+
+    def __init__(self, monkeypatch, replies=()):
+        self.sent, self.replies = [], list(replies)
+        monkeypatch.setattr(remote, "send", lambda d, obj, dst: self.sent.append((pickle.loads(pickle.dumps(obj)), dst)))
+        monkeypatch.setattr(remote, "recv", lambda d, src: self.replies.pop(0))
+
+
+class Recorder:
+    def __init__(self):
+        self.weights, self.scales = [], []
+
+    def update_weights(self, pairs):
+        self.weights.append(list(pairs))
+
+    def set_kv_scales(self, scales):
+        self.scales.append(scales)
+
+
+def trainer(rank=0):
+    return remote.RemoteEngine(load_config(None, ["rollout.mode=async"]),
+                               distributed.Dist(rank=rank, world=2, engines=1))
+
+
+def test_a_version_reaches_the_engine_whole_fp8_bytes_included(monkeypatch):
+    wire = Wire(monkeypatch)
+    w8 = torch.tensor([1.5, -448.0, 0.015625]).to(torch.float8_e4m3fn)  # exactly representable
+    eng = trainer()
+    eng.start(3, {"epoch": 0, "position": 8})
+    eng.update_weights(iter([("a.weight", w8), ("a.weight_scale_inv", torch.tensor([[0.5]]))]))
+    eng.set_kv_scales({0: (1.0, 2.0, 3.0)})
+    eng.close()
+    assert [dst for _, dst in wire.sent] == [2] * 6  # every message to the one engine, global rank 2
+    assert [m[0] for m, _ in wire.sent] == ["start", "tensor", "tensor", "scales", "version", "stop"]
+    assert wire.sent[4][0] == ("version", 3)  # the first version is the start step's
+
+    # the engine rank: the messages in order, applied once the version is complete
+    wire.replies = [m for m, _ in wire.sent[1:]]
+    engine = Recorder()
+    pulled = remote._Weights(distributed.Dist(rank=2, world=2, engine=0, engines=1), engine)
+    pulled.pull(3)
+    (pairs,) = engine.weights
+    assert [n for n, _ in pairs] == ["a.weight", "a.weight_scale_inv"]
+    assert pairs[0][1].dtype == torch.float8_e4m3fn and torch.equal(pairs[0][1].view(torch.uint8), w8.view(torch.uint8))
+    assert engine.scales == [{0: (1.0, 2.0, 3.0)}] and pulled.version == 3
+    pulled.pull(4)  # the stop ends the wait for a version that never comes
+    assert pulled.stopped and pulled.version == 3
+
+
+def test_only_trainer_rank_0_sends(monkeypatch):
+    wire = Wire(monkeypatch)
+    eng = trainer(rank=1)
+    eng.start(0, {})
+    eng.update_weights(iter([("a.weight", torch.ones(2))]))
+    eng.close()
+    assert wire.sent == []
+
+
+def test_a_batch_for_other_prompts_is_refused(monkeypatch):
+    Wire(monkeypatch, replies=[("rollout", [[5, 6]], []), ("rollout", [[1, 2]], ["sample"])])
+    eng = trainer()
+    with pytest.raises(RuntimeError, match="other prompts than this trainer rank asked for"):
+        eng.generate([[1, 2]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0)
+    assert eng.generate([[1, 2]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0) == ["sample"]
