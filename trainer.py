@@ -309,9 +309,11 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     if preempted is not None:
         metrics["rollout/preemptions"] = run.engine.preemptions - preempted
     versions = [s.policy_version for g in rounds for s in g.samples if s.policy_version is not None]
-    if versions:  # rollout.mode=async: how many optimizer steps old the generating weights were
+    if versions:  # rollout.mode=async: how many optimizer steps old the generating weights were, and
+        # the engine's own time on the batch (time/rollout is the trainer's wait for it)
         metrics["rollout/policy_version"] = min(versions)
         metrics["rollout/staleness"] = step - min(versions)
+        metrics["rollout/engine_s"] = run.engine.generate_s
     t_sleep = time.perf_counter()
     run.engine.sleep()
     distributed.peak_gib(run.d.device)  # the trainer's interval starts with the engine asleep

@@ -70,6 +70,7 @@ class RemoteEngine:
         self.source = d.world + d.rank % d.engines  # the engine rank that serves this trainer rank
         self.version: int | None = None  # the last version sent
         self.pending = False  # sent, not yet marked complete
+        self.generate_s = 0.0  # the engine's seconds on the last batch it sent
 
     def start(self, step: int, sampler_state: dict) -> None:
         """The engines' schedule starts at `step`, their samplers at the trainer's state (rank 0 sends)."""
@@ -100,7 +101,7 @@ class RemoteEngine:
 
     def generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seed=None):
         self._complete()
-        kind, prompts, samples = recv(self.d, self.source)
+        kind, prompts, samples, self.generate_s = recv(self.d, self.source)
         if prompts != prompt_ids:  # the two schedules disagree: a bug, never a silent wrong batch
             raise RuntimeError(f"rollout.mode=async: engine rank {self.source} sent a {kind} batch for other "
                                "prompts than this trainer rank asked for")
@@ -171,9 +172,10 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
 
     def answer(kind: str, calls: dict, version: int) -> None:
         for r, (prompts, kw) in calls.items():
+            t0 = time.perf_counter()
             samples = engine.generate(prompts, **kw)
             samples = [dataclasses.replace(s, policy_version=version) for s in samples]
-            send(d, (kind, prompts, samples), r)
+            send(d, (kind, prompts, samples, time.perf_counter() - t0), r)
 
     def val_calls() -> dict:
         val = val_set[: t_cfg.val_max_prompts]
@@ -192,13 +194,13 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
                          "seed": trainer.step_seed(cfg, step) + gen.start * r_cfg.n})
         t0 = time.perf_counter()
         done = {r: engine.generate(prompts, **kw) for r, (prompts, kw) in calls.items()}
-        print(f"engine {d.engine}: step {step} generated with version {used} in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        seconds = time.perf_counter() - t0
+        print(f"engine {d.engine}: step {step} generated with version {used} in {seconds:.1f} s", flush=True)
         weights.pull(step)  # the trainer asks for step t once it has sent version t
         if t_cfg.val_every and step % t_cfg.val_every == 0:
             answer("validation", val_calls(), weights.version)
         for r, (prompts, _) in calls.items():
-            send(d, ("rollout", prompts, [dataclasses.replace(s, policy_version=used) for s in done[r]]), r)
+            send(d, ("rollout", prompts, [dataclasses.replace(s, policy_version=used) for s in done[r]], seconds), r)
     weights.pull(t_cfg.steps)
     if t_cfg.val_every and not weights.stopped:
         answer("validation", val_calls(), weights.version)

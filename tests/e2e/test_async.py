@@ -7,7 +7,7 @@ from test_distributed import ROOT, read, torchrun
 COMMON = ["log.tensorboard=false", "log.dump_episodes_every=0", "train.val_every=2", "train.steps=4",
           "train.ckpt_every=0", "rollout.prompts_per_step=8", "train.micro_batch_size=32", "fp8.kv_cache=true",
           "train.device=cpu"]
-ASYNC_ONLY = ("rollout/policy_version", "rollout/staleness")
+ASYNC_ONLY = ("rollout/policy_version", "rollout/staleness", "rollout/engine_s")
 
 
 def launch(tmp_path, name, nproc, *extra):

@@ -71,8 +71,9 @@ def test_only_trainer_rank_0_sends(monkeypatch):
 
 
 def test_a_batch_for_other_prompts_is_refused(monkeypatch):
-    Wire(monkeypatch, replies=[("rollout", [[5, 6]], []), ("rollout", [[1, 2]], ["sample"])])
+    Wire(monkeypatch, replies=[("rollout", [[5, 6]], [], 0.1), ("rollout", [[1, 2]], ["sample"], 0.2)])
     eng = trainer()
     with pytest.raises(RuntimeError, match="other prompts than this trainer rank asked for"):
         eng.generate([[1, 2]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0)
     assert eng.generate([[1, 2]], n=2, temperature=1.0, top_p=1.0, max_new_tokens=4, seed=0) == ["sample"]
+    assert eng.generate_s == 0.2  # the engine's time on that batch, for rollout/engine_s
