@@ -77,18 +77,23 @@ def init(cfg: Config) -> Dist:
         raise UserError(f"rollout.tensor_parallel_size={tp} must be >= 1 and divide the {world} rank(s); launch "
                         f"with torchrun --nproc_per_node a multiple of {max(tp, 1)}, or set it to 1")
     if world > 1:
-        if cfg.rollout.prompts_per_step % world:
-            raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by the "
-                            f"{world} ranks: each rank generates whole groups; use a multiple of {world}")
-        if cfg.train.mini_batch_size % world:
-            raise UserError(f"train.mini_batch_size={cfg.train.mini_batch_size} is not divisible by the {world} "
-                            "ranks; use a multiple of the world size (0 = the whole step's samples)")
+        _check_batch_divides(cfg, world, f"{world} ranks")
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device
                                     if device.type == "cuda" else None)
     return Dist(rank, world, device, tp)
+
+
+def _check_batch_divides(cfg: Config, n: int, ranks: str) -> None:
+    """The step's prompts and the mini-batch split over n training ranks (`ranks`: the error's name for them)."""
+    if cfg.rollout.prompts_per_step % n:
+        raise UserError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} is not divisible by the {ranks}: "
+                        f"each rank generates whole groups; use a multiple of {n}")
+    if cfg.train.mini_batch_size % n:
+        raise UserError(f"train.mini_batch_size={cfg.train.mini_batch_size} is not divisible by the {ranks}; use a "
+                        f"multiple of {n} (0 = the whole step's samples)")
 
 
 def _device(cfg: Config) -> torch.device:
@@ -113,11 +118,7 @@ def _init_async(cfg: Config, world: int, rank: int) -> Dist:
     if k > trainers:
         raise UserError(f"rollout.engine_ranks={k} with {trainers} trainer rank(s) ({world} launched): an engine "
                         f"serves whole trainer ranks, so at most {trainers}; launch more ranks or use fewer engines")
-    for key, value in (("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
-                       ("train.mini_batch_size", cfg.train.mini_batch_size)):
-        if value % trainers:
-            raise UserError(f"{key}={value} is not divisible by the {trainers} trainer rank(s) ({world} ranks, "
-                            f"{k} of them engines); use a multiple of {trainers}")
+    _check_batch_divides(cfg, trainers, f"{trainers} trainer rank(s) ({world} ranks, {k} of them engines)")
     device = _device(cfg)
     if device.type == "cuda":
         torch.cuda.set_device(device)

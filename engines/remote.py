@@ -41,7 +41,6 @@ import distributed
 from config import Config
 
 TAG = 7
-FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def send(d: distributed.Dist, obj, dst: int) -> None:
@@ -87,7 +86,7 @@ class RemoteEngine:
         for name, t in weights:  # every trainer rank iterates: the export's gathers are collective
             if self.d.main:
                 t = t.detach().cpu()
-                raw = t.dtype in FP8  # pickle cannot rebuild float8 storages: send their bytes
+                raw = t.dtype.is_floating_point and t.dtype.itemsize == 1  # float8: pickle cannot rebuild it
                 self._to_engines(("tensor", name, t.view(torch.uint8) if raw else t, str(t.dtype)[6:] if raw else None))
         self.pending = True
 
@@ -170,12 +169,16 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
     sampler.load_state_dict(msg[2])
     weights = _Weights(d, engine)
 
-    def answer(kind: str, calls: dict, version: int) -> None:
+    def generate(calls: dict, version: int) -> tuple[dict, float]:
+        """{trainer rank: (prompts, samples)} of each rank's call, and the seconds they took."""
+        t0, made = time.perf_counter(), {}
         for r, (prompts, kw) in calls.items():
-            t0 = time.perf_counter()
-            samples = engine.generate(prompts, **kw)
-            samples = [dataclasses.replace(s, policy_version=version) for s in samples]
-            send(d, (kind, prompts, samples, time.perf_counter() - t0), r)
+            made[r] = prompts, [dataclasses.replace(s, policy_version=version) for s in engine.generate(prompts, **kw)]
+        return made, time.perf_counter() - t0
+
+    def deliver(kind: str, made: dict, seconds: float) -> None:
+        for r, (prompts, samples) in made.items():
+            send(d, (kind, prompts, samples, seconds), r)
 
     def val_calls() -> dict:
         val = val_set[: t_cfg.val_max_prompts]
@@ -192,16 +195,13 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
                         {"n": r_cfg.n, "temperature": r_cfg.temperature, "top_p": r_cfg.top_p,
                          "max_new_tokens": r_cfg.max_new_tokens,
                          "seed": trainer.step_seed(cfg, step) + gen.start * r_cfg.n})
-        t0 = time.perf_counter()
-        done = {r: engine.generate(prompts, **kw) for r, (prompts, kw) in calls.items()}
-        seconds = time.perf_counter() - t0
+        made, seconds = generate(calls, used)
         print(f"engine {d.engine}: step {step} generated with version {used} in {seconds:.1f} s", flush=True)
         weights.pull(step)  # the trainer asks for step t once it has sent version t
         if t_cfg.val_every and step % t_cfg.val_every == 0:
-            answer("validation", val_calls(), weights.version)
-        for r, (prompts, _) in calls.items():
-            send(d, ("rollout", prompts, [dataclasses.replace(s, policy_version=used) for s in done[r]], seconds), r)
+            deliver("validation", *generate(val_calls(), weights.version))
+        deliver("rollout", made, seconds)
     weights.pull(t_cfg.steps)
     if t_cfg.val_every and not weights.stopped:
-        answer("validation", val_calls(), weights.version)
+        deliver("validation", *generate(val_calls(), weights.version))
     weights.pull(t_cfg.steps + 1)  # until the trainer's stop
