@@ -12,6 +12,7 @@ reference, the BF16 reference of a saved batch, the probe, analysis.py, bench/al
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
@@ -72,25 +73,132 @@ def amp(mixed: bool):
     return torch.autocast("cuda", dtype=torch.bfloat16) if mixed else contextlib.nullcontext()
 
 
-def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy: bool = False):
+LOGIT_CHUNK_BYTES = 512 << 20  # fp32 logits of one chunk of tokens: the largest [tokens, V] tensor the head makes
+
+
+def _head_stats(z: Tensor, targets: Tensor, temperature: float, entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Per token of logits z [c, V] (compute dtype): log-normalizer, logit of the target, entropy (fp32)."""
+    zf = z.float() / temperature
+    lse = torch.logsumexp(zf, -1)
+    tgt = zf.gather(1, targets[:, None])[:, 0]
+    if not entropy:
+        return lse, tgt, torch.zeros_like(lse)
+    lp = zf - lse[:, None]
+    return lse, tgt, -(lp.exp() * lp).nan_to_num(nan=0.0).sum(-1)  # 0 * log 0 counts 0
+
+
+@functools.cache
+def _compiled_head_stats():
+    """_head_stats compiled, for CUDA: one pass over each chunk's logits instead of several in fp32;
+    dynamic shapes, so the chunk sizes do not recompile."""
+    return torch.compile(_head_stats, dynamic=True)
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """out [N, 2] float32 = (log p(target), entropy) of each of N tokens under softmax(h @ W.T / T), the
+    LM head and the log-softmax in one, a chunk of tokens at a time: no [N, V] tensor is kept, in
+    forward or for backward. Saved: h [N, d] (in the compute dtype), W, the targets, and per token the
+    log-normalizer and the entropy; backward recomputes each chunk's logits (one more LM-head GEMM).
+    At 8B shape a 4 x 4096-token micro-batch (Qwen3's 152k vocabulary) otherwise keeps 10 GB of fp32
+    log-softmax and its BF16 logits alive until backward.
+
+    As the unfused path computes: logits in the compute dtype (autocast's, else h's), then fp32 / T; the
+    log-normalizer by logsumexp instead of log_softmax's (equal up to fp32 rounding).
+    d logp / dz = onehot - p; d H / dz = -p (log p + H)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, entropy: bool) -> Tensor:
+        dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+        hc, wc = h.to(dt), weight.to(dt)
+        out, lse = torch.zeros(h.shape[0], 2, dtype=torch.float32, device=h.device), []
+        stats = _compiled_head_stats() if h.is_cuda else _head_stats
+        for s in micro_batches(h.shape[0], _chunk(weight.shape[0])):
+            lse_s, tgt, ent = stats(hc[s] @ wc.t(), targets[s], temperature, entropy)
+            out[s, 0], out[s, 1] = tgt - lse_s, ent
+            lse.append(lse_s)
+        lse = torch.cat(lse)
+        ctx.save_for_backward(hc, weight, targets, lse, out[:, 1].clone())
+        ctx.temperature, ctx.entropy, ctx.h_dtype = temperature, entropy, h.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        hc, weight, targets, lse, ent = ctx.saved_tensors
+        T, need_h, need_w = ctx.temperature, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        wc = weight.to(hc.dtype)
+        grad_h = torch.empty(hc.shape, dtype=ctx.h_dtype, device=hc.device) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        g = grad_out.float()
+        for s in micro_batches(hc.shape[0], _chunk(weight.shape[0])):
+            lp = (hc[s] @ wc.t()).float().div_(T).sub_(lse[s, None])      # log p [c, V]
+            p = lp.exp()
+            gz = p * -g[s, 0:1]
+            if ctx.entropy:
+                gz -= (p * (lp + ent[s, None])).nan_to_num_(nan=0.0) * g[s, 1:2]
+            gz = gz.scatter_add_(1, targets[s, None], g[s, 0:1]).div_(T).to(hc.dtype)
+            if need_h:
+                grad_h[s] = gz @ wc
+            if need_w:
+                grad_w += gz.t() @ hc[s]
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+
+
+def _chunk(other: int) -> int:
+    """Rows of a [rows, other] fp32 tensor in LOGIT_CHUNK_BYTES."""
+    return max(1, LOGIT_CHUNK_BYTES // (4 * other))
+
+
+@contextlib.contextmanager
+def fused_head(model, input_ids, temperature: float, entropy: bool, enabled: bool = True):
+    """Inside: the model's LM head returns [B, L, 2] (log p of token t, entropy of its distribution)
+    at position t (0 at t = 0) from _HeadLogprobs instead of [B, L, V] logits; yields False (logits
+    as usual) when not enabled and for a head other than a bias-free nn.Linear. The result goes
+    out through the model's own output, so FSDP2's root hooks see the backward pass through it as
+    through logits."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not enabled or type(head) is not torch.nn.Linear or head.bias is not None:
+        yield False
+        return
+
+    def forward(h: Tensor) -> Tensor:
+        B, L, d = h.shape
+        out = _HeadLogprobs.apply(h[:, :-1].reshape(-1, d), head.weight, input_ids[:, 1:].reshape(-1),
+                                  temperature, entropy)
+        return torch.nn.functional.pad(out.view(B, L - 1, 2), (0, 0, 1, 0))
+
+    head.forward = forward
+    try:
+        yield True
+    finally:
+        del head.forward
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy: bool = False,
+                   fused: bool = True):
     """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]
     entropy=True: (logp, H) with H [B, L] the entropy (nats) of the distribution token t was drawn from.
+    fused: the LM head and the log-softmax in one, chunk by chunk (_HeadLogprobs: faster without grad,
+    and with grad it keeps no [B, L, V] tensor for backward, at the cost of recomputing the logits
+    there); else [B, L, V] logits, then a per-row fp32 log-softmax.
 
     attention_mask must be right padding (collate's): under causal attention no real token then sees
     a pad, so the model runs without it (pad positions get finite values, masked out downstream).
     With it, HF builds a [B, 1, L, L] mask for any padded batch and SDPA leaves its causal flash
     kernel for a masked one that computes all L x L scores."""
     # no KV cache: nothing to reuse, and its per-layer state would make compiled layers recompile
-    with token_mask(attention_mask):  # still keeps pads out of the q/k/v calibrator's amax
-        logits = model(input_ids=input_ids, use_cache=False).logits  # [B, L, V]
-    out, ent = [], []
-    for row_logits, row_ids in zip(logits, input_ids):  # one row at a time: fp32 [L, V] stays small
+    # token_mask still keeps pads out of the q/k/v calibrator's amax
+    with token_mask(attention_mask), fused_head(model, input_ids, temperature, entropy, fused) as head_fused:
+        out = model(input_ids=input_ids, use_cache=False).logits  # [B, L, 2] fused, else [B, L, V]
+    if head_fused:
+        return (out[..., 0], out[..., 1]) if entropy else out[..., 0]
+    lps, ents = [], []
+    for row_logits, row_ids in zip(out, input_ids):  # one row at a time: fp32 [L, V] stays small
         lp = torch.log_softmax(row_logits[:-1].float() / temperature, dim=-1)  # [L-1, V]
-        out.append(lp.gather(-1, row_ids[1:, None]).squeeze(-1))  # [L-1]
+        lps.append(lp.gather(-1, row_ids[1:, None]).squeeze(-1))  # [L-1]
         if entropy:
-            ent.append(collapse.token_entropy(lp))  # [L-1]
-    logp = torch.nn.functional.pad(torch.stack(out), (1, 0))  # [B, L]
-    return (logp, torch.nn.functional.pad(torch.stack(ent), (1, 0))) if entropy else logp
+            ents.append(collapse.token_entropy(lp))  # [L-1]
+    logp = torch.nn.functional.pad(torch.stack(lps), (1, 0))  # [B, L]
+    return (logp, torch.nn.functional.pad(torch.stack(ents), (1, 0))) if entropy else logp
 
 
 @torch.no_grad()

@@ -301,6 +301,12 @@ class TrainConfig:
     """Samples per optimizer step; 0 = all samples of the step (one optimizer step)."""
     micro_batch_size: int = 16
     """Samples per forward/backward (gradient accumulation up to mini_batch_size)."""
+    fused_head: bool = False
+    """The policy forward's LM head and log-softmax fused (batch._HeadLogprobs): no [tokens, vocab]
+    tensor is kept for backward (at 4 x 4128 tokens and Llama's 128k vocabulary 11.8-13.8 GiB less
+    peak memory), but backward recomputes the logits (a train pass 10-13% slower at that shape on an
+    H200; docs/results.md, "The fused LM head"). For cards where the micro-batch does not fit
+    otherwise. The no-grad passes always run it fused: there it is faster."""
     device: str = "auto"
     seed: int = 0
     val_every: int = 10

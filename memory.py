@@ -15,7 +15,8 @@ them; activations are per rank), GiB = 2^30 bytes:
                       the layer term below for every layer)
                   + 5 x (4 h + 3 ffn) x 2 (one layer recomputed in backward; 1 byte for FP8 linears,
                       which keep FP8 inputs)
-                  + 10 x V (bf16 logits, fp32 log-softmax and its gradient)
+                  + 10 x V (bf16 logits, fp32 log-softmax and its gradient); 3 x V with train.fused_head
+                      (it kept 7 bytes x V per token less at 4 x 4128 tokens, V 128k, on an H200)
     runtime       2 GiB (CUDA context, allocator slack, compiled kernels)
     vLLM share    rollout.gpu_memory_utilization x device memory: its weights (2 bytes per parameter,
                   1 in FP8 linears; / tensor_parallel_size), ~2 GiB of activations and CUDA graphs, the
@@ -131,7 +132,7 @@ def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> E
     h, f = shape.hidden, shape.ffn
     layer = 5 * (4 * h + 3 * f) * (1 if cfg.fp8.train else 2)
     per_token = (2 * h * shape.layers + layer if cfg.model.gradient_checkpointing else layer * shape.layers) \
-        + 10 * shape.vocab
+        + (3 if cfg.train.fused_head else 10) * shape.vocab
     share = r.gpu_memory_utilization * device_gib if r.engine == "vllm" else 0.0
     engine_bytes = p + 2 * shape.vocab * h if cfg.fp8.rollout else 2 * p  # FP8 linears; bf16 embedding, lm_head
     vllm_weights = engine_bytes / r.tensor_parallel_size / GIB if share else 0.0

@@ -416,7 +416,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                                          cfg.moe.router_replay, keep_logits=cfg.moe.aux_loss_coef > 0)  # MoE
                 with amp(run.mixed):  # the policy forward, with grad
                     logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
-                                          entropy=entropy_coef > 0)
+                                          entropy=entropy_coef > 0, fused=cfg.train.fused_head)
                 logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
                 aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j]) \
                     if routed is not None and cfg.moe.aux_loss_coef > 0 else None  # MoE, over the real tokens

@@ -12,7 +12,10 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
                  sample has the same length: no padding, no mask)
   <mode> masked  the padded batch with its attention mask passed to the model (HF builds a
                  [rows, 1, L, L] mask, SDPA runs a masked kernel: what token_logprobs avoids)
-  <mode>         the padded batch without the mask (token_logprobs now: right padding + causal)
+  <mode>         the padded batch without the mask (token_logprobs now: right padding + causal), the
+                 LM head + log-softmax fused in both passes (batch.fused_head; train.fused_head)
+  <mode> unfused head  the same with [tokens, vocab] logits and a per-row fp32 log-softmax (the train
+                 pass's default): its time and memory against the fused head
 Modes: bf16, then fp8 (trainer.fp8_model of the same model; torchao on Hopper),
 then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
@@ -36,17 +39,17 @@ DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
 MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp8 converts it, fp8_cached adds caches
 
 
-def passes(model, input_ids, attention_mask, mask, masked: bool, iters: int) -> dict:
+def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int) -> dict:
     from batch import token_logprobs
 
     m = functools.partial(model, attention_mask=attention_mask) if masked else model  # the old call
 
     def logprobs():
         with torch.no_grad():
-            token_logprobs(m, input_ids, attention_mask, 1.0)
+            token_logprobs(m, input_ids, attention_mask, 1.0, fused=fused)
 
     def train():
-        (token_logprobs(m, input_ids, attention_mask, 1.0) * mask).sum().backward()
+        (token_logprobs(m, input_ids, attention_mask, 1.0, fused=fused) * mask).sum().backward()
         model.zero_grad(set_to_none=True)
 
     # one warm-up call (FP8: torchao's autotuning, unless seeded), then the median of `iters`
@@ -105,16 +108,17 @@ def main():
             print(f"[trainer_pass] fp8_cached: {attach_weight_caches(model)} weight caches", flush=True)
             refresh_weight_caches(model)  # before a compiled forward, which cannot fill them
         variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
-        variants += [("padded", True, "masked"), ("padded", False, "")]
+        variants += [("padded", True, "masked"), ("padded", False, ""), ("padded", False, "unfused head")]
         if args.compile:
-            variants = [("padded", False, "compiled")]
+            variants = [("padded", False, "compiled"), ("padded", False, "compiled unfused head")]
         runs = []
         for batch, masked, label in variants:
             memory_metrics(device)  # this variant's peak starts here
+            fused = "unfused" not in label
             r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
-                 **passes(model, *batches[batch], masked, args.iters), **memory_metrics(device)}
+                 **passes(model, *batches[batch], masked, fused, args.iters), **memory_metrics(device)}
             with torch.no_grad():
-                r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0).double().sum().item()
+                r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()
             print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
                   flush=True)
             runs.append(r)

@@ -2,6 +2,7 @@
 # The Hopper-host verification, in parts that each fit one device call (logs -> $OUT):
 #   bash scripts/gpu_check.sh fp8      tests/gpu/test_fp8_gpu.py + bench/train.py linear
 #   bash scripts/gpu_check.sh vllm     tests/gpu/test_vllm_engine.py
+#   bash scripts/gpu_check.sh tests [PATH ARGS]  pytest PATH (default tests/gpu) -> $OUT/gpu_tests.log
 #   bash scripts/gpu_check.sh align    bench/alignment.py
 #   bash scripts/gpu_check.sh flagship [ARGS]  scripts/flagship_check.py: the shipped 8B configs at full shape, a few
 #                                      steps each -> $OUT/flagship.{md,json}, logs in $OUT/flagship_runs.tgz
@@ -96,6 +97,7 @@ case "$1" in
   fp8)   $PY -m pytest tests/gpu/test_fp8_gpu.py -v -rs 2>&1 | tee "$OUT/gpu_tests_fp8.log"
          $PY bench/train.py linear --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
   vllm)  $PY -m pytest tests/gpu/test_vllm_engine.py -v -rs 2>&1 | tee "$OUT/gpu_tests_vllm.log" ;;
+  tests) $PY -m pytest "${2:-tests/gpu}" "${@:3}" -v -rs 2>&1 | tee "$OUT/gpu_tests.log"; exit "${PIPESTATUS[0]}" ;;
   align) $PY bench/alignment.py --out "$OUT" 2>&1 | tee "$OUT/alignment.log" ;;
   tiny)  rm -rf /tmp/runs/tiny_gpu  # train_grpo.py refuses a run dir that holds a run
          $PY train_grpo.py --config configs/tiny_gpu.yaml train.out_dir=/tmp/runs train.run_name=tiny_gpu \
@@ -141,7 +143,7 @@ case "$1" in
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
-  jobs) limit=${JOBS_LIMIT:-560}; end=$(( $(date +%s) + limit )); i=0
+  jobs) limit=${JOBS_LIMIT:-560}; end=$(( $(date +%s) + limit )); i=0; pids=()
          for spec in "${@:2}"; do
            gpus=$i; if [[ $spec == GPUS=* ]]; then gpus=${spec%% *}; gpus=${gpus#GPUS=}; spec=${spec#* }; fi
            mkdir -p "$OUT/job$i"
@@ -153,9 +155,9 @@ case "$1" in
                k=$((k + 1)); done
              # packed as soon as the job ends: a call that runs past its limit keeps the jobs already done
              tar --exclude=triton_autotune.tgz -czf "$OUT/job$i.tgz" -C "$OUT" "job$i" && rm -rf "$OUT/job$i" ) &
-           i=$((i + 1))
+           pids+=($!); i=$((i + 1))
          done
-         wait ;;
+         wait "${pids[@]}" ;;  # the jobs only: a bare wait would also wait for the nvidia-smi logger
   bg)   [ $# -ge 3 ] || { echo "usage: gpu_check.sh bg NAME PART [ARGS]" >&2; exit 2; }
          dir=$BG_DIR/$2; rm -rf "$dir"; mkdir -p "$dir"
          OUT="$dir" setsid bash -c 'bash "$0" "$@" >"$OUT/job.log" 2>&1; echo $? >"$OUT/rc"' "$0" "${@:3}" \
@@ -167,5 +169,5 @@ case "$1" in
          tar --exclude=triton_autotune.tgz -czf "$OUT/$2.tgz" -C "$BG_DIR" "$2"
          if [ -f "$dir/rc" ]; then echo "$2: finished, rc=$(cat "$dir/rc")"; rm -rf "$dir"
          else echo "$2: still running at COLLECT_LIMIT; its files so far in $OUT/$2.tgz; collect it again"; fi ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|collect|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|collect|rollout|capacity|stack|step|pass|quant|ckpt" >&2; exit 2 ;;
 esac

@@ -535,9 +535,13 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
                        capture_output=True, text=True, cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
     runs = json.loads((tmp_path / "trainer_pass.json").read_text())["runs"]
-    assert [r["mode"] for r in runs] == ["bf16 unpadded", "bf16 masked", "bf16", "fp8 masked", "fp8"]
+    assert [r["mode"] for r in runs] == ["bf16 unpadded", "bf16 masked", "bf16", "bf16 unfused head",
+                                         "fp8 masked", "fp8", "fp8 unfused head"]
     assert runs[0]["tokens"] == 2 * 45 and all(r["tokens"] == 128 for r in runs[1:])
     assert all(r["logprobs_ms"] > 0 and r["train_ms"] > 0 for r in runs)
+    by_mode = {r["mode"]: r["logp_sum"] for r in runs}  # the fused head computes the unfused logprobs
+    for mode in ("bf16", "fp8"):
+        assert abs(by_mode[mode] - by_mode[f"{mode} unfused head"]) < 1e-4 * abs(by_mode[mode])
 
 
 def test_checkpoint_bench_runs_on_cpu(tmp_path):

@@ -202,3 +202,21 @@ def test_nothing_imports_the_entry_script():
     offenders = [str(p.relative_to(ROOT)) for p in files
                  if pattern.search(p.read_text().replace('\\n",', "\n").replace('"', " "))]
     assert offenders == []
+
+
+def test_fused_head_trains_as_the_unfused_head(tmp_path):
+    """train.fused_head: the policy forward's LM head + log-softmax fused (batch._HeadLogprobs) gives the
+    first step's loss and gradient of the unfused head (same rollout; fp32 rounding apart)."""
+    common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=1",
+              "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "train.save_final=false",
+              "rollout.prompts_per_step=4"]
+    runs = {}
+    for fused in ("true", "false"):
+        p = run([*common, f"train.run_name=f{fused}", f"train.fused_head={fused}"], cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[fused] = read_metrics(tmp_path / f"f{fused}")[0]
+    on, off = runs["true"], runs["false"]
+    assert on["reward/mean"] == off["reward/mean"]
+    assert off["optim/grad_norm"] > 0
+    for k in ("loss/total", "optim/grad_norm"):
+        assert on[k] == pytest.approx(off[k], rel=1e-4, abs=1e-7), (k, on[k], off[k])

@@ -84,3 +84,12 @@ def test_silent_off_cuda():
     model = torch.nn.Linear(2, 2)
     memory.startup_report(cfg("tiny_cpu"), model, Dist(), log=lines.append)
     assert lines == []
+
+
+def test_fused_head_counts_7_bytes_of_vocabulary_less_per_token():
+    """train.fused_head keeps no [tokens, vocab] logits for backward: 7 bytes x V per token less, as
+    bench/trainer_pass.py measured (11.8-13.8 GiB at 4 x 4128 tokens, V 128k)."""
+    off = memory.estimate(QWEN3_8B, cfg("qwen3_8b_fp8_kv"), 2, H100)
+    on = memory.estimate(QWEN3_8B, cfg("qwen3_8b_fp8_kv", "train.fused_head=true"), 2, H100)
+    assert off.activations - on.activations == pytest.approx(7 * QWEN3_8B.vocab * off.tokens / 2**30)
+    assert on.trainer_peak < off.trainer_peak

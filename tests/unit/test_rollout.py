@@ -1,5 +1,6 @@
 """HFEngine: group layout, EOS handling, and the logprob convention the trainer relies on."""
 
+
 import torch
 
 from config import load_config
@@ -51,6 +52,34 @@ def test_token_logprobs_of_a_right_padded_batch_need_no_mask():
             alone = token_logprobs(model, input_ids[i: i + 1, :n], attention_mask[i: i + 1, :n], 0.7)
             torch.testing.assert_close(logp[i: i + 1, :n], alone, atol=1e-5, rtol=0)
     assert seen == [None] and logp.isfinite().all()
+
+
+def test_fused_head_matches_logits_and_log_softmax(monkeypatch):
+    """batch.token_logprobs' LM head + log-softmax in chunks (_HeadLogprobs, here 7 tokens a chunk) gives
+    the unfused path's logprobs, entropies and every parameter's gradient through both (an entropy bonus
+    in the loss), at T != 1; the head's output is [B, L, 2], never [B, L, V]."""
+    import batch
+
+    cfg, model, tok, engine = make()
+    samples = [Sample(0, [5, 6], [7, 9, 11, 3], [-1.0] * 4, "stop"), Sample(0, [5, 6, 9], [7] * 9, [-1.0] * 9, "length")]
+    input_ids, attention_mask, mask, _ = collate(samples, tok.pad_token_id)
+    monkeypatch.setattr(batch, "LOGIT_CHUNK_BYTES", 7 * 4 * model.config.vocab_size)
+    results = {}
+    for fused in (True, False):
+        model.zero_grad()
+        shapes = []
+        hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: shapes.append(out.shape))
+        logp, ent = token_logprobs(model, input_ids, attention_mask, 0.7, entropy=True, fused=fused)
+        ((logp * mask).sum() + 0.3 * (ent * mask).sum()).backward()
+        hook.remove()
+        results[fused] = logp, ent, {n: q.grad.clone() for n, q in model.named_parameters()}, shapes
+    (lf, ef, gf, sf), (lu, eu, gu, su) = results[True], results[False]
+    assert sf == [(2, input_ids.shape[1], 2)] and su[0][-1] == model.config.vocab_size
+    torch.testing.assert_close(lf, lu, atol=2e-6, rtol=0)
+    torch.testing.assert_close(ef, eu, atol=2e-6, rtol=0)
+    assert not lf[:, 0].any() and ef[:, 1:].gt(0).all()
+    for name in gu:
+        torch.testing.assert_close(gf[name], gu[name], atol=1e-6, rtol=1e-4, msg=name)
 
 
 def test_logprob_pass_groups_rows_by_length_and_cuts_the_padding():

@@ -1,0 +1,60 @@
+"""batch.token_logprobs' fused LM head + log-softmax on a CUDA GPU, under the trainer's bf16 autocast
+over fp32 master weights; skipped without CUDA.
+
+* the fused head's logprobs, entropies and gradients match the unfused path's (logits, then a per-row
+  fp32 log-softmax) within bf16 rounding;
+* the train pass's peak memory drops by at least half of what the unfused path keeps for backward
+  (fp32 log-softmax, 4 bytes x vocabulary per token), at a shape where the vocabulary dominates.
+
+    python -m pytest tests/gpu/test_logprobs_gpu.py -q -s     # -s prints the peaks
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from batch import amp, token_logprobs  # noqa: E402
+from config import load_config  # noqa: E402
+from modeling import load_model_and_tokenizer  # noqa: E402
+
+ROWS, LENGTH, VOCAB = 4, 2048, 32768
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = load_config(None, ["model.dtype=float32", "train.device=cuda", "model.tiny.hidden_size=512",
+                             "model.tiny.intermediate_size=1024", "model.tiny.num_layers=2",
+                             "model.tiny.num_heads=8", "model.tiny.num_kv_heads=8", "model.tiny.head_dim=64",
+                             f"model.tiny.vocab_size={VOCAB}"])
+    torch.manual_seed(0)
+    model, _ = load_model_and_tokenizer(cfg.model, torch.device("cuda"))
+    return model.train()
+
+
+def train_pass(model, ids, fused: bool):
+    """logp, entropy, the parameters' gradients and the pass's peak memory above its start (bytes)."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with amp(True):
+        logp, ent = token_logprobs(model, ids, torch.ones_like(ids), 0.9, entropy=True, fused=fused)
+    (logp[:, 1:].sum() + 0.1 * ent[:, 1:].sum()).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - start
+    return logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, peak
+
+
+def test_fused_head_matches_and_keeps_no_vocabulary_tensor(model):
+    ids = torch.randint(3, VOCAB, (ROWS, LENGTH), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    lf, ef, gf, peak_fused = train_pass(model, ids, fused=True)
+    lu, eu, gu, peak_unfused = train_pass(model, ids, fused=False)
+    print(f"\ntrain-pass peak above start: fused {peak_fused / 2**30:.2f} GiB, unfused {peak_unfused / 2**30:.2f} GiB")
+    torch.testing.assert_close(lf, lu, atol=2e-3, rtol=0)  # both round the logits to bf16 once
+    torch.testing.assert_close(ef, eu, atol=2e-3, rtol=0)
+    for name in gu:
+        err = (gf[name] - gu[name]).norm() / gu[name].norm().clamp(min=1e-30)
+        assert err < 1e-2, (name, err.item())
+    kept_fp32 = ROWS * (LENGTH - 1) * VOCAB * 4  # the unfused path's log-softmax, kept for backward
+    assert peak_unfused - peak_fused > kept_fp32 / 2, (peak_fused, peak_unfused)
