@@ -83,15 +83,27 @@ def _head_stats(z: Tensor, targets: Tensor, temperature: float, entropy: bool) -
     tgt = zf.gather(1, targets[:, None])[:, 0]
     if not entropy:
         return lse, tgt, torch.zeros_like(lse)
-    lp = zf - lse[:, None]
-    return lse, tgt, -(lp.exp() * lp).nan_to_num(nan=0.0).sum(-1)  # 0 * log 0 counts 0
+    return lse, tgt, collapse.token_entropy(zf - lse[:, None])
+
+
+def _head_grad(z: Tensor, lse: Tensor, ent: Tensor, g: Tensor, targets: Tensor, temperature: float,
+               entropy: bool) -> Tensor:
+    """d loss / d z for logits z [c, V] in z's dtype, g [c, 2] the gradients of (log p(target), entropy):
+    ((onehot - p) g_logp - p (log p + H) g_H) / T."""
+    lp = z.float() / temperature - lse[:, None]
+    p = lp.exp()
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == targets[:, None]
+    gz = (onehot.float() - p) * g[:, 0:1]
+    if entropy:
+        gz = gz - (p * (lp + ent[:, None])).nan_to_num(nan=0.0) * g[:, 1:2]
+    return (gz / temperature).to(z.dtype)
 
 
 @functools.cache
-def _compiled_head_stats():
-    """_head_stats compiled, for CUDA: one pass over each chunk's logits instead of several in fp32;
-    dynamic shapes, so the chunk sizes do not recompile."""
-    return torch.compile(_head_stats, dynamic=True)
+def _compiled(fn):
+    """fn compiled, for CUDA: one pass over a chunk's logits instead of several in fp32; dynamic
+    shapes, so the chunk sizes do not recompile."""
+    return torch.compile(fn, dynamic=True)
 
 
 class _HeadLogprobs(torch.autograd.Function):
@@ -111,7 +123,7 @@ class _HeadLogprobs(torch.autograd.Function):
         dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
         hc, wc = h.to(dt), weight.to(dt)
         out, lse = torch.zeros(h.shape[0], 2, dtype=torch.float32, device=h.device), []
-        stats = _compiled_head_stats() if h.is_cuda else _head_stats
+        stats = _compiled(_head_stats) if h.is_cuda else _head_stats
         for s in micro_batches(h.shape[0], _chunk(weight.shape[0])):
             lse_s, tgt, ent = stats(hc[s] @ wc.t(), targets[s], temperature, entropy)
             out[s, 0], out[s, 1] = tgt - lse_s, ent
@@ -129,13 +141,9 @@ class _HeadLogprobs(torch.autograd.Function):
         grad_h = torch.empty(hc.shape, dtype=ctx.h_dtype, device=hc.device) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         g = grad_out.float()
+        grad = _compiled(_head_grad) if hc.is_cuda else _head_grad
         for s in micro_batches(hc.shape[0], _chunk(weight.shape[0])):
-            lp = (hc[s] @ wc.t()).float().div_(T).sub_(lse[s, None])      # log p [c, V]
-            p = lp.exp()
-            gz = p * -g[s, 0:1]
-            if ctx.entropy:
-                gz -= (p * (lp + ent[s, None])).nan_to_num_(nan=0.0) * g[s, 1:2]
-            gz = gz.scatter_add_(1, targets[s, None], g[s, 0:1]).div_(T).to(hc.dtype)
+            gz = grad(hc[s] @ wc.t(), lse[s], ent[s], g[s], targets[s], T, ctx.entropy)  # [c, V]
             if need_h:
                 grad_h[s] = gz @ wc
             if need_w:

@@ -193,12 +193,16 @@ class FP8Config:
     """Engine linears in block-wise W8A8 FP8, weights quantized by fp8/quant.py."""
     kv_cache: bool = False
     """FP8 KV cache + FP8 attention in the engine (needs q/k/v scales: see recalibrate)."""
-    kv_attention: Literal["fa3", "triton"] = "fa3"
+    kv_attention: Literal["fa3", "triton", "xqa"] = "fa3"
     """Engine attention over the FP8 KV cache. fa3: FlashAttention 3 in FP8 (q and P quantized too).
     triton: vLLM's Triton attention (q/k/v scales read from device tensors, so per-step
     recalibration reaches it inside CUDA graphs), 1.8x slower attention than fa3 at decode (H200,
     docs/results.md). Not BF16 math: in vLLM 0.26's source its CUDA path also takes q in FP8
-    (supports_quant_query_input), computes q.K^T on the FP8 tiles and casts P to FP8 for P.V."""
+    (supports_quant_query_input), computes q.K^T on the FP8 tiles and casts P to FP8 for P.V.
+    xqa: vLLM's FlashInfer backend, decode by FlashInfer's XQA kernel with the scales read from device
+    tensors (engines/xqa.py; SM90 only, q scale fixed at 1). As a kernel 1.76x FA3's BF16 decode at
+    batch 128, context 4096 (fa3's FP8 kernel: 1.20x; H200, docs/results.md); not yet timed or
+    checked for mismatch inside a rollout."""
     recalibrate: bool = True
     """Recompute q/k/v scales from the trainer's attention inputs after every step."""
     calib_pass: Literal["separate", "logprobs"] = "separate"

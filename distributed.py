@@ -112,6 +112,8 @@ def compile_layers(model: nn.Module, backend: str) -> None:
     # present or None. Over FSDP2 these exceed dynamo's default 8, and a call past the limit runs
     # eager: a checkpointed layer whose forward ran compiled then recomputes eagerly in backward,
     # and torch.utils.checkpoint stops the step (CheckpointError: different saved tensors).
+    # dynamic=True (no static first variant) makes dynamo fail tracing the FP8 linears on CUDA
+    # (docs/log.md); dynamo's automatic dynamic shapes mark only batch and length.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in required_decoder_layers(model):
         layer.forward = torch.compile(layer.forward, backend=backend)

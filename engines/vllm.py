@@ -43,6 +43,9 @@ def vllm_env(cfg: Config) -> dict[str, str]:
     if cfg.rollout.tensor_parallel_size > 1:  # torch symmetric-memory all-reduce (vLLM's default) needs NVLink
         # multicast: on a host without it the first TP forward dies with an illegal address (docs/log.md)
         env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = os.environ.get("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
+    if cfg.fp8.kv_cache and cfg.fp8.kv_attention == "xqa":  # engines/xqa.py: vLLM offers XQA decode only
+        # if NVIDIA's artifact server answers, or with this flag (XQA itself is JIT-built from source)
+        env["VLLM_HAS_FLASHINFER_CUBIN"] = "1"
     backend = cfg.fp8.linear_backend
     if backend in ("cutlass", "triton"):  # no DeepGEMM anywhere: no JIT, no deep_gemm warmup
         env["VLLM_USE_DEEP_GEMM"] = "0"
@@ -87,9 +90,10 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
         kw["kv_cache_dtype"] = "fp8"
         kw["calculate_kv_scales"] = False  # scales come from set_kv_scales, never from a batch
         # FA3 reads q/k/v descales from device tensors at launch, so set_kv_scales' in-place
-        # updates reach it (also inside CUDA graphs); FlashInfer would bake host floats.
-        kw["attention_config"] = ({"backend": "FLASH_ATTN", "flash_attn_version": 3} if f.kv_attention == "fa3"
-                                  else {"backend": "TRITON_ATTN"})
+        # updates reach it (also inside CUDA graphs); FlashInfer bakes host floats unless patched (xqa).
+        kw["attention_config"] = {"fa3": {"backend": "FLASH_ATTN", "flash_attn_version": 3},
+                                  "triton": {"backend": "TRITON_ATTN"},
+                                  "xqa": {"backend": "FLASHINFER"}}[f.kv_attention]  # engines/xqa.py
     if world_size > 1:  # torchrun: vLLM lays ranks out as external DP x TP (parallel_state.py); each group
         # of tensor_parallel_size consecutive ranks is one engine, the groups generate independently
         kw["distributed_executor_backend"] = "external_launcher"
@@ -250,6 +254,12 @@ class VLLMEngine:
                             "rollout.engine=hf") from None
 
         logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload)
+        if cfg.fp8.kv_cache and cfg.fp8.kv_attention == "xqa":
+            from engines import xqa
+
+            if why := xqa.check_available():
+                raise UserError(f"fp8.kv_attention=xqa: {why}")
+            xqa.patch_flashinfer_scales()
         t0 = time.perf_counter()
         # the trainer's Triton autotuning stays in its fixed dir; a one-rank engine under torchrun starts
         with kept_env("TRITON_CACHE_DIR"), own_rendezvous(world_size):
@@ -276,6 +286,7 @@ class VLLMEngine:
         self._asleep: set[str] = set()  # subset of {"weights", "kv_cache"}
         self._weights_loaded = False
         self.kv_scales: dict[int, tuple[float, float, float]] = {}  # applied per layer (q, k, v)
+        self._warned_q_range = False
         self.last_refit_s = 0.0
         if cfg.fp8.kv_cache:  # known start: 1.0 until calibrated. The dummy load wrote the same random
             # value into every 0-d scale param, which vLLM 0.26 Fp8KVCacheMethod may have adopted.
@@ -381,8 +392,16 @@ class VLLMEngine:
         missing = sorted(set(self.kv_scales) - set(attn))
         if missing:
             raise KeyError(f"kv scales for layers {missing}, but vLLM has attention layers {sorted(attn)}")
+        xqa = self.cfg.fp8.kv_attention == "xqa"
         for i, (q, k, v) in self.kv_scales.items():
             a = attn[i]
+            if xqa:  # XQA decode casts q to e4m3 unscaled (engines/xqa.py): prefill must do the same
+                if q > 1.0 and not self._warned_q_range:
+                    logging.getLogger(__name__).warning(
+                        f"fp8.kv_attention=xqa: layer {i}'s calibrated q scale is {q:.3g}, so its q exceeds e4m3's "
+                        "448, which XQA's unscaled cast cannot represent; use fp8.kv_attention=fa3")
+                    self._warned_q_range = True
+                q = 1.0
             # vLLM 0.26 Attention: _q/_k/_v_scale are 0-d fp32 device buffers. FA3 reads them at launch
             # (flash_attn.py: q/k/v_descale = layer._x_scale.expand(...)), reshape_and_cache_flash divides
             # k/v by them and Attention.forward's QuantFP8 quantizes q with _q_scale: fill_ in place keeps

@@ -18,6 +18,8 @@ cache only (add fp8.train=true fp8.rollout=true as overrides for the whole recip
     bf16                  fp8.kv_cache=false: BF16 KV cache, BF16 attention (the baseline)
     fp8kv_fa3             FP8 KV cache, FlashAttention 3 in FP8 (q and P quantized too), scales
                           recalibrated from the trainer's q/k/v before every rollout
+    fp8kv_xqa             FP8 KV cache, FlashInfer: XQA decode with device-side scales, q unscaled
+                          (fp8.kv_attention=xqa, engines/xqa.py)
     fp8kv_triton          FP8 KV cache, vLLM's Triton attention (fp8.kv_attention=triton)
     fp8kv_fa3_norecal     fp8.recalibrate=false: no calibrator, so the engine keeps its start-up scales
     fp8kv_triton_norecal  of 1.0 for q, k and v (unit scales: e4m3 saturates above 448)
@@ -77,6 +79,7 @@ KV = ["fp8.kv_cache=true"]
 VARIANTS = {  # run order (see above)
     "bf16": ["fp8.kv_cache=false"],
     "fp8kv_fa3": [*KV, "fp8.kv_attention=fa3", "fp8.recalibrate=true"],
+    "fp8kv_xqa": [*KV, "fp8.kv_attention=xqa", "fp8.recalibrate=true"],
     "fp8kv_triton": [*KV, "fp8.kv_attention=triton", "fp8.recalibrate=true"],
     "fp8kv_fa3_norecal": [*KV, "fp8.kv_attention=fa3", "fp8.recalibrate=false"],
     "fp8kv_triton_norecal": [*KV, "fp8.kv_attention=triton", "fp8.recalibrate=false"],

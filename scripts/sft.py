@@ -6,7 +6,10 @@
 
 The model: a Llama built from config (default hidden 768, 12 layers, 6 heads of 128, 2 KV heads,
 MLP 2048: ~76M parameters; every decoder linear is a multiple of 128 on both dims, so all of
-them run block FP8 in trainer and vLLM) with the repo's char tokenizer (modeling.py).
+them run block FP8 in trainer and vLLM) with the repo's char tokenizer (modeling.py). --arch picks
+another family of models/; a mixture-of-experts one (qwen3_moe) replaces each MLP by --experts
+experts of width --moe-intermediate, --experts-per-tok of them per token (the MoE quickstart,
+configs/quickstart_moe_gpu.yaml).
 
 The task is the GRPO task of --task-config (configs/ablations/base.yaml: synthetic difficulty 5,
 three-term +-* expressions such as "(37*52)-18="). SFT trains on a mix of easier levels and
@@ -58,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import FP8Config, TinyModelConfig, load_config  # noqa: E402
 from data import load_splits, render_prompt, reward_last_number, synthetic_arithmetic  # noqa: E402
 from modeling import build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
+from models import FAMILIES  # noqa: E402
 from rewards import math_reward  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -231,7 +235,10 @@ def model_spec(args) -> TinyModelConfig:
     dims = dict(TOY) if args.toy else dict(hidden_size=args.hidden, intermediate_size=args.intermediate,
                                            num_layers=args.layers, num_heads=args.heads,
                                            num_kv_heads=args.kv_heads, head_dim=args.head_dim)
-    return TinyModelConfig(arch="llama", **dims)
+    if FAMILIES[args.arch].experts is not None:  # a MoE family: its experts replace the dense MLP
+        dims.update(num_experts=args.experts, num_experts_per_tok=args.experts_per_tok,
+                    moe_intermediate_size=128 if args.toy else args.moe_intermediate)
+    return TinyModelConfig(arch=args.arch, **dims)
 
 
 def build(args, device):
@@ -411,6 +418,10 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--arch", default="llama", choices=sorted(FAMILIES), help="model family (models/)")
+    p.add_argument("--experts", type=int, default=8, help="MoE family: experts per layer")
+    p.add_argument("--experts-per-tok", type=int, default=2, help="MoE family: experts per token (the router's top-k)")
+    p.add_argument("--moe-intermediate", type=int, default=512, help="MoE family: each expert's SwiGLU width")
     p.add_argument("--toy", action="store_true", help=f"tiny dims for CPU tests: {TOY}")
     p.add_argument("--warm-fp8", action="store_true", help="only compile/autotune the FP8 trainer kernels")
     args = p.parse_args(argv)

@@ -23,7 +23,8 @@ TINY = ["--cpu", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model", "ti
 
 @pytest.mark.parametrize("variant, kv, attention, recalibrate", [
     ("bf16", False, "fa3", True), ("fp8kv_fa3", True, "fa3", True), ("fp8kv_fa3_norecal", True, "fa3", False),
-    ("fp8kv_triton", True, "triton", True), ("fp8kv_triton_norecal", True, "triton", False)])
+    ("fp8kv_xqa", True, "xqa", True), ("fp8kv_triton", True, "triton", True),
+    ("fp8kv_triton_norecal", True, "triton", False)])
 def test_command_sets_the_variant_on_gsm8k(tmp_path, variant, kv, attention, recalibrate):
     a = kv_mismatch.build_parser().parse_args(["--model", str(tmp_path), "--prompts", "4", "--n", "2"])
     data = kv_mismatch.synthetic_gsm8k(tmp_path / "data")

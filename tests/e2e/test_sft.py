@@ -92,6 +92,27 @@ def test_toy_sft_learns_and_train_grpo_loads_it(tmp_path):
     assert "mismatch/token_mult_prob_error" in rows[0] and "val/accuracy" in rows[0]
 
 
+def test_moe_sft_is_the_moe_quickstarts_warm_start(tmp_path):
+    """--arch qwen3_moe: the warm start is a Qwen3-MoE model dir that configs/quickstart_moe_gpu.yaml trains
+    from (CPU: HF engine, emulated FP8 experts, router replay)."""
+    out = tmp_path / "sft_moe_model"
+    sft.main(["--out", str(out), "--toy", "--arch", "qwen3_moe", "--experts", "4", "--device", "cpu", "--minutes", "5",
+              "--max-steps", "3", "--batch-size", "8", "--eval-every-s", "1000", "--dev-size", "4", "--mix", "2:1",
+              "--task-overrides", "train.val_max_prompts=4"])
+    hf = json.loads((out / "config.json").read_text())
+    assert (hf["model_type"], hf["num_local_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"]) == \
+        ("qwen3_moe", 4, 2, 128)
+    p = subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs/quickstart_moe_gpu.yaml"),
+                        f"model.name_or_path={out}", "rollout.engine=hf", "train.device=cpu", f"train.out_dir={tmp_path}",
+                        "train.run_name=grpo", "train.steps=1", "rollout.prompts_per_step=2", "rollout.n=4",
+                        "train.micro_batch_size=8", "train.val_every=0", "rollout.max_new_tokens=8",
+                        "log.tensorboard=false", "train.save_final=false"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    (row,) = [json.loads(line) for line in (tmp_path / "grpo/metrics.jsonl").read_text().splitlines()]
+    assert 0.0 <= row["moe/routing_mismatch"] <= 1.0
+
+
 def test_guess_share_of_task_level_problems_only():
     """--guess F: about F of the task-level (difficulty 5) problems are bare guesses ('?' + the answer,
     which math_reward accepts); easier levels always show their work."""

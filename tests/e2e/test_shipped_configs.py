@@ -25,7 +25,7 @@ CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
 def tiny_overrides(path: Path, out_dir: Path) -> list[str]:
     cfg = load_config(path)
     name = cfg.model.name_or_path.lower()
-    family = cfg.model.tiny.arch if name == "tiny" else "qwen3_moe" if "-a3b" in name else \
+    family = cfg.model.tiny.arch if name == "tiny" else "qwen3_moe" if "-a3b" in name or "moe" in name else \
         "qwen3" if "qwen3" in name else "llama"
     experts = ["model.tiny.num_experts=4", "model.tiny.num_experts_per_tok=2", "model.tiny.moe_intermediate_size=128"] \
         if family == "qwen3_moe" else ["model.tiny.num_experts=0"]  # a tiny MoE stands in for a MoE model

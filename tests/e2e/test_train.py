@@ -4,6 +4,7 @@ import json
 import subprocess
 
 import pytest
+import torch
 
 from checkpoint import latest_checkpoint
 from conftest import ROOT, read_metrics, run_train, train_cmd
@@ -204,16 +205,25 @@ def test_nothing_imports_the_entry_script():
     assert offenders == []
 
 
-def test_fused_head_trains_as_the_unfused_head(tmp_path):
-    """train.fused_head: the policy forward's LM head + log-softmax fused (batch._HeadLogprobs) gives the
-    first step's loss and gradient of the unfused head (same rollout; fp32 rounding apart)."""
+def test_fused_head_trains_as_the_unfused_head(tmp_path, monkeypatch):
+    """train.fused_head: the policy forward's LM head + log-softmax fused (batch._HeadLogprobs, which
+    the no-grad passes always use) gives the first step's loss and gradient of the unfused head (same
+    rollout), up to fp32 rounding; the train pass runs it only with the flag."""
+    import batch
+
+    grad_calls = []
+    apply = batch._HeadLogprobs.apply
+    monkeypatch.setattr(batch._HeadLogprobs, "apply",
+                        lambda *a: grad_calls.append(torch.is_grad_enabled()) or apply(*a))
     common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=1",
               "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "train.save_final=false",
               "rollout.prompts_per_step=4"]
     runs = {}
     for fused in ("true", "false"):
-        p = run([*common, f"train.run_name=f{fused}", f"train.fused_head={fused}"], cwd=tmp_path)
-        assert p.returncode == 0, p.stderr[-3000:]
+        grad_calls.clear()
+        r = run_train(*common, f"train.run_name=f{fused}", f"train.fused_head={fused}")
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert any(grad_calls) == (fused == "true") and not all(grad_calls)  # no-grad passes: always fused
         runs[fused] = read_metrics(tmp_path / f"f{fused}")[0]
     on, off = runs["true"], runs["false"]
     assert on["reward/mean"] == off["reward/mean"]

@@ -13,6 +13,8 @@ model (hidden 1024, 2 layers, 8 heads x 128, intermediate 2816, 95-char tokenize
          (absurd scales change the generations, restoring them restores them).
 * kv:    BF16 linears + FP8 KV: vLLM resets attention scales to 1.0 on every reload here, so
          this checks the engine re-applies them.
+* fp8kv-xqa: fp8kv with fp8.kv_attention=xqa (FlashInfer's XQA decode reading the scales from
+         device tensors, engines/xqa.py) under CUDA graphs: the same checks, q scale read back as 1.
 
 Cold start per mode is ~0.5-1 min (enforce_eager, cutlass, max_model_len 40). Set
 VLLM_TEST_GRAPHS=1 to add "fp8kv-graphs" (CUDA graphs + torch.compile: in-place scale updates
@@ -39,6 +41,7 @@ MODES = {
     "fp8": ["fp8.rollout=true", "fp8.keep_first_layers=1"],
     "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
     "kv": ["fp8.kv_cache=true"],
+    "fp8kv-xqa": ["fp8.rollout=true", "fp8.kv_cache=true", "fp8.kv_attention=xqa", "rollout.enforce_eager=false"],
     "fp8kv-graphs": ["fp8.rollout=true", "fp8.kv_cache=true", "rollout.enforce_eager=false"],
 }
 TINY = TINY + ["rollout.sleep_mode=true"]
@@ -142,18 +145,20 @@ def check_kv_scales(engine, model, cfg, prompts):
     L = cfg.model.tiny.num_layers
     assert same(engine.internal_kv_scales(), {i: (1.0, 1.0, 1.0) for i in range(L)})  # known start
     S = {i: (0.02 * (1 + i), 0.03 * (1 + i), 0.04 * (1 + i)) for i in range(L)}  # 448 * s >> max|q,k,v|
+    xqa = cfg.fp8.kv_attention == "xqa"  # XQA decode casts q unscaled: the engine keeps q scale at 1
+    inside = lambda s: {i: (1.0, k, v) for i, (_, k, v) in s.items()} if xqa else s  # noqa: E731
     engine.set_kv_scales(S)
-    assert same(engine.internal_kv_scales(), S) and same(engine.kv_scales, S)
+    assert same(engine.internal_kv_scales(), inside(S)) and same(engine.kv_scales, S)
     g_s = greedy(engine, prompts)
     engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout))  # reload keeps them
-    assert same(engine.internal_kv_scales(), S), engine.internal_kv_scales()
+    assert same(engine.internal_kv_scales(), inside(S)), engine.internal_kv_scales()
     assert greedy(engine, prompts) == g_s
     S2 = {i: (0.05, 0.06, 0.07 + 0.01 * i) for i in range(L)}  # through the export stream, while asleep
     engine.sleep()
     engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout, kv_scales=S2))
-    assert same(engine.internal_kv_scales(), S2), engine.internal_kv_scales()
+    assert same(engine.internal_kv_scales(), inside(S2)), engine.internal_kv_scales()
     engine.wake()
-    assert same(engine.internal_kv_scales(), S2)
+    assert same(engine.internal_kv_scales(), inside(S2))
     engine.set_kv_scales(S)
     assert greedy(engine, prompts) == g_s
     absurd = {i: (2e-4, 2e-4, 2e-4) for i in range(L)}  # saturates q, k, v at +-0.09

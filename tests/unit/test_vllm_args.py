@@ -26,6 +26,7 @@ MODES = {  # name -> config overrides (the three rollout recipes of configs/, an
     "fp8": ["fp8.rollout=true"],
     "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
     "fp8kv_triton": ["fp8.rollout=true", "fp8.kv_cache=true", "fp8.kv_attention=triton", "rollout.block_size=32"],
+    "fp8kv_xqa": ["fp8.rollout=true", "fp8.kv_cache=true", "fp8.kv_attention=xqa"],
 }
 TINY = ["rollout.engine=vllm", "data.max_prompt_tokens=64", "rollout.max_new_tokens=64", "model.dtype=float32",
         "model.tiny.hidden_size=256", "model.tiny.intermediate_size=512", "model.tiny.num_layers=3",
@@ -63,6 +64,11 @@ def test_env_pins_scales_inprocess_and_backend():
         assert env["VLLM_USE_DEEP_GEMM_E8M0"] == "0"  # else vLLM re-rounds block scales to 2^k
         assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the model must live in this process
         assert env.get("VLLM_USE_DEEP_GEMM") == deep_gemm
+        assert "VLLM_HAS_FLASHINFER_CUBIN" not in env
+    # fp8.kv_attention=xqa: without it vLLM probes NVIDIA's artifact server and, offline, decodes with
+    # FlashInfer's native kernel, whose float scales CUDA graphs freeze (engines/xqa.py)
+    assert vllm_env(cfg_for("fp8kv_xqa"))["VLLM_HAS_FLASHINFER_CUBIN"] == "1"
+    assert "VLLM_HAS_FLASHINFER_CUBIN" not in vllm_env(cfg_for("fp8", "fp8.kv_attention=xqa"))  # no FP8 KV
 
 
 QC = {"quant_method": "fp8", "weight_block_size": [128, 128], "ignored_layers": ["lm_head"]}
@@ -74,8 +80,8 @@ def kwargs(mode, *overrides, **kw):
 
 
 def test_kwargs_shape_per_mode():
-    bf16, fp8, fp8kv, fp8kv_triton = (kwargs(m) for m in MODES)
-    for kw in (bf16, fp8, fp8kv, fp8kv_triton):
+    bf16, fp8, fp8kv, fp8kv_triton, fp8kv_xqa = (kwargs(m) for m in MODES)
+    for kw in (bf16, fp8, fp8kv, fp8kv_triton, fp8kv_xqa):
         assert kw["dtype"] == "bfloat16" and kw["load_format"] == "dummy" and kw["tensor_parallel_size"] == 1
         assert kw["logprobs_mode"] == "processed_logprobs"
         assert kw["max_model_len"] == 64 + 64  # 0 -> data.max_prompt_tokens + rollout.max_new_tokens
@@ -87,6 +93,7 @@ def test_kwargs_shape_per_mode():
     assert fp8kv["kv_cache_dtype"] == "fp8" and fp8kv["calculate_kv_scales"] is False
     assert fp8kv["attention_config"] == {"backend": "FLASH_ATTN", "flash_attn_version": 3}
     assert fp8kv_triton["attention_config"] == {"backend": "TRITON_ATTN"} and fp8kv_triton["block_size"] == 32
+    assert fp8kv_xqa["attention_config"] == {"backend": "FLASHINFER"} and fp8kv_xqa["kv_cache_dtype"] == "fp8"
     assert "block_size" not in fp8kv  # 0: vLLM's default
     assert kwargs("bf16", "rollout.max_model_len=100")["max_model_len"] == 100
     assert "max_num_seqs" not in bf16 and kwargs("fp8kv", "rollout.max_num_seqs=512")["max_num_seqs"] == 512
@@ -154,10 +161,10 @@ def test_engine_args_parse(mode, world_size, tiny, monkeypatch):
     KernelConfig(linear_backend=ea.linear_backend)  # pydantic: rejects unknown backends
     CacheConfig(cache_dtype=ea.kv_cache_dtype, calculate_kv_scales=ea.calculate_kv_scales, block_size=ea.block_size)
     assert ea.block_size == (cfg.rollout.block_size or None)
-    if cfg.fp8.kv_cache and cfg.fp8.kv_attention == "fa3":
-        assert ea.attention_config.backend.name == "FLASH_ATTN" and ea.attention_config.flash_attn_version == 3
-    elif cfg.fp8.kv_cache:
-        assert ea.attention_config.backend.name == "TRITON_ATTN"
+    if cfg.fp8.kv_cache:
+        backend = {"fa3": "FLASH_ATTN", "triton": "TRITON_ATTN", "xqa": "FLASHINFER"}[cfg.fp8.kv_attention]
+        assert ea.attention_config.backend.name == backend
+        assert cfg.fp8.kv_attention != "fa3" or ea.attention_config.flash_attn_version == 3
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # ParallelConfig flips it for external_launcher
     pc = ParallelConfig(distributed_executor_backend=ea.distributed_executor_backend,
                         tensor_parallel_size=ea.tensor_parallel_size)
