@@ -26,8 +26,12 @@ Qwen3-MoE layer's output), because the ~1e-3 operand differences flip FP8 roundi
 
 Backends:
 
-* torchao (SM90): `_to_fp8_blockwise_then_scaled_grouped_mm`, one call per projection for all experts. With
-  DeepGEMM installed, AUTO takes DeepGEMM's FP8 kernels instead, whose numerics the emulation does not follow.
+* torchao (SM90): `_to_fp8_blockwise_then_scaled_grouped_mm`, one call per projection for all experts, on
+  torchao's emulated grouped backend (above).
+* deep_gemm (SM90, fp8.deep_gemm): the same call on torchao's DeepGEMM backend (m-grouped FP8 GEMMs for forward
+  and dgrad, k-grouped for wgrad, fp32 scales), whose numerics the emulation does not follow. torchao looks for
+  a top-level `deep_gemm`; vLLM 0.26 vendors DeepGEMM as vllm.third_party.deep_gemm, which `import_deep_gemm`
+  makes importable under that name.
 * emulated (CPU, non-SM90, fp8.emulate), act_recipe 'torchao' (the trainer): _TorchaoGroupedMM, the grouped
   recipe above in torch ops: the same bf16 operands bit for bit, multiplied in fp32 and rounded once to bf16;
   only the fp32 summation order differs from torch._grouped_mm (tests/unit/test_moe.py runs torchao's own grouped
@@ -44,12 +48,15 @@ GEMM inputs with the divide recipe); the engine pins the exact exported FP8 byte
 from __future__ import annotations
 
 import functools
+import importlib
+import sys
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from errors import UserError
 from fp8.plan import clean_name
 from fp8.quant import BLOCK, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1, quantize_blockwise
 from models import family_of
@@ -209,13 +216,32 @@ def _torchao_grouped_mm():
     return _to_fp8_blockwise_then_scaled_grouped_mm
 
 
-def _grouped_torchao(x: Tensor, w: Tensor, counts: list[int], kernels=None) -> Tensor:
+@functools.cache
+def import_deep_gemm() -> str:
+    """Make DeepGEMM importable as `deep_gemm`, as torchao imports it: the installed package, else vLLM's
+    vendored copy registered under that name (before torchao's first grouped call, which caches the import).
+    Returns where it came from ('deep_gemm', 'vllm.third_party.deep_gemm'), or '' when neither imports."""
+    for source in ("deep_gemm", "vllm.third_party.deep_gemm"):
+        try:
+            module = importlib.import_module(source)
+        except (ImportError, OSError):
+            continue
+        sys.modules.setdefault("deep_gemm", module)
+        return source
+    return ""
+
+
+def _grouped_torchao(x: Tensor, w: Tensor, counts: list[int], deep_gemm: bool = False) -> Tensor:
     """torchao 0.18's block-FP8 grouped GEMM: x [M, K] (bf16, rows grouped by expert), w [E, N, K]
     -> [M, N] bf16. torchao takes B_t [E, K, N] per-expert column-major: w.transpose(-2, -1) is
-    exactly that view; offs are the groups' int32 end offsets; groups padded to 128 rows inside."""
+    exactly that view; offs are the groups' int32 end offsets; groups padded to 128 rows inside.
+    deep_gemm: its AUTO backend (DeepGEMM where it applies), else the emulated one."""
+    from torchao.quantization.quantize_.common import KernelPreference
+
     offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
     return _torchao_grouped_mm()(x.to(torch.bfloat16).contiguous(), w.transpose(-2, -1), offs,
-                                 out_dtype=torch.bfloat16)
+                                 out_dtype=torch.bfloat16,
+                                 kernel_preference=KernelPreference.AUTO if deep_gemm else KernelPreference.EMULATED)
 
 
 class BlockFP8Experts(nn.Module):
@@ -223,9 +249,9 @@ class BlockFP8Experts(nn.Module):
     top_k_index [N, k], top_k_weights [N, k]) -> [N, H]) whose expert GEMMs are block FP8.
 
     Holds the replaced module's Parameter objects under the same names (checkpoints, optimizer and
-    export unchanged). backend: 'emulated' or 'torchao'; act_recipe: 'torchao' (trainer: torchao's grouped
-    recipe on either backend, the expert GEMMs in bf16 whatever the model's dtype) or 'vllm' (the CPU
-    engine's emulation of vLLM's fused MoE, in the model's dtype)."""
+    export unchanged). backend: 'emulated', 'torchao' or 'deep_gemm' (module doc); act_recipe: 'torchao'
+    (trainer: torchao's grouped recipe on any backend, the expert GEMMs in bf16 whatever the model's dtype)
+    or 'vllm' (the CPU engine's emulation of vLLM's fused MoE, in the model's dtype)."""
 
     fp8_enabled = True  # False inside fp8.linear.bf16_reference()
 
@@ -257,8 +283,8 @@ class BlockFP8Experts(nn.Module):
             from fp8.quant import fake_quant_act_1x128
 
             return _grouped_reference(fake_quant_act_1x128(x, self.act_recipe), w, counts).to(x.dtype)
-        if self.backend == "torchao":
-            return _grouped_torchao(x, w, counts)
+        if self.backend in ("torchao", "deep_gemm"):
+            return _grouped_torchao(x, w, counts, deep_gemm=self.backend == "deep_gemm")
         if self.act_recipe == "torchao":  # the trainer: torchao's grouped numerics (module doc)
             return _grouped_torchao_emulated(x, w, counts)
         return _grouped_emulated(x, w, counts, self.kernels)
@@ -312,6 +338,11 @@ def convert_experts(model: nn.Module, cfg: FP8Config, plan: dict[str, tuple[bool
         if not name.endswith("." + spec.experts) or isinstance(mod, BlockFP8Experts) or not plan.get(name, (False,))[0]:
             continue
         backend = "torchao" if act_recipe == "torchao" and use_torchao_experts(cfg, mod) else "emulated"
+        if backend == "torchao" and cfg.deep_gemm:
+            if not import_deep_gemm():
+                raise UserError("fp8.deep_gemm=true: neither deep_gemm nor vllm.third_party.deep_gemm imports; "
+                                "install DeepGEMM, or set fp8.deep_gemm=false (torchao's emulated grouped GEMM)")
+            backend = "deep_gemm"
         model.set_submodule(raw_name, BlockFP8Experts(mod, backend, act_recipe))
         done.append(name)
     return done

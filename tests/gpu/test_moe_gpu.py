@@ -18,6 +18,8 @@ vLLM allows one engine per process, so each mode runs this file as a subprocess
 * trainer: fp8/moe.py's torchao backend (SM90) against the emulated one, no vLLM involved: per projection
            every dequantized GEMM operand bit-identical and the outputs equal up to fp32 summation order
            (tests/unit/test_moe.py's compare_grouped_gemm); a whole layer's forward, dgrad and wgrad within 1e-3.
+* deep_gemm: fp8.deep_gemm's backend (torchao on DeepGEMM) selected, a layer pass as close to the BF16
+           experts as the emulated backend's, and within 5e-2 of it.
 """
 
 import sys
@@ -42,7 +44,7 @@ QWEN3_30B_A3B_WIDTH = ["model.tiny.hidden_size=2048", "model.tiny.num_heads=32",
                        "model.tiny.intermediate_size=6144", "model.tiny.num_experts=128",
                        "model.tiny.num_experts_per_tok=8", "model.tiny.moe_intermediate_size=768"]
 MODES = {"fp8": ["fp8.rollout=true"], "fp8_wide": ["fp8.rollout=true"] + QWEN3_30B_A3B_WIDTH, "bf16": [],
-         "trainer": []}
+         "trainer": [], "deep_gemm": []}
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -124,9 +126,53 @@ def check_routing(cfg, tok, model, engine, min_agree):
     assert agree >= min_agree, agree
 
 
-def check_trainer_backend():
+def layer_inputs():
+    """x [300, 512] (requires grad), each row's top-2 of 8 experts and their weights, seeded."""
+    torch.manual_seed(1)
+    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.stack([torch.randperm(8, device="cuda")[:2] for _ in range(300)])
+    w = torch.softmax(torch.randn(300, 2, device="cuda"), -1).to(torch.bfloat16)
+    return x, ids, w
+
+
+def layer_pass(experts, m, x, ids, w, g):
+    """(out, dgrad, wgrad gate_up, wgrad down) of experts module m (sharing experts' parameters), float."""
+    x.grad = None
+    for p in (experts.gate_up_proj, experts.down_proj):
+        p.grad = None
+    y = m(x, ids, w)
+    y.backward(g)
+    return y.float(), x.grad.float(), experts.gate_up_proj.grad.float(), experts.down_proj.grad.float()
+
+
+def check_deep_gemm():
+    """fp8.deep_gemm: torchao's DeepGEMM backend (vLLM's vendored copy unless deep_gemm is installed) is selected
+    and its layer pass is as close to the BF16 experts as the emulated backend's (it multiplies the same FP8
+    operands without rounding them to bf16 first), and close to it."""
     from torchao.prototype.blockwise_fp8_training.deepgemm_grouped_kernels import can_use_deepgemm_grouped_training
 
+    from fp8.moe import BlockFP8Experts, import_deep_gemm
+
+    src = import_deep_gemm()
+    assert src, "neither deep_gemm nor vllm.third_party.deep_gemm imports"
+    _, _, model = setup("trainer")
+    experts = model.model.layers[0].mlp.experts
+    x, ids, w = layer_inputs()
+    assert can_use_deepgemm_grouped_training(x, torch.bfloat16, 128), f"torchao does not take DeepGEMM from {src}"
+    with torch.no_grad():
+        ref = experts(x, ids, w).float()
+    g = torch.randn(ref.shape, device="cuda").to(x.dtype)
+    out = {name: layer_pass(experts, BlockFP8Experts(experts, name), x, ids, w, g) for name in ("torchao", "deep_gemm")}
+    err = {name: float((o[0] - ref).norm() / ref.norm()) for name, o in out.items()}
+    log(f"DeepGEMM from {src}; experts vs BF16 experts, out: relative {err}")
+    assert err["deep_gemm"] < 1.5 * err["torchao"] + 1e-3, err
+    for what, a, b in zip(("out", "dgrad", "wgrad gate_up", "wgrad down"), out["deep_gemm"], out["torchao"]):
+        rel = float((a - b).norm() / b.norm())
+        log(f"deep_gemm vs torchao's emulated backend, {what}: relative {rel:.2e}")
+        assert a.isfinite().all() and rel < 5e-2, (what, rel)
+
+
+def check_trainer_backend():
     from config import FP8Config
     from fp8.moe import BlockFP8Experts
     from tests.test_moe import compare_grouped_gemm
@@ -136,14 +182,9 @@ def check_trainer_backend():
     emu = BlockFP8Experts(experts, "emulated")
     tao = BlockFP8Experts(experts, "torchao")
     assert FP8Config().emulate is False
-    torch.manual_seed(1)
-    x = torch.randn(300, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ids = torch.stack([torch.randperm(8, device="cuda")[:2] for _ in range(300)])
-    w = torch.softmax(torch.randn(300, 2, device="cuda"), -1).to(torch.bfloat16)
-    # the emulation follows torchao's emulated grouped backend (fp8/moe.py); with DeepGEMM installed torchao
-    # takes DeepGEMM's FP8 kernels, other numerics: then this comparison does not hold and says so
-    assert not can_use_deepgemm_grouped_training(x, torch.bfloat16, 128), \
-        "DeepGEMM is installed: torchao's grouped GEMM is not the one fp8/moe.py's emulation follows"
+    x, ids, w = layer_inputs()
+    # the emulation follows torchao's emulated grouped backend, which the 'torchao' backend pins
+    # (KernelPreference.EMULATED) whether or not DeepGEMM imports; 'deep_gemm' is check_deep_gemm's
 
     # each projection alone: torchao's Triton quantizers and bf16 dequantization vs fp8/moe.py's, every GEMM
     # operand of forward, dgrad and wgrad bit for bit; outputs equal up to the fp32 summation order
@@ -162,12 +203,7 @@ def check_trainer_backend():
     out = {}
     g = torch.randn(ref.shape, device="cuda").to(x.dtype)  # one upstream gradient for both: none of out's
     for name, m in (("emulated", emu), ("torchao", tao)):  # differences is fed back into the backward
-        x.grad = None
-        for p in (experts.gate_up_proj, experts.down_proj):
-            p.grad = None
-        y = m(x, ids, w)
-        y.backward(g)
-        out[name] = (y.float(), x.grad.float(), experts.gate_up_proj.grad.float(), experts.down_proj.grad.float())
+        out[name] = layer_pass(experts, m, x, ids, w, g)
         log(f"{name} experts vs BF16 experts, out: relative {float((out[name][0] - ref).norm() / ref.norm()):.2e}")
     # The whole layer: the only difference left is the GEMMs' fp32 summation order (CUTLASS's grouped bf16 GEMM
     # vs an fp32 GEMM), which moves ~1e-4 of the bf16 GEMM outputs by one step and through them, rarely, an FP8
@@ -186,6 +222,8 @@ if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "trainer":
         check_trainer_backend()
+    elif mode == "deep_gemm":
+        check_deep_gemm()
     else:
         cfg, tok, model, engine = check_refit(mode)
         check_routing(cfg, tok, model, engine, min_agree={"bf16": 0.9, "fp8": 0.8}.get(mode, 0.0))

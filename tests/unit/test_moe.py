@@ -261,6 +261,46 @@ def test_convert_to_fp8_training_converts_experts_and_keeps_parameters():
     assert {n: p for n, p in model.named_parameters()} == params  # same names, same Parameter objects
 
 
+def test_deep_gemm_switch_picks_the_backend_or_names_the_fix(monkeypatch):
+    """fp8.deep_gemm on a (pretended) SM90 device: the experts take torchao's DeepGEMM backend where DeepGEMM
+    imports, and stop with the fix where it does not; off, torchao's emulated backend, as before."""
+    import fp8.moe as moe
+    from errors import UserError
+
+    monkeypatch.setattr(moe, "use_torchao_experts", lambda cfg, experts: True)
+    for deep_gemm, found, backend in ((False, "", "torchao"), (True, "vllm.third_party.deep_gemm", "deep_gemm")):
+        monkeypatch.setattr(moe, "import_deep_gemm", lambda found=found: found)
+        model = tiny_moe()
+        convert_to_fp8_training(model, FP8Config(train=True, deep_gemm=deep_gemm))
+        assert {m.backend for m in model.modules() if isinstance(m, BlockFP8Experts)} == {backend}
+    monkeypatch.setattr(moe, "import_deep_gemm", lambda: "")
+    with pytest.raises(UserError, match=r"fp8.deep_gemm=true: neither deep_gemm nor vllm.third_party.deep_gemm "
+                                        r"imports; install DeepGEMM, or set fp8.deep_gemm=false"):
+        convert_to_fp8_training(tiny_moe(), FP8Config(train=True, deep_gemm=True))
+
+
+def test_vendored_deep_gemm_is_importable_as_torchao_looks_for_it():
+    """import_deep_gemm registers vLLM's vendored DeepGEMM as `deep_gemm` where no other is installed, with
+    the m- and k-grouped FP8 kernels torchao's AUTO backend needs (checked in a fresh interpreter)."""
+    import json
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, json; from fp8.moe import import_deep_gemm\n"
+            "installed = importlib.util.find_spec('deep_gemm') is not None; src = import_deep_gemm()\n"
+            "if src:\n    import deep_gemm\n"
+            "print(json.dumps([src, installed, src and deep_gemm.__name__, src and all(hasattr(deep_gemm, k) for k in"
+            " ('m_grouped_fp8_gemm_nt_contiguous', 'k_grouped_fp8_gemm_nt_contiguous'))]))")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    src, installed, name, kernels = json.loads(p.stdout.splitlines()[-1])
+    if not src:
+        pytest.skip("neither deep_gemm nor vllm.third_party.deep_gemm imports on this host")
+    if not installed:
+        assert src == name == "vllm.third_party.deep_gemm"
+    assert kernels
+
+
 def test_export_experts_per_expert_names_and_bytes():
     model = tiny_moe()
     cfg = FP8Config(rollout=True)
