@@ -175,7 +175,7 @@ def check_deep_gemm():
 def check_trainer_backend():
     from config import FP8Config
     from fp8.moe import BlockFP8Experts
-    from tests.test_moe import compare_grouped_gemm
+    from tests.unit.test_moe import compare_grouped_gemm
 
     _, _, model = setup("trainer")
     experts = model.model.layers[0].mlp.experts
