@@ -12,6 +12,7 @@ band from min to max. Writes, into --out (default docs/figures):
     <prefix>_reward.png         reward/mean vs step (trailing mean over --smooth steps)
     <prefix>_mismatch.png       mismatch/token_mult_prob_error vs step (same smoothing)
     <prefix>_is_truncated.png   is/truncated_frac (share of tokens whose IS weight hit the cap)
+    <prefix>_routing_mismatch.png  moe/routing_mismatch, when a run logs it (mixture of experts)
     <prefix>_summary.png        the four panels in one figure
     <prefix>_table.md           the table below (also printed)
 
@@ -27,6 +28,7 @@ Table, per config (mean ± half the min-max range over seeds, from the raw logge
   mismatch  mean over the run's steps of mismatch/token_mult_prob_error, then over seeds
   is_trunc  mean of is/truncated_frac, likewise
   zero_std  reward/zero_std_groups over the run's last 5 steps, then over seeds
+  routing   mean of moe/routing_mismatch (a column only when a run logs it)
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ PANELS = [  # (metric key, file suffix, y label, smoothed)
     ("mismatch/token_mult_prob_error", "mismatch", "mismatch/token_mult_prob_error", True),
     ("is/truncated_frac", "is_truncated", "is/truncated_frac", True),
 ]
+ROUTING = ("moe/routing_mismatch", "routing_mismatch", "moe/routing_mismatch (own top-k != engine's)", True)
 ORDER = ["bf16", "fp8_tis", "fp8_nois", "fp8kv_tis", "fp8rollout_tis"]
 _NAME = re.compile(r"^(?:conv_)?(?P<config>.+?)(?:_s(?P<seed>\d+))?(?:_metrics)?$")
 
@@ -129,6 +132,7 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> tuple[list[dict], int |
         trunc = [_mean(list(series(rows, "is/truncated_frac").values())) for rows in seeds.values()]
         last = [max(v) for v in vals]
         zero_std = [tail_mean(rows, "reward/zero_std_groups") for rows in seeds.values()]
+        routing = [_mean(list(series(rows, ROUTING[0]).values())) for rows in seeds.values()]
         table.append({
             "config": config, "seeds": sorted(seeds),
             "steps": (min(last), max(last)) if last else None,
@@ -140,6 +144,7 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> tuple[list[dict], int |
             "mismatch": _agg([m for m in mism if m is not None]),
             "is_trunc": _agg([t for t in trunc if t is not None]),
             "zero_std": _agg([z for z in zero_std if z is not None]),
+            "routing": _agg([x for x in routing if x is not None]),
         })
     return table, S
 
@@ -148,15 +153,17 @@ def markdown(table: list[dict], S: int | None) -> str:
     def f(a, digits=3):
         return "-" if a is None else f"{a[0]:.{digits}f} ± {a[1]:.{digits}f}"
 
+    moe = any(r["routing"] for r in table)
     lines = [f"| config | seeds | steps | val@0 | final val | gain | best val | val@{S if S is not None else 'S'} | "
-             "token_mult_prob_error | is/truncated_frac | zero-std groups (last 5) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "token_mult_prob_error | is/truncated_frac | zero-std groups (last 5) |" + (" moe/routing_mismatch |" * moe),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * moe]
     for r in table:
         steps = "-" if r["steps"] is None else (str(r["steps"][0]) if r["steps"][0] == r["steps"][1]
                                                 else f"{r['steps'][0]}-{r['steps'][1]}")
         lines.append(f"| {r['config']} | {','.join(map(str, r['seeds']))} | {steps} | {f(r['val0'])} | "
                      f"{f(r['final'])} | {f(r['gain'])} | {f(r['best'])} | {f(r['val_at_S'])} | "
-                     f"{f(r['mismatch'], 4)} | {f(r['is_trunc'], 4)} | {f(r['zero_std'], 2)} |")
+                     f"{f(r['mismatch'], 4)} | {f(r['is_trunc'], 4)} | {f(r['zero_std'], 2)} |"
+                     + f" {f(r['routing'], 4)} |" * moe)
     return "\n".join(lines) + "\n"
 
 
@@ -197,7 +204,8 @@ def plot(runs, out: Path, prefix: str, k: int) -> list[Path]:
         else:
             ax.text(0.5, 0.5, f"no {key} logged", ha="center", va="center", transform=ax.transAxes)
 
-    for key, suffix, label, smoothed in PANELS:
+    panels = PANELS + [ROUTING] * any(series(rows, ROUTING[0]) for seeds in runs.values() for rows in seeds.values())
+    for key, suffix, label, smoothed in panels:
         fig, ax = plt.subplots(figsize=(6, 4))
         draw(ax, key, label, smoothed)
         fig.tight_layout()
@@ -205,8 +213,11 @@ def plot(runs, out: Path, prefix: str, k: int) -> list[Path]:
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
-    for ax, (key, _, label, smoothed) in zip(axes.flat, PANELS):
+    cols = (len(panels) + 1) // 2
+    fig, axes = plt.subplots(2, cols, figsize=(6 * cols, 8))
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (key, _, label, smoothed) in zip(axes.flat, panels):
         draw(ax, key, label, smoothed)
     fig.suptitle("GRPO convergence: line = mean over seeds, band = min..max")
     fig.tight_layout()

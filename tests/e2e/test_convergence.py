@@ -87,6 +87,19 @@ def test_plot_runs_table_and_figures(tmp_path):
     assert "| bf16 | 0,1 | 4 | 0.250 ± 0.050 | 0.450 ± 0.050 | 0.200 ± 0.100 | 0.550 ± 0.050 | 0.500 ± 0.100 | " \
            "1.0075 ± 0.0075 |" in md
     assert "| fp8_tis | 0 | 2 |" in md and "val@2" in md
+    assert "routing" not in md and not (out / "convergence_routing_mismatch.png").exists()  # dense runs
+
+
+def test_plot_runs_routing_mismatch_of_moe_runs(tmp_path):
+    for seed, routing in ((0, [0.01, 0.03]), (1, [0.02, 0.02])):
+        moe_rows = rows([0.2, 0.4], [1.0, 1.0], [0, 0], final=0.5)
+        for r, x in zip(moe_rows, routing):
+            r["moe/routing_mismatch"] = x
+        write_run(tmp_path / f"fp8_replay_s{seed}_metrics.jsonl", moe_rows)
+    table, _ = plot_runs.main([str(tmp_path), "--out", str(tmp_path / "figs"), "--prefix", "moe"])
+    assert table[0]["routing"] == pytest.approx((0.02, 0.0))
+    assert (tmp_path / "figs/moe_routing_mismatch.png").stat().st_size > 1000
+    assert "moe/routing_mismatch |" in (tmp_path / "figs/moe_table.md").read_text()
 
 
 def test_run_key_names():
