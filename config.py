@@ -180,7 +180,8 @@ class RolloutConfig:
     """colocated: every rank generates its own prompts, then trains on them (engine and trainer take
     turns on each GPU). async: the last rollout.engine_ranks ranks only generate, the others only
     train, and the engines generate the next step's batch while the trainer trains on this one, with
-    weights up to rollout.max_staleness optimizer steps old (engines/remote.py). The importance
+    weights up to rollout.max_staleness optimizer steps old (engines/remote.py; a vLLM engine rank
+    holds a whole GPU, so set rollout.gpu_memory_utilization for that). The importance
     weight already uses the engine's own logprobs, so the one-step-old policy is corrected like any
     engine/trainer mismatch (loss.is_correction); rollout/staleness logs the lag. That covers a small
     policy step, not a large one: on tiny_cpu the lag cost nothing at lr 3e-4 and 0.20 of final
@@ -602,9 +603,6 @@ def validate(cfg: Config) -> None:
          "1 with rollout.mode=async (each engine rank runs a whole engine)"),
         ("train.dynamic_sampling", t.dynamic_sampling, r.mode == "colocated" or t.dynamic_sampling != "resample",
          "none or filter with rollout.mode=async (resample rounds wait on the reward of the batch in flight)"),
-        ("rollout.engine", r.engine, r.mode == "colocated" or r.engine == "hf",
-         ("hf with rollout.mode=async for now: an engine rank's vLLM would join the trainer's process group "
-          "(external_launcher); use rollout.mode=colocated with vLLM")),
         ("fp8.calib_percentile", f.calib_percentile, 0 < f.calib_percentile <= 100, "in (0, 100]"),
         ("fp8.calib_margin", f.calib_margin, f.calib_margin > 0, "> 0"),
         ("fp8.calib_samples", f.calib_samples, f.calib_samples >= 1, ">= 1"),

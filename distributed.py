@@ -47,6 +47,7 @@ class Dist:
     engine: int = -1  # rollout.mode=async: this rank's engine index (-1: a trainer rank)
     engines: int = 0  # rollout.mode=async: engine ranks (global ranks world ... world + engines - 1)
     link: object = None  # rollout.mode=async: gloo over every rank, trainer <-> engine (engines/remote.py)
+    weights: object = None  # rollout.mode=async, trainer rank 0 and the engines: the weights' bytes (NCCL on GPUs)
 
     @property
     def main(self) -> bool:
@@ -107,7 +108,8 @@ def _device(cfg: Config) -> torch.device:
 
 def _init_async(cfg: Config, world: int, rank: int) -> Dist:
     """rollout.mode=async: ranks 0 .. W-1 train (their own default process group), the last
-    rollout.engine_ranks generate; a gloo group over all of them carries batches and weights."""
+    rollout.engine_ranks generate; a gloo group over all of them carries batches and messages, and a
+    group of trainer rank 0 and the engines (NCCL between GPUs, else gloo) the weights' bytes."""
     from datetime import timedelta
 
     k = cfg.rollout.engine_ranks
@@ -128,7 +130,12 @@ def _init_async(cfg: Config, world: int, rank: int) -> Dist:
                                 rank=rank, world_size=trainers, device_id=device if device.type == "cuda" else None)
     # no timeout short of a whole step: a trainer waits on the engines' batch for as long as they generate
     link = dist.ProcessGroupGloo(dist.PrefixStore("link/", store), rank, world, timedelta(hours=6))
-    return Dist(rank, trainers, device, engine=rank - trainers if rank >= trainers else -1, engines=k, link=link)
+    weights, members = None, [0, *range(trainers, world)]  # trainer rank 0 broadcasts each version to the engines
+    if rank in members:
+        group = (dist.ProcessGroupNCCL if device.type == "cuda" else dist.ProcessGroupGloo)
+        weights = group(dist.PrefixStore("weights/", store), members.index(rank), len(members), timedelta(hours=6))
+    return Dist(rank, trainers, device, engine=rank - trainers if rank >= trainers else -1, engines=k, link=link,
+                weights=weights)
 
 
 def required_decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -133,7 +133,8 @@ def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> E
     layer = 5 * (4 * h + 3 * f) * (1 if cfg.fp8.train else 2)
     per_token = (2 * h * shape.layers + layer if cfg.model.gradient_checkpointing else layer * shape.layers) \
         + (3 if cfg.train.fused_head else 10) * shape.vocab
-    share = r.gpu_memory_utilization * device_gib if r.engine == "vllm" else 0.0
+    # rollout.mode=async: the engines have GPUs of their own, a trainer rank holds no vLLM share
+    share = r.gpu_memory_utilization * device_gib if r.engine == "vllm" and r.mode == "colocated" else 0.0
     engine_bytes = p + 2 * shape.vocab * h if cfg.fp8.rollout else 2 * p  # FP8 linears; bf16 embedding, lm_head
     vllm_weights = engine_bytes / r.tensor_parallel_size / GIB if share else 0.0
     kv_cache = max(share - vllm_weights - VLLM_OVERHEAD_GIB, 0.0) if share else 0.0

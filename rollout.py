@@ -64,8 +64,9 @@ class Engine(Protocol):
 
 def make_engine(cfg: Config, model, tokenizer, device, model_dir=None, d=None) -> Engine:
     """The engine cfg.rollout.engine names; model_dir: the config dir vLLM loads (None: the model's).
-    rollout.mode=async: on a trainer rank, the proxy of the engine ranks (engines/remote.py; d: its Dist)."""
-    if cfg.rollout.mode == "async":
+    rollout.mode=async: on a trainer rank, the proxy of the engine ranks (engines/remote.py; d: its Dist);
+    on an engine rank, the named engine."""
+    if cfg.rollout.mode == "async" and d.engine < 0:
         from engines.remote import RemoteEngine
 
         return RemoteEngine(cfg, d)

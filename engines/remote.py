@@ -13,25 +13,30 @@ colocated engine would make (same prompts, same seeds, same validation share), s
 not depend on how many engines there are.
 
 Weights: version v is what the trainer holds after v optimizer steps. Trainer rank 0 sends each
-version to every engine as it refits (the export stream fp8/export.py makes, FP8 bytes and scales
-included, then the q/k/v scales), and marks it complete at its next generate() call. The engine
-generates step t's batch with version max(t - rollout.max_staleness, first), and answers the
-trainer's request for step t once version t is in: with staleness 1 it generates step t + 1 while
-the trainer trains step t; with staleness 0 it waits, and the loop's samples are the colocated
-loop's. Validation at step t runs on version t, as colocated. Each sample carries its version
-(Sample.policy_version); the trainer logs rollout/staleness, and the importance weight uses the
-engine's own logprobs, so the lag is corrected like any engine/trainer mismatch.
+version to every engine as it refits: the export stream fp8/export.py makes (FP8 bytes and scales
+included), each tensor's name, shape and dtype over the link and its bytes by a broadcast over
+`d.weights` (NCCL between GPUs, gloo on the CPU), then the q/k/v scales; it marks the version
+complete at its next generate() call. The engine applies the tensors as they arrive (it is idle
+while it pulls: nothing but the serve loop touches it). The engine generates step t's batch with
+version max(t - rollout.max_staleness, first), and answers the trainer's request for step t once
+version t is in: with staleness 1 it generates step t + 1 while the trainer trains step t (the
+trainer's refit then waits for that generation to end); with staleness 0 it waits, and the loop's
+samples are the colocated loop's. Validation at step t runs on version t, as colocated. Each sample
+carries its version (Sample.policy_version); the trainer logs rollout/staleness, and the importance
+weight uses the engine's own logprobs, so the lag is corrected like any engine/trainer mismatch.
 
 One batch is in flight at a time: an engine sends step t's batch only after it has version t, and
 starts step t + 1 only after sending. So the lag is at most 1; deeper queues would overlap no more
 when generation and training take similar time.
 
-Engines: the HF engine. An engine rank's vLLM would join the torchrun world that its
-external_launcher reads (config.validate refuses rollout.engine=vllm here for now).
+Engines: the HF engine, or vLLM alone on the engine rank's GPU (a one-rank engine: VLLMEngine under
+rollout.mode=async). An engine rank builds the model on the meta device for vLLM, which needs only
+its config and module names: the weights arrive from the trainer.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 import time
 
@@ -39,6 +44,7 @@ import torch
 
 import distributed
 from config import Config
+from errors import UserError
 
 TAG = 7
 
@@ -56,6 +62,14 @@ def recv(d: distributed.Dist, src: int):
     data = torch.empty(int(n), dtype=torch.uint8)
     d.link.recv([data], src, TAG).wait()
     return pickle.loads(data.numpy().tobytes())
+
+
+def broadcast(d: distributed.Dist, t: torch.Tensor) -> None:
+    """t's bytes from trainer rank 0 into t on every engine rank, over d.weights; returns once they are
+    through (the exporting trainer then frees each tensor before it quantizes the next)."""
+    d.weights.broadcast(t, 0).wait()
+    if t.is_cuda:
+        torch.cuda.current_stream(t.device).synchronize()
 
 
 class RemoteEngine:
@@ -84,10 +98,9 @@ class RemoteEngine:
     def update_weights(self, weights) -> None:
         self.version += 1
         for name, t in weights:  # every trainer rank iterates: the export's gathers are collective
-            if self.d.main:
-                t = t.detach().cpu()
-                raw = t.dtype.is_floating_point and t.dtype.itemsize == 1  # float8: pickle cannot rebuild it
-                self._to_engines(("tensor", name, t.view(torch.uint8) if raw else t, str(t.dtype)[6:] if raw else None))
+            if self.d.main:  # the bytes of any dtype (float8 included), on the group's device
+                self._to_engines(("tensor", name, tuple(t.shape), str(t.dtype).removeprefix("torch.")))
+                broadcast(self.d, t.detach().to(self.d.device).contiguous().reshape(-1).view(torch.uint8))
         self.pending = True
 
     def set_kv_scales(self, scales) -> None:
@@ -126,21 +139,35 @@ class _Weights:
 
     def pull(self, version: int) -> None:
         """Apply what trainer rank 0 sends until `version` is complete (or the trainer stops)."""
-        tensors, scales = [], None
+        msg = None
         while self.version < version and not self.stopped:
-            msg = recv(self.d, 0)
-            if msg[0] == "tensor":
-                t = msg[2] if msg[3] is None else msg[2].view(getattr(torch, msg[3]))
-                tensors.append((msg[1], t.to(self.d.device)))
-            elif msg[0] == "scales":
-                scales = msg[1]
+            msg = msg or recv(self.d, 0)
+            if msg[0] == "tensor":  # a run of tensors: streamed into the engine, up to the next message
+                run = self._tensors(msg)
+                self.engine.update_weights(run)
+                if next(run, None) is not None:
+                    raise RuntimeError("the engine's update_weights left tensors of the stream unread")
+                msg = self.after
+                continue
+            if msg[0] == "scales":
+                self.engine.set_kv_scales(msg[1])
             elif msg[0] == "version":
-                self.engine.update_weights(iter(tensors))
-                if scales is not None:
-                    self.engine.set_kv_scales(scales)
-                tensors, scales, self.version = [], None, msg[1]
+                self.version = msg[1]
             else:
                 self.stopped = msg[0] == "stop"
+            msg = None
+
+    def _tensors(self, msg):
+        """(name, tensor) from the header `msg` on, each one's bytes by broadcast; the first message that
+        is not a tensor's header ends the run and is kept in self.after."""
+        while msg[0] == "tensor":
+            _, name, shape, dtype = msg
+            dtype = getattr(torch, dtype)
+            buf = torch.empty(math.prod(shape) * dtype.itemsize, dtype=torch.uint8, device=self.d.device)
+            broadcast(self.d, buf)
+            yield name, buf.view(dtype).view(shape)
+            msg = recv(self.d, 0)
+        self.after = msg
 
 
 def serve(cfg: Config, d: distributed.Dist) -> None:
@@ -155,11 +182,15 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
     from rollout import make_engine
 
     torch.manual_seed(cfg.train.seed)
-    model, tokenizer = load_model_and_tokenizer(cfg.model, d.device)
+    vllm = cfg.rollout.engine == "vllm"
+    if vllm and d.device.type != "cuda":
+        raise UserError(f"rollout.engine=vllm needs a CUDA GPU on each engine rank (rank {d.world + d.engine} has "
+                        f"{d.device}); set rollout.engine=hf")
+    # vLLM reads the model's config and module names only; the HF engine generates with the model
+    model, tokenizer = load_model_and_tokenizer(cfg.model, torch.device("meta") if vllm else d.device)
     quiet = observe.RunLogger(None, enabled=False, tensorboard=False)
     train_set, val_set = trainer.load_data(cfg, tokenizer, quiet)
-    engine = make_engine(dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, mode="colocated")),
-                         model, tokenizer, d.device)
+    engine = make_engine(cfg, model, tokenizer, d.device, d=d)
     served = [r for r in range(d.world) if r % d.engines == d.engine]
     r_cfg, t_cfg = cfg.rollout, cfg.train
     msg = recv(d, 0)

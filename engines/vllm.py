@@ -164,7 +164,8 @@ def kept_env(name: str):
 
 @contextlib.contextmanager
 def own_rendezvous(world_size: int):
-    """While a one-rank engine starts under `torchrun --nproc_per_node 1`: TORCHELASTIC_USE_AGENT_STORE
+    """While a one-rank engine starts under torchrun (`--nproc_per_node 1`, or an engine rank of
+    rollout.mode=async): TORCHELASTIC_USE_AGENT_STORE
     unset. vLLM 0.26 gives a one-rank engine its own process group on a fresh TCP port (tcp://<host
     ip>:<port>); with torchrun's TORCHELASTIC_USE_AGENT_STORE=True, torch dials that port as a client of
     a store nobody hosts, and the engine start hangs until the store's timeout. Several ranks join the
@@ -234,7 +235,9 @@ class VLLMEngine:
                 from modeling import save_config_dir
 
                 model_dir = save_config_dir(model, tokenizer, tempfile.mkdtemp(prefix="vllm_engine_"))
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        # rollout.mode=async: an engine rank's vLLM is a one-rank engine on this rank's GPU (engines/remote.py)
+        alone = cfg.rollout.mode == "async"
+        world_size = 1 if alone else int(os.environ.get("WORLD_SIZE", "1"))
         if world_size > 1 and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             # vLLM 0.26 external_launcher joins the trainer's process group (world_size 1 + RANK>0 fails)
             raise RuntimeError("VLLMEngine under torchrun: initialize torch.distributed before the engine")
@@ -244,6 +247,8 @@ class VLLMEngine:
         import routing
 
         self.engine_kwargs = vllm_engine_kwargs(cfg, model_dir, world_size, quant_config, arch, routing.is_moe(model))
+        if alone and device.index is not None:  # vLLM's one-rank worker takes cuda:0 unless told
+            self.engine_kwargs["device_ids"] = [device.index]
         os.environ.update(vllm_env(cfg))  # before the first `import vllm`
         try:
             import vllm

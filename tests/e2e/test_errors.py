@@ -133,7 +133,6 @@ BAD_INPUT = [
     (["rollout.n=8: 4"], "rollout.n: expected int, got dict {8: 4} (override values are read as YAML"),
     # rollout.mode=async: what it cannot run yet, and a launch without engine ranks
     (["rollout.mode=async", "rollout.max_staleness=2"], "rollout.max_staleness=2: must be 0 or 1"),
-    (["rollout.mode=async", "rollout.engine=vllm"], "rollout.engine='vllm': must be hf with rollout.mode=async"),
     (["rollout.mode=async", "train.dynamic_sampling=resample"],
      "train.dynamic_sampling='resample': must be none or filter with rollout.mode=async"),
     (["rollout.mode=async"], "rollout.mode=async with rollout.engine_ranks=1 needs more than 1 ranks"),

@@ -45,6 +45,14 @@ def test_counted_bytes_and_sharding():
     assert text.startswith("memory model (GiB per rank, 8 ranks, device 79.2):") and "vLLM share 35.6" in text
 
 
+def test_an_async_trainer_rank_holds_no_vllm_share():
+    # rollout.mode=async: the 8B FP8 trainer alone on an 80 GB card; the engine's 0.85 is its own GPU's
+    e = memory.estimate(LLAMA_8B, cfg("llama31_8b_fp8", "rollout.mode=async", "rollout.gpu_memory_utilization=0.85"),
+                        1, H100)
+    assert e.vllm_share == e.kv_cache == e.first_refit == 0 and e.rollout_static < e.device
+    assert "vLLM share" not in memory.describe(e)
+
+
 def test_refused_only_when_the_tensors_alone_exceed_the_device():
     # one 80 GB card: 30 + 30 + 15 GiB of weights, grads and states fit; with vLLM's 0.45 beside
     # weights + states (30 + 15 + 35.6) they do not: refused before the first step, naming the fix
