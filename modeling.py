@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 from config import ModelConfig, TinyModelConfig
 from errors import UserError
@@ -83,7 +83,12 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device):
                             "give a local HF model dir, a hub id, or 'tiny'")
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
+            if device.type == "meta":  # the structure only (an async vLLM engine rank): no weights read
+                with torch.device("meta"):
+                    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype,
+                                                             attn_implementation=attn)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
         except OSError as e:
             raise UserError(f"model.name_or_path: cannot load {path!r} ({str(e).splitlines()[0]}); "
                             "check the id/path, or pre-download it to the HF cache") from None

@@ -72,3 +72,15 @@ def test_unknown_family():
     assert models.decoder_layers(nn.Linear(2, 2)) == []
     with pytest.raises(UserError, match="no model.layers to shard"):
         distributed.required_decoder_layers(nn.Linear(2, 2))
+
+
+def test_a_model_dir_on_the_meta_device_has_the_structure_and_no_weights(tmp_path):
+    """An async vLLM engine rank builds the model on the meta device: config and module names, no weights."""
+    from config import ModelConfig
+    from modeling import load_model_and_tokenizer, save_model_dir
+
+    tiny, tokenizer = load_model_and_tokenizer(ModelConfig(name_or_path="tiny"), torch.device("cpu"))
+    save_model_dir(tiny, tokenizer, tmp_path)
+    meta, _ = load_model_and_tokenizer(ModelConfig(name_or_path=str(tmp_path)), torch.device("meta"))
+    assert {n: p.shape for n, p in meta.named_parameters()} == {n: p.shape for n, p in tiny.named_parameters()}
+    assert all(p.is_meta for p in meta.parameters()) and type(meta) is type(tiny)
