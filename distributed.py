@@ -385,5 +385,7 @@ def barrier(d: Dist) -> None:
 
 
 def close(d: Dist) -> None:
-    if d.world > 1 and dist.is_initialized():
+    if d.weights is not None:  # rollout.mode=async: the weights' group (an engine rank's vLLM keeps its own)
+        d.weights.shutdown()
+    if d.engine < 0 and d.world > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -50,6 +50,7 @@ def train(args) -> Path:
         from engines.remote import serve
 
         serve(cfg, d)
+        distributed.close(d)
         return None
     device = d.device
     if cfg.rollout.engine == "vllm" and device.type != "cuda":
