@@ -4,6 +4,7 @@
     bash scripts/gpu_check.sh learn                               # the same, logs and results -> $OUT
     python scripts/learn_gate.py --cpu --seeds 0,1 --steps 2      # the machinery on CPU (tiny_cpu; FAILs)
     python scripts/learn_gate.py --check DIR                      # the verdict on runs already in DIR
+    python scripts/learn_gate.py --async --out /tmp/gate          # two GPUs: + 4 seeds of fp8_async (threshold 4)
     python scripts/learn_gate.py --seeds 0,1 --sweep lr1e-4:optim.lr=1e-4 --sweep lr1e-4_w20:optim.lr=1e-4,optim.warmup_steps=20
                                   # a sweep: the FP8 recipe with each variant's overrides; the table, no verdict
 
@@ -18,6 +19,10 @@ Thresholds (fixed; a change to them is a change to the gate, not to a run):
      averaged over the run's last 5 steps, <= 0.5. A group whose samples are all right counts too:
      a policy that answers every prompt one way has stopped exploring, right or wrong.
      reward/unsolved_groups (groups with no right sample) is reported beside it.
+  4. with --async: the FP8 recipe with rollout.mode=async (mode fp8_async: one trainer rank and one
+     engine rank under torchrun, max_staleness 1) meets 1 and 3, and its mean final accuracy is within
+     0.05 of the fp8 runs' mean: one step of policy lag, corrected by the importance weight, costs no
+     more than FP8 does.
 
 The warm start: when the config's model is not built from model.tiny (name_or_path "tiny"), the gate
 first trains it, `scripts/sft.py --out WORK/sft_model --task-config CONFIG` with --sft's arguments (the
@@ -31,6 +36,8 @@ after another: the next starts once the previous one's vLLM engine is up (its lo
 engine") or it logged a step, because an engine that starts while a neighbour frees GPU memory
 trips vLLM's start-up memory profiling. FP8 and BF16 runs alternate (fp8 s0, bf16 s0, fp8 s1, ...)
 so both see the same contention. Whatever still runs at --deadline-s is stopped (and fails).
+With --async, each fp8_async run sees the GPUs --async-gpus names (default 1,0: its trainer rank on GPU 1,
+its engine beside the other runs on GPU 0); on one H200 pair the 12 runs took ~9 minutes.
 
 Writes into --out: learn_gate.json (thresholds, per-run rows, means, verdict, reasons, commands),
 learn_gate.md (the per-seed table), <mode>_s<seed>_metrics.jsonl and <mode>_s<seed>.log per run
@@ -61,6 +68,8 @@ MAX_MEAN_GAP = 0.05
 MAX_ZERO_STD_GROUPS = 0.5
 TAIL_STEPS = 5  # "ends with": the mean over the run's last TAIL_STEPS training steps
 MODES = {"fp8": [], "bf16": ["fp8.train=false", "fp8.rollout=false", "fp8.kv_cache=false"]}
+ASYNC = "fp8_async"  # --async: the FP8 recipe on a trainer rank and an engine rank (engines/remote.py)
+ASYNC_OVERRIDES = ["rollout.mode=async"]
 # the quickstart's warm start (configs/quickstart_gpu.yaml's header says why)
 QUICKSTART_SFT = "--guess 0.6 --mix 3:0.1,4:0.3,5:0.6 --max-steps 800 --stop-acc 0 --minutes 6"
 
@@ -90,9 +99,10 @@ def summarize_run(rows: list[dict], steps: int) -> dict:
 
 
 def verdict(runs: list[dict]) -> tuple[bool, list[str], dict]:
-    """runs: rows {mode, seed, final_val, zero_std_groups, ...} -> (passed, reasons it failed, means)."""
+    """runs: rows {mode, seed, final_val, zero_std_groups, ...} -> (passed, reasons it failed, means).
+    fp8_async rows (--async) are held to the same per-run thresholds and to fp8's mean."""
     reasons, means = [], {}
-    for mode in MODES:
+    for mode in [*MODES, *([ASYNC] if any(r["mode"] == ASYNC for r in runs) else [])]:
         mine = [r for r in runs if r["mode"] == mode]
         if len(mine) < MIN_SEEDS:
             reasons.append(f"{mode}: {len(mine)} seeds, the gate needs >= {MIN_SEEDS}")
@@ -107,14 +117,16 @@ def verdict(runs: list[dict]) -> tuple[bool, list[str], dict]:
                                f"> {MAX_ZERO_STD_GROUPS}")
         done = [r["final_val"] for r in mine if r["final_val"] is not None]
         means[mode] = sum(done) / len(done) if done else None
-    if means["fp8"] is not None and means["bf16"] is not None:
-        gap = means["fp8"] - means["bf16"]
-        means["gap"] = gap
+    for mode, base, key in (("fp8", "bf16", "gap"), (ASYNC, "fp8", "async_gap")):
+        if mode not in means:
+            continue
+        if means[mode] is None or means[base] is None:
+            reasons.append(f"no finished run in {mode} or in {base}: no means to compare")
+            continue
+        means[key] = gap = means[mode] - means[base]
         if abs(gap) > MAX_MEAN_GAP + 1e-9:  # (accuracies are multiples of 1/val size: no float noise at the edge)
-            reasons.append(f"mean final accuracy fp8 {means['fp8']:.3f} vs bf16 {means['bf16']:.3f}: "
+            reasons.append(f"mean final accuracy {mode} {means[mode]:.3f} vs {base} {means[base]:.3f}: "
                            f"|gap| {abs(gap):.3f} > {MAX_MEAN_GAP}")
-    else:
-        reasons.append("no finished run in fp8 or in bf16: no means to compare")
     return not reasons, reasons, means
 
 
@@ -132,7 +144,8 @@ def table(runs: list[dict], means: dict, modes=MODES) -> str:
                      f"{_fmt(r['time_step_s'], '.2f')} |")
     lines.append("")
     lines.append(" ".join(f"mean final val {m}: {_fmt(means.get(m), '.3f')};" for m in modes)
-                 + (f" gap fp8 - bf16: {_fmt(means.get('gap'), '+.3f')}" if "gap" in means else ""))
+                 + (f" gap fp8 - bf16: {_fmt(means.get('gap'), '+.3f')}" if "gap" in means else "")
+                 + (f"; gap fp8_async - fp8: {_fmt(means['async_gap'], '+.3f')}" if "async_gap" in means else ""))
     return "\n".join(lines)
 
 
@@ -205,12 +218,15 @@ def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
             _log(f"no time left to start {mode} seed {seed}", t0)
             continue
         name = f"{mode}_s{seed}"
-        cmd = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(args.config), f"train.seed={seed}",
+        two_ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if mode == ASYNC else []
+        cmd = [sys.executable, *two_ranks, str(ROOT / "train_grpo.py"), "--config", str(args.config), f"train.seed={seed}",
                f"train.out_dir={work}", f"train.run_name={name}", "log.tensorboard=false", "train.save_final=false",
                *args.run_overrides, *args.mode_overrides[mode], *args.extra]
         log = work / f"{name}.log"
         with open(log, "w") as f:
-            p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**env, **({"CUDA_VISIBLE_DEVICES": args.async_gpus} if mode == ASYNC and
+                                                not args.cpu else {})})
         live.append(p)
         runs[(mode, seed)] = {"dir": work / name, "log": log, "cmd": " ".join(cmd[1:]), "proc": p}
         _log(f"started {name} (pid {p.pid})", t0)
@@ -322,6 +338,10 @@ def main(argv=None) -> int:
     p.add_argument("--check", metavar="DIR", help="no runs: the verdict on DIR/<mode>_s<seed>/metrics.jsonl")
     p.add_argument("--sweep", action="append", metavar="NAME:k=v,k=v", default=[],
                    help="instead of fp8/bf16: a variant of the FP8 recipe (repeat the option); no verdict")
+    p.add_argument("--async", dest="async_", action="store_true",
+                   help=f"also the FP8 recipe with rollout.mode=async ({ASYNC}: torchrun, a trainer and an engine rank)")
+    p.add_argument("--async-gpus", default="1,0", help=f"CUDA_VISIBLE_DEVICES of each {ASYNC} run: trainer rank on "
+                   "the first, engine rank on the second (default 1,0)")
     p.add_argument("extra", nargs="*", help="train_grpo.py overrides for every run (key.sub=value)")
     args = p.parse_args(argv)
     try:
@@ -339,6 +359,13 @@ def main(argv=None) -> int:
             print(f"error: --sweep {args.sweep}: expected NAME:key=value[,key=value...]", file=sys.stderr)
             return 2
         args.modes = list(args.mode_overrides)
+    if args.async_:
+        if args.sweep:
+            print("error: --async with --sweep: the async runs are held to the fp8 runs, a sweep has none",
+                  file=sys.stderr)
+            return 2
+        args.mode_overrides = {**MODES, ASYNC: ASYNC_OVERRIDES}
+        args.modes.append(ASYNC)
     bad = [m for m in args.modes if m not in args.mode_overrides]
     if bad or not args.seeds:
         print(f"error: --modes {','.join(bad)}: expected a subset of {','.join(MODES)} (and --seeds non-empty)",

@@ -32,10 +32,10 @@ def write_run(path: Path, final_val: float | None, zero_std_end: float = 0.3, st
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "rew')  # torn last line
 
 
-def runs_dir(tmp_path, fp8=(0.84, 0.8, 0.76, 0.92), bf16=(0.88, 0.8, 0.72, 0.92), **special):
+def runs_dir(tmp_path, fp8=(0.84, 0.8, 0.76, 0.92), bf16=(0.88, 0.8, 0.72, 0.92), fp8_async=(), **special):
     """DIR/<mode>_s<seed>/metrics.jsonl for each accuracy; special[(mode, seed)] = write_run kwargs."""
     files = {}
-    for mode, accs in (("fp8", fp8), ("bf16", bf16)):
+    for mode, accs in (("fp8", fp8), ("bf16", bf16), ("fp8_async", fp8_async)):
         for seed, acc in enumerate(accs):
             f = tmp_path / f"{mode}_s{seed}" / "metrics.jsonl"
             write_run(f, **{"final_val": acc, **special.get(f"{mode}{seed}", {})})
@@ -75,6 +75,19 @@ def test_gap_at_the_threshold_passes(tmp_path):
     assert means["gap"] == pytest.approx(0.04)
 
 
+@pytest.mark.parametrize("fp8_async, reason", [
+    ((0.8, 0.8, 0.8, 0.84), None),  # mean 0.81, fp8's 0.83: within 0.05
+    ((0.76, 0.76, 0.76, 0.76), "mean final accuracy fp8_async 0.760 vs fp8 0.830: |gap| 0.070 > 0.05"),
+    ((0.84, 0.84, 0.84), "fp8_async: 3 seeds, the gate needs >= 4"),
+    ((0.84, 0.84, 0.66, 0.84), "fp8_async seed 2: final val/accuracy 0.66 < 0.7"),
+])
+def test_async_runs_are_held_to_the_fp8_runs(tmp_path, fp8_async, reason):
+    passed, reasons, means, runs = learn_gate.check(runs_dir(tmp_path, fp8_async=fp8_async), STEPS)
+    assert (passed, reasons) == (True, []) if reason is None else (not passed and reason in reasons), reasons
+    assert means["async_gap"] == pytest.approx(sum(fp8_async) / len(fp8_async) - 0.83)
+    assert "gap fp8_async - fp8: " in learn_gate.table(runs, means, [*learn_gate.MODES, learn_gate.ASYNC])
+
+
 def test_a_missing_run_fails(tmp_path):
     files = runs_dir(tmp_path)
     files[("bf16", 0)].unlink()
@@ -101,6 +114,8 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert "error: --modes fp16" in capsys.readouterr().err
     assert learn_gate.main(["--cpu", "--out", str(tmp_path), "train.dynamic_sampling=always"]) == 2
     assert "train.dynamic_sampling" in capsys.readouterr().err
+    assert learn_gate.main(["--cpu", "--out", str(tmp_path), "--async", "--sweep", "x:optim.lr=1e-4"]) == 2
+    assert "error: --async with --sweep" in capsys.readouterr().err
 
 
 def test_gate_end_to_end_on_cpu(tmp_path):
@@ -120,6 +135,25 @@ def test_gate_end_to_end_on_cpu(tmp_path):
         assert r["entropy"] > 0 and 1 <= r["distinct_answers"] <= 8
     assert "fp8.train=false" in res["commands"]["bf16_s0"] and "fp8.train=false" not in res["commands"]["fp8_s0"]
     assert "FAIL" in p.stdout and (out / "fp8_s1_metrics.jsonl").is_file() and (out / "learn_runs.tgz").is_file()
+
+
+def test_async_gate_end_to_end_on_cpu(tmp_path):
+    """--async on CPU (gloo, HF engine): each fp8_async run is a trainer rank and an engine rank under torchrun,
+    and finishes beside its fp8 twin; FAIL (1 seed, no bf16)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    p = subprocess.run([sys.executable, str(ROOT / "scripts/learn_gate.py"), "--cpu", "--seeds", "0", "--steps", "2",
+                        "--modes", "fp8", "--async", "--out", str(out), "--work", str(work), "rollout.prompts_per_step=4",
+                        "train.micro_batch_size=32", "log.dump_episodes_every=0"],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "learn_gate.json").read_text())
+    assert [(r["mode"], r["steps_logged"]) for r in res["runs"]] == [("fp8", 2), ("fp8_async", 2)]
+    assert all(r["final_val"] is not None for r in res["runs"]) and "async_gap" in res["means"]
+    cmd = res["commands"]["fp8_async_s0"]
+    assert cmd.startswith("-m torch.distributed.run --standalone --nproc_per_node 2 ") and "rollout.mode=async" in cmd
+    assert "rollout.mode=async" not in res["commands"]["fp8_s0"]
+    staleness = [json.loads(line).get("rollout/staleness") for line in (out / "fp8_async_s0_metrics.jsonl").open()]
+    assert [s for s in staleness if s is not None] == [0, 1]
 
 
 def test_bad_sft_model_exits_2_and_writes_nothing(tmp_path, capsys):
