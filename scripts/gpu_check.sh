@@ -42,7 +42,8 @@
 #   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, its SFT warm start then
 #                                      quickstart_gpu x 4 seeds x {FP8 recipe, BF16}, concurrent on the one GPU,
 #                                      < 10 min; PASS/FAIL (exit code),
-#                                      $OUT/learn_gate.{json,md}, per-run metrics + logs (and all in learn_runs.tgz)
+#                                      $OUT/learn_gate.{json,md}, per-run metrics + logs (and all in learn_runs.tgz);
+#                                      --async (2 GPUs): + 4 seeds of the FP8 recipe with rollout.mode=async
 #   bash scripts/gpu_check.sh rollout  [ARGS]  bench/rollout.py: 8B-shape VLLMEngine throughput -> $OUT/rollout.json
 #                                      (default Llama-3.1-8B, bf16/fp8kv/fp8; e.g. --models qwen3; stops at 540 s)
 #   bash scripts/gpu_check.sh capacity [ARGS]  bench/rollout.py --capacity-only: Qwen3-8B KV capacity per mode
