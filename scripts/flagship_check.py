@@ -37,6 +37,12 @@ each config on N GPUs through torchrun (FSDP2; 80 GB cards: `--ranks 2 --paralle
 pair at once, with the overrides the README gives for them); the rows' `gpus` say N, and a pair's
 runs must share it.
 
+--async (with --shipped, on 2 GPUs) runs each config of --configs twice at that workload: synchronous on
+both GPUs (colocated, FSDP2, as --ranks 2) and as <config>_async (rollout.mode=async: a trainer rank on one
+GPU, a vLLM engine rank on the other at --async-share of it, max_staleness 1), and writes OUT/async_<gpu>.json
+with a row per config, ratio = synchronous step s / async step s (the same samples per step, so the
+throughput ratio). Give --steps 3 or more: the async loop overlaps from its second step on.
+
 --data DIR runs the data configs (gsm8k, math) on real-format files instead of synthetic prompts:
 DIR/train.jsonl and DIR/test.jsonl in the dataset's own fields, through the config's loader, answer
 extraction and reward, with a character tokenizer over printable ASCII (the random-init model has no
@@ -136,12 +142,12 @@ def gpu_name() -> str:
     return words[0] if words else ""
 
 
-def shipped_rows(results: list[dict]) -> list[dict]:
-    """A row per SHIPPED_PAIRS pair whose two runs both finished, on the same GPU kind; its command: the
-    runs' (one, or the two that ran side by side)."""
+def shipped_rows(results: list[dict], pairs: dict[str, str] = SHIPPED_PAIRS) -> list[dict]:
+    """A row per pair {config: baseline} (default SHIPPED_PAIRS) whose two runs both finished, on the same
+    GPU kind; its command: the runs' (one, or the two that ran side by side)."""
     by = {r["config"]: r for r in results if r.get("ok")}
     rows = []
-    for config, baseline in SHIPPED_PAIRS.items():
+    for config, baseline in pairs.items():
         a, b = by.get(config), by.get(baseline)
         if not a or not b or (a.get("gpu"), a.get("gpus", 1)) != (b.get("gpu"), b.get("gpus", 1)):
             continue
@@ -241,18 +247,21 @@ def family(config: str) -> str:
     return "qwen3_moe" if config.startswith("qwen3_30b_a3b") else "qwen3" if config.startswith("qwen3") else "llama"
 
 
-def plan(configs: str, router_replay: list[str]) -> list[tuple[str, str, list[str]]]:
+def plan(configs: str, router_replay: list[str], async_share: float | None = None) -> list[tuple[str, str, list[str]]]:
     """(run name, config, its extra overrides) per run: the configs of --configs ("moe" / "8b" expand to
-    their sets), each MoE config once per --router-replay value ("off": <config>_noreplay)."""
+    their sets), each MoE config once per --router-replay value ("off": <config>_noreplay); with
+    async_share (--async) each config again as <config>_async."""
     names = [n for c in configs.split(",") if c.strip() for n in CONFIG_SETS.get(c.strip(), [c.strip()])]
     runs = []
     for name in names:
-        if family(name) != "qwen3_moe":
+        if async_share is not None:
+            runs += [(name, name, []), (f"{name}_async", name, ["rollout.mode=async",
+                                                               f"rollout.gpu_memory_utilization={async_share}"])]
+        elif family(name) != "qwen3_moe":
             runs.append((name, name, []))
-            continue
-        for replay in router_replay:
-            runs.append((name if replay == "on" else f"{name}_noreplay", name,
-                         [f"moe.router_replay={'true' if replay == 'on' else 'false'}"]))
+        else:
+            runs += [(name if replay == "on" else f"{name}_noreplay", name,
+                      [f"moe.router_replay={'true' if replay == 'on' else 'false'}"]) for replay in router_replay]
     return runs
 
 
@@ -302,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", action="store_true",
                    help="runs side by side, each on its own --ranks of the visible GPUs (CUDA_VISIBLE_DEVICES, else all)")
     p.add_argument("--ranks", type=int, default=1, help="GPUs per run (torchrun, FSDP2), e.g. 2 on 80 GB cards")
+    p.add_argument("--async", dest="async_", action="store_true",
+                   help="--shipped on 2 GPUs: each config synchronous and as rollout.mode=async (above)")
+    p.add_argument("--async-share", type=float, default=0.9, help="--async: the engine rank's vLLM share of its GPU")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every config")
     return p
 
@@ -312,13 +324,20 @@ def main():
     out, runs = Path(args.out), Path(args.runs)
     if args.shipped and args.configs == build_parser().get_default("configs"):
         args.configs = ",".join(dict.fromkeys(c for pair in SHIPPED_PAIRS.items() for c in pair))
-    for _, config, _ in plan(args.configs, args.router_replay):
+    async_share = args.async_share if args.async_ else None
+    for _, config, _ in plan(args.configs, args.router_replay, async_share):
         if not (ROOT / "configs" / f"{config}.yaml").is_file():
             print(f"error: --configs: no configs/{config}.yaml; give shipped config names or 8b, moe", file=sys.stderr)
             sys.exit(2)
     if args.ranks < 1:
         print(f"error: --ranks {args.ranks}: GPUs per run, >= 1", file=sys.stderr)
         sys.exit(2)
+    if args.async_ and (not args.shipped or args.ranks not in (1, 2)):
+        print("error: --async compares a config's synchronous and async runs at its own workload on 2 GPUs: give "
+              "--shipped (and --ranks 2 or none)", file=sys.stderr)
+        sys.exit(2)
+    if args.async_:
+        args.ranks = 2
     for f in args.merge:
         if not Path(f).is_file():
             hint = "; give overrides before --merge, which takes every word after it" if "=" in f else ""
@@ -362,13 +381,14 @@ def main():
             result.update(workload=workload(config, args.prompts, result), date=time.strftime("%Y-%m-%d"),
                           command=" ".join(["bash scripts/gpu_check.sh shipped --prompts", str(args.prompts),
                                             *(["--parallel"] if args.parallel else []),
-                                            *(["--ranks", str(args.ranks)] if args.ranks > 1 else []),
-                                            "--configs", name, *args.overrides]))
+                                            *(["--async --steps", str(args.steps)] if args.async_ else
+                                              ["--ranks", str(args.ranks)] if args.ranks > 1 else []),
+                                            "--configs", config if args.async_ else name, *args.overrides]))
         print(json.dumps(result), flush=True)
         return result
 
     with ThreadPoolExecutor(max_workers=len(slots)) as pool:  # one run per GPU at a time
-        futures = [pool.submit(run_one, *run) for run in plan(args.configs, args.router_replay)]
+        futures = [pool.submit(run_one, *run) for run in plan(args.configs, args.router_replay, async_share)]
         for future in as_completed(futures):
             result = future.result()
             results = [r for r in results if r["config"] != result["config"]] + [result]
@@ -380,8 +400,10 @@ def main():
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in results]
     if args.shipped:
-        pairs = shipped_rows(results)
-        (out / f"shipped_{(pairs[0]['gpu'] if pairs else gpu or 'cpu').lower()}.json").write_text(json.dumps(pairs, indent=1))
+        pairs = shipped_rows(results, {f"{c}_async": c for _, c, _ in plan(args.configs, [], async_share)}
+                             if args.async_ else SHIPPED_PAIRS)
+        name = "async" if args.async_ else "shipped"
+        (out / f"{name}_{(pairs[0]['gpu'] if pairs else gpu or 'cpu').lower()}.json").write_text(json.dumps(pairs, indent=1))
         lines += ["", "| config | baseline | ratio | step s | baseline step s |", "|---|---|---|---|---|"]
         lines += [f"| {p['config']} | {p['baseline']} | {p['ratio']} | {p['step_s']} | {p['baseline_step_s']} |"
                   for p in pairs]

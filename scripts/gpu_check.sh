@@ -9,7 +9,8 @@
 #   bash scripts/gpu_check.sh shipped [ARGS]  scripts/flagship_check.py --shipped: FP8 configs vs their BF16 twins at
 #                                      their own workload (e.g. --configs llama31_8b_fp8 --timeout 560; --parallel: the
 #                                      configs side by side, both pairs at once on 4 GPUs; --ranks 2: FSDP2 over 2
-#                                      GPUs per config (80 GB cards); --merge
+#                                      GPUs per config (80 GB cards); --async --steps 3: each config on 2 GPUs
+#                                      synchronous and with rollout.mode=async -> $OUT/async_<gpu>.json; --merge
 #                                      earlier flagship.json files) -> $OUT/shipped_<gpu>.json, flagship.{md,json},
 #                                      logs + metrics in $OUT/shipped_runs.tgz
 #   bash scripts/gpu_check.sh moe [all|bf16|fp8|fp8_kv[,...]] [ARGS]  scripts/flagship_check.py on the
@@ -109,7 +110,7 @@ case "$1" in
          tar -czf "$OUT/flagship_runs.tgz" -C "$OUT" flagship --remove-files; exit $rc ;;
   shipped) $PY scripts/flagship_check.py --shipped --out "$OUT/shipped" --runs "$OUT/shipped/runs" "${@:2}" 2>&1 \
            | tee "$OUT/shipped.log"
-         rc=${PIPESTATUS[0]}; cp "$OUT"/shipped/{flagship.md,flagship.json,shipped_*.json} "$OUT"/ 2>/dev/null
+         rc=${PIPESTATUS[0]}; cp "$OUT"/shipped/{flagship.md,flagship.json,shipped_*.json,async_*.json} "$OUT"/ 2>/dev/null
          tar -czf "$OUT/shipped_runs.tgz" -C "$OUT" shipped --remove-files; exit $rc ;;
   moe)   sel=${2:-all}; [ "$sel" = all ] && sel=bf16,fp8,fp8_kv
          replay=on; [[ "$sel" == *,* ]] || replay=on,off  # one config: both rows

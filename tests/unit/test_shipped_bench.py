@@ -107,3 +107,46 @@ def test_merge_names_an_override_it_swallowed(tmp_path):
     assert p.returncode == 2 and not out.exists()
     assert p.stderr.startswith("error: --merge rollout.gpu_memory_utilization=0.4: no such file")
     assert "give overrides before --merge" in p.stderr
+
+
+def test_async_runs_each_config_synchronous_and_async_on_two_gpus(tmp_path, monkeypatch):
+    """--async: <config> on 2 GPUs as shipped (colocated) and <config>_async (a trainer rank + an engine rank at
+    --async-share), paired in async_<gpu>.json as sync step s / async step s."""
+    import json
+    import sys
+
+    fc = _flagship()
+    assert fc.plan("llama31_8b_fp8", ["on"], 0.9) == [
+        ("llama31_8b_fp8", "llama31_8b_fp8", []),
+        ("llama31_8b_fp8_async", "llama31_8b_fp8", ["rollout.mode=async", "rollout.gpu_memory_utilization=0.9"])]
+    seen = []
+
+    def command(config, name, extra, short, steps, runs, moe_layers, overrides, ranks):
+        seen.append((name, extra, ranks, steps))
+        return [sys.executable, "-c", "import json, os; os.makedirs(r'%s', exist_ok=True); open(r'%s', 'w').write("
+                "json.dumps({'step': 0, 'time/step': %s, 'optim/changed_frac': 1.0, "
+                "'mismatch/token_mult_prob_error': 1.0}))" % (runs / name, runs / name / "metrics.jsonl",
+                                                              8.0 if name.endswith("_async") else 10.0)]
+
+    monkeypatch.setattr(fc, "command", command)
+    monkeypatch.setattr(fc, "gpu_name", lambda: "H200")
+    monkeypatch.setattr(fc, "smi_peak_watcher", lambda path, gpu=None: (path.write_text(""), None)[1])
+    monkeypatch.setattr(sys, "argv", ["flagship_check.py", "--shipped", "--async", "--steps", "3", "--prompts", "8",
+                                      "--configs", "llama31_8b_fp8", "--out", str(tmp_path / "out"),
+                                      "--runs", str(tmp_path / "runs")])
+    with pytest.raises(SystemExit):
+        fc.main()
+    assert sorted(seen) == [("llama31_8b_fp8", [], 2, 3),
+                            ("llama31_8b_fp8_async", ["rollout.mode=async", "rollout.gpu_memory_utilization=0.9"], 2, 3)]
+    (row,) = json.loads((tmp_path / "out/async_h200.json").read_text())
+    assert (row["config"], row["baseline"], row["ratio"], row["gpus"]) == ("llama31_8b_fp8_async", "llama31_8b_fp8", 1.25, 2)
+    assert "--async --steps 3 --configs llama31_8b_fp8" in row["command"]
+
+
+def test_async_needs_shipped(tmp_path):
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, str(REPO / "scripts/flagship_check.py"), "--async", "--out", str(tmp_path / "o"),
+                        "--configs", "llama31_8b_fp8"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stderr.startswith("error: --async compares") and not (tmp_path / "o").exists()
