@@ -182,12 +182,12 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
     from rollout import make_engine
 
     torch.manual_seed(cfg.train.seed)
-    vllm = cfg.rollout.engine == "vllm"
-    if vllm and d.device.type != "cuda":
+    on_vllm = cfg.rollout.engine == "vllm"
+    if on_vllm and d.device.type != "cuda":
         raise UserError(f"rollout.engine=vllm needs a CUDA GPU on each engine rank (rank {d.world + d.engine} has "
                         f"{d.device}); set rollout.engine=hf")
     # vLLM reads the model's config and module names only; the HF engine generates with the model
-    model, tokenizer = load_model_and_tokenizer(cfg.model, torch.device("meta") if vllm else d.device)
+    model, tokenizer = load_model_and_tokenizer(cfg.model, torch.device("meta") if on_vllm else d.device)
     quiet = observe.RunLogger(None, enabled=False, tensorboard=False)
     train_set, val_set = trainer.load_data(cfg, tokenizer, quiet)
     engine = make_engine(cfg, model, tokenizer, d.device, d=d)
