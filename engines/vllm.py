@@ -166,9 +166,10 @@ def kept_env(name: str):
 def own_rendezvous(world_size: int):
     """While a one-rank engine starts under torchrun (`--nproc_per_node 1`, or an engine rank of
     rollout.mode=async): TORCHELASTIC_USE_AGENT_STORE unset. vLLM 0.26 gives a one-rank engine its own
-    process group on a fresh TCP port (tcp://<host ip>:<port>); with torchrun's TORCHELASTIC_USE_AGENT_STORE=True, torch dials that port as a client of
-    a store nobody hosts, and the engine start hangs until the store's timeout. Several ranks join the
-    trainer's group instead (external_launcher) and need no change."""
+    process group on a fresh TCP port (tcp://<host ip>:<port>); with torchrun's
+    TORCHELASTIC_USE_AGENT_STORE=True, torch dials that port as a client of a store nobody hosts, and
+    the engine start hangs until the store's timeout. Several ranks join the trainer's group instead
+    (external_launcher) and need no change."""
     with kept_env("TORCHELASTIC_USE_AGENT_STORE"):
         if world_size == 1:
             os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
