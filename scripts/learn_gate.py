@@ -364,6 +364,11 @@ def main(argv=None) -> int:
             print("error: --async with --sweep: the async runs are held to the fp8 runs, a sweep has none",
                   file=sys.stderr)
             return 2
+        gpus = len(args.async_gpus.split(","))
+        if not args.cpu and not args.check and gpus != 2:
+            print(f"error: --async-gpus {args.async_gpus}: name two GPUs (the trainer rank's, then the engine rank's)",
+                  file=sys.stderr)
+            return 2
         args.mode_overrides = {**MODES, ASYNC: ASYNC_OVERRIDES}
         args.modes.append(ASYNC)
     bad = [m for m in args.modes if m not in args.mode_overrides]

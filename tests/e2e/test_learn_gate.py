@@ -116,6 +116,8 @@ def test_bad_arguments_exit_2(tmp_path, capsys):
     assert "train.dynamic_sampling" in capsys.readouterr().err
     assert learn_gate.main(["--cpu", "--out", str(tmp_path), "--async", "--sweep", "x:optim.lr=1e-4"]) == 2
     assert "error: --async with --sweep" in capsys.readouterr().err
+    assert learn_gate.main(["--out", str(tmp_path), "--async", "--async-gpus", "0"]) == 2
+    assert "error: --async-gpus 0: name two GPUs" in capsys.readouterr().err
 
 
 def test_gate_end_to_end_on_cpu(tmp_path):
