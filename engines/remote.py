@@ -136,6 +136,7 @@ class _Weights:
 
     def __init__(self, d: distributed.Dist, engine):
         self.d, self.engine, self.version, self.stopped = d, engine, -1, False
+        self.after = None  # the message that ended the last run of tensors (_tensors)
 
     def pull(self, version: int) -> None:
         """Apply what trainer rank 0 sends until `version` is complete (or the trainer stops)."""
