@@ -17,7 +17,8 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
   <mode> unfused head  the same with [tokens, vocab] logits and a per-row fp32 log-softmax (the train
                  pass's default): its time and memory against the fused head
 Modes: bf16, then fp8 (trainer.fp8_model of the same model; torchao on Hopper),
-then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
+then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps),
+then fp8_deep_gemm (fp8_cached with fp8.deep_gemm: the same operands through DeepGEMM's GEMMs).
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
 --compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
 only the `<mode>` variant (the others would add graphs); the first calls of a mode compile.
@@ -36,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write_results  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
-MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp8 converts it, fp8_cached adds caches
+MODES = ("bf16", "fp8", "fp8_cached", "fp8_deep_gemm")  # in this order on one model: fp8 converts it, fp8_cached
+# adds caches, fp8_deep_gemm gives them DeepGEMM's GEMMs
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int) -> dict:
@@ -59,6 +61,7 @@ def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, it
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, as train_grpo.py's")
     p.add_argument("--rows", type=int, help="rows per micro-batch (default: the config's train.micro_batch_size)")
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--response", type=int, help="default: the config's rollout.max_new_tokens")
@@ -70,7 +73,8 @@ def main():
     args = p.parse_args()
     from config import load_config
     from distributed import compile_layers, memory_metrics
-    from fp8.fast.cache import attach_weight_caches, refresh_weight_caches
+    from fp8.fast import deep_gemm_kernels
+    from fp8.fast.cache import attach_weight_caches, refresh_weight_caches, weight_caches
     from fp8.linear import is_fp8_linear
     from trainer import fp8_model
     from fp8.quant import BLOCK
@@ -79,7 +83,9 @@ def main():
     from batch import collate, length_multiple, token_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
-    cfg = load_config(args.config, [f"train.device={device.type}"])
+    if "fp8_deep_gemm" in args.modes and device.type != "cuda":
+        sys.exit("error: --modes fp8_deep_gemm: DeepGEMM needs an SM90 GPU; leave it out on the CPU")
+    cfg = load_config(args.config, [*args.set, f"train.device={device.type}"])
     rows = args.rows or cfg.train.micro_batch_size
     n_resp = args.response or cfg.rollout.max_new_tokens
     torch.manual_seed(0)
@@ -101,12 +107,15 @@ def main():
 
     def measure(mode) -> list[dict]:
         torch._dynamo.reset()  # fp8 replaces the linears: a fresh graph
-        if mode in ("fp8", "fp8_cached") and not any(is_fp8_linear(m) for m in model.modules()):
+        if mode != "bf16" and not any(is_fp8_linear(m) for m in model.modules()):
             cfg.fp8.train = True
             print(f"[trainer_pass] fp8: {len(fp8_model(model, cfg.fp8)[0])} linears", flush=True)
-        if mode == "fp8_cached":
-            print(f"[trainer_pass] fp8_cached: {attach_weight_caches(model)} weight caches", flush=True)
+        if mode in ("fp8_cached", "fp8_deep_gemm"):
+            print(f"[trainer_pass] {mode}: {attach_weight_caches(model)} new weight caches", flush=True)
             refresh_weight_caches(model)  # before a compiled forward, which cannot fill them
+        if mode == "fp8_deep_gemm":
+            for cache in weight_caches(model):
+                cache.kernels = deep_gemm_kernels()
         variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
         variants += [("padded", True, "masked"), ("padded", False, ""), ("padded", False, "unfused head")]
         if args.compile:

@@ -55,6 +55,8 @@
 #                                      --modes bf16) -> $OUT/step.json, trainer logs $OUT/step_<mode>.log
 #   bash scripts/gpu_check.sh pass [ARGS]  bench/trainer_pass.py: the trainer's logprobs / train pass per
 #                                      micro-batch at the step's shape -> $OUT/trainer_pass.json
+#   bash scripts/gpu_check.sh gemm [ARGS]  bench/gemm.py: the trainer's three FP8 GEMMs per projection, cuBLAS vs
+#                                      DeepGEMM (fp8.deep_gemm) vs BF16 -> $OUT/gemm.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
 #                                      configurations -> $OUT/quant.json (quant_swiglu.json)
 #   bash scripts/gpu_check.sh ckpt [ARGS]  bench/checkpoint.py: save/load time and peak host RSS of the
@@ -141,6 +143,7 @@ case "$1" in
               | tee "$OUT/bench_capacity.log" ;;
   stack)    $PY bench/train.py "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
   step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
+  gemm)     $PY bench/gemm.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_gemm.log" ;;
   pass)     $PY bench/trainer_pass.py --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' \
               | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
