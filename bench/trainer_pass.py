@@ -84,7 +84,7 @@ def main():
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
     if "fp8_deep_gemm" in args.modes and device.type != "cuda":
-        sys.exit("error: --modes fp8_deep_gemm: DeepGEMM needs an SM90 GPU; leave it out on the CPU")
+        p.error("--modes fp8_deep_gemm: DeepGEMM needs an SM90 GPU; leave it out on the CPU")
     cfg = load_config(args.config, [*args.set, f"train.device={device.type}"])
     rows = args.rows or cfg.train.micro_batch_size
     n_resp = args.response or cfg.rollout.max_new_tokens
