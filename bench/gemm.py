@@ -13,7 +13,7 @@ quantizers), through the trainer's own calls: fp8.fast's DualQuantKernels (cuBLA
 fused projection of an 8B model at M tokens (a micro-batch), median of 20 CUDA-event-timed calls after
 5 warm-up calls (DeepGEMM JIT-compiles each new shape in the first). Also timed: wgrad_acc, the weight
 gradient added into an fp32 gradient (DeepGEMM accumulates in its epilogue; cuBLAS writes BF16 and a
-separate add follows), and each GEMM in BF16. rel_diff: ||out - cuBLAS out|| / ||cuBLAS out||.
+separate add follows; DeepGEMM's wgrad always writes fp32), and each GEMM in BF16. rel_diff: ||out - cuBLAS out|| / ||cuBLAS out||.
 """
 
 import argparse

@@ -9,7 +9,7 @@ sums to fp32 every 128 of K, as cuBLAS's block-scaled kernels do). The fp32 scal
 K-major):
   forward  x [M, K] (1x128 scales [M, K/128], M-major) x W [N, K] (128x128 blocks)       1D2D kernel
   dgrad    g [M, N] x W.T [K, N]: the weight_dgrad operand, transposed view               1D2D
-  wgrad    g.T [N, M] x x.T [K, M], both with 1x128 scales along the M tokens             1D1D
+  wgrad    g.T [N, M] x x.T [K, M], both with 1x128 scales along the M tokens             1D1D, fp32 out
 Each GEMM is a torch.library op, so a compiled layer stays one graph. DeepGEMM JIT-compiles each new shape
 with nvcc (CUDA_HOME) on first use.
 """
@@ -24,9 +24,14 @@ from fp8.fast.dual import DualQuantKernels
 
 @torch.library.custom_op("fp8_grpo::deep_gemm_nt", mutates_args=())
 def _gemm_nt(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, gran_n: int) -> Tensor:
-    """[M, K] x [N, K].T -> [M, N] BF16; a's scales 1x128, b's 128x128 (gran_n 128) or 1x128 (gran_n 1)."""
+    """[M, K] x [N, K].T -> [M, N]; a's scales 1x128, b's 128x128 (gran_n 128: BF16 out) or 1x128 (gran_n 1:
+    fp32 out, the only output SM90's 1D1D kernel writes, as an accumulation into a zeroed C)."""
     import deep_gemm
 
+    if gran_n == 1:
+        out = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float32, device=a.device)
+        deep_gemm.fp8_gemm_nt((a, sa), (b, sb), out, c=out, recipe=(1, 1, 128), disable_ue8m0_cast=True)
+        return out
     out = torch.empty(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
     deep_gemm.fp8_gemm_nt((a, sa), (b, sb), out, recipe=(1, gran_n, 128), disable_ue8m0_cast=True)
     return out
@@ -34,7 +39,7 @@ def _gemm_nt(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, gran_n: int) -> Tenso
 
 @_gemm_nt.register_fake
 def _(a: Tensor, sa: Tensor, b: Tensor, sb: Tensor, gran_n: int) -> Tensor:
-    return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
+    return a.new_empty(a.shape[0], b.shape[0], dtype=torch.float32 if gran_n == 1 else torch.bfloat16)
 
 
 class DeepGemmKernels(DualQuantKernels):
@@ -50,5 +55,6 @@ class DeepGemmKernels(DualQuantKernels):
         return _gemm_nt(gq, gs, w_op[0].t(), w_op[1].t(), 128)
 
     def gemm_wgrad(self, gqt: Tensor, gst: Tensor, xq: Tensor, xs: Tensor) -> Tensor:
-        # gqt [N, M] with scales gst [N, M/128]; xq [M, K] column-major with scales xs [M/128, K]
+        # gqt [N, M] with scales gst [N, M/128]; xq [M, K] column-major with scales xs [M/128, K]. fp32 out:
+        # member_grads casts it to the weight's dtype (a no-op for fp32 master weights: no BF16 rounding)
         return _gemm_nt(gqt, gst, xq.t(), xs.t(), 1)
