@@ -250,13 +250,11 @@ class FP8Config:
     """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
     the emulation (same numerics, slower than BF16), with a warning unless this is set."""
     deep_gemm: bool = False
-    """Trainer on SM90: the block-FP8 GEMMs (forward, dgrad, wgrad) on DeepGEMM (an installed `deep_gemm`,
-    else the copy vLLM vendors). MoE experts: torchao's grouped GEMM through DeepGEMM's FP8 kernels instead
-    of torchao's emulated backend, which dequantizes both operands to BF16 and runs a BF16 grouped GEMM (no
-    faster than BF16); the CPU emulation then no longer follows the experts bit for bit. Dense linears
-    (with fp8/fast, fuse_projections or cache_weights): DeepGEMM's GEMM instead of cuBLAS's, on the same FP8
-    operands (fp8/fast/deep_gemm.py). Either way the products are summed in FP8 tensor cores with fp32
-    scales; only the summation order changes."""
+    """Trainer, MoE experts on SM90: torchao's grouped block-FP8 GEMM through DeepGEMM's FP8 kernels
+    (forward, dgrad and wgrad; an installed `deep_gemm`, else the copy vLLM vendors) instead of torchao's
+    emulated backend, which dequantizes both operands to BF16 and runs a BF16 grouped GEMM (no faster
+    than BF16). Same FP8 operands; the products are summed in FP8 tensor cores with fp32 scales, as the
+    dense linears' cuBLAS GEMMs do, so the CPU emulation no longer follows the experts bit for bit."""
     linear_backend: Literal["auto", "cutlass", "deep_gemm", "triton"] = "cutlass"
     """vLLM block-FP8 GEMM backend; cutlass starts in ~1 min, deep_gemm JITs for minutes, triton is
     vLLM's Triton block-FP8 GEMM (2-2.5x slower than cutlass at decode on an H200)."""

@@ -2,18 +2,19 @@
 
     python bench/gemm.py [--tokens 8192,16384] [--model llama|qwen3] [--out DIR]   # -> OUT/gemm.json, a table
 
-Every FP8 linear of the trainer runs three GEMMs per micro-batch, today on torchao's cuBLAS block-scaled
-GEMM (fp8/torchao.py):
+Every FP8 linear of the trainer runs three GEMMs per micro-batch, on torchao's cuBLAS block-scaled GEMM
+(fp8/torchao.py). torchao 0.18 offers DeepGEMM only for its MoE grouped GEMM (fp8.deep_gemm); this times
+DeepGEMM's dense fp8_gemm_nt on the same FP8 operands (quantized once with fp8.fast's quant_dual and
+torchao's weight quantizers; fp32 scales used as they are, disable_ue8m0_cast):
   fwd    y [M, N] = x [M, K] @ W.T       x 1x128 scales, W 128x128 blocks   (DeepGEMM: its 1D2D kernel)
   dgrad  dx [M, K] = g [M, N] @ W        g 1x128, W 128x128                 (1D2D)
-  wgrad  dW [N, K] = g.T @ x             both 1x128 along the M tokens      (1D1D)
-Both take the same FP8 operands (quantized once here with fp8.fast's quant_dual and torchao's weight
-quantizers), through the trainer's own calls: fp8.fast's DualQuantKernels (cuBLAS) and DeepGemmKernels
-(fp8.deep_gemm). Timed per
-fused projection of an 8B model at M tokens (a micro-batch), median of 20 CUDA-event-timed calls after
-5 warm-up calls (DeepGEMM JIT-compiles each new shape in the first). Also timed: wgrad_acc, the weight
-gradient added into an fp32 gradient (DeepGEMM accumulates in its epilogue; cuBLAS writes BF16 and a
-separate add follows; DeepGEMM's wgrad always writes fp32), and each GEMM in BF16. rel_diff: ||out - cuBLAS out|| / ||cuBLAS out||.
+  wgrad  dW [N, K] = g.T @ x             both 1x128 along the M tokens      (1D1D: fp32 out only)
+per fused projection of an 8B model at M tokens (a micro-batch): median of 20 CUDA-event-timed calls
+after 5 warm-up calls (DeepGEMM JIT-compiles a kernel for each new shape and tile configuration in the
+first). Also timed: wgrad_acc, the weight gradient added into an fp32 gradient (DeepGEMM accumulates in
+its epilogue; cuBLAS writes BF16 and a separate add follows), and each GEMM in BF16.
+rel_diff: ||out - cuBLAS out|| / ||cuBLAS out||. The summary sums fwd + dgrad + wgrad over the projections
+(one decoder layer's linear GEMMs).
 """
 
 import argparse
@@ -38,7 +39,6 @@ def rel_diff(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 def gemms(tokens: int, n: int, k: int) -> dict[str, dict]:
     """{gemm: {kernel: zero-argument call}} for one (N, K) projection at M = tokens."""
-    from fp8.fast.deep_gemm import DeepGemmKernels
     from fp8.fast.dual import DualQuantKernels
     from fp8.moe import import_deep_gemm
 
@@ -46,26 +46,36 @@ def gemms(tokens: int, n: int, k: int) -> dict[str, dict]:
         sys.exit("bench/gemm.py: neither deep_gemm nor vllm.third_party.deep_gemm imports")
     import deep_gemm
 
-    ao, dgk = DualQuantKernels(), DeepGemmKernels()
+    ao = DualQuantKernels()
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
     g = torch.randn(tokens, n, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    xq, xs, xqt, xst = ao.dual(x)  # x [M, K] 1x128 (scales [M, K/128], column-major); x.T [K, M] + [M/128, K]
+    xq, xs, xqt, xst = ao.dual(x)  # x [M, K] 1x128 (scales [M, K/128], M-major); x.T [K, M] + scales [M/128, K]
     gq, gs, gqt, gst = ao.dual(g)
     w_fwd, w_dgrad = ao.weight_transposed_rhs(w, block_size=128), ao.weight_rhs(w, block_size=128)
     dw32 = torch.zeros(n, k, device="cuda", dtype=torch.float32)
 
-    def wgrad_acc():  # DeepGEMM adds into the fp32 gradient in its epilogue (c = d)
-        deep_gemm.fp8_gemm_nt((gqt, gst.t()), (xqt, xst.t()), dw32, c=dw32, recipe=(1, 1, 128), disable_ue8m0_cast=True)
+    def nt(a, b, gran_n: int, acc: torch.Tensor | None = None):
+        """DeepGEMM's [M, K] x [N, K].T, both operands K-major; b's scales 128x128 (gran_n 128, BF16 out) or
+        1x128 (gran_n 1: SM90's 1D1D kernel, which only accumulates into an fp32 C)."""
+        if gran_n == 1:
+            out = acc if acc is not None else torch.zeros(a[0].shape[0], b[0].shape[0], device="cuda")
+            deep_gemm.fp8_gemm_nt(a, b, out, c=out, recipe=(1, 1, 128), disable_ue8m0_cast=True)
+            return out
+        out = torch.empty(a[0].shape[0], b[0].shape[0], device="cuda", dtype=torch.bfloat16)
+        deep_gemm.fp8_gemm_nt(a, b, out, recipe=(1, 128, 128), disable_ue8m0_cast=True)
+        return out
 
+    # torchao's weight operands are column-major: their .t() views are the K-major W [N, K] and W.T [K, N]
     return {
-        "fwd": {"cublas": lambda: ao.gemm(xq, xs, w_fwd), "deep_gemm": lambda: dgk.gemm(xq, xs, w_fwd),
-                "bf16": lambda: x @ w.t()},
-        "dgrad": {"cublas": lambda: ao.gemm_dgrad(gq, gs, w_dgrad), "deep_gemm": lambda: dgk.gemm_dgrad(gq, gs, w_dgrad),
-                  "bf16": lambda: g @ w},
+        "fwd": {"cublas": lambda: ao.gemm(xq, xs, w_fwd),
+                "deep_gemm": lambda: nt((xq, xs), (w_fwd[0].t(), w_fwd[1].t()), 128), "bf16": lambda: x @ w.t()},
+        "dgrad": {"cublas": lambda: ao.gemm_dgrad(gq, gs, w_dgrad),
+                  "deep_gemm": lambda: nt((gq, gs), (w_dgrad[0].t(), w_dgrad[1].t()), 128), "bf16": lambda: g @ w},
         "wgrad": {"cublas": lambda: ao.gemm_wgrad(gqt, gst.t(), xqt.t(), xst),
-                  "deep_gemm": lambda: dgk.gemm_wgrad(gqt, gst.t(), xqt.t(), xst), "bf16": lambda: g.t() @ x},
-        "wgrad_acc": {"cublas": lambda: dw32.add_(ao.gemm_wgrad(gqt, gst.t(), xqt.t(), xst)), "deep_gemm": wgrad_acc},
+                  "deep_gemm": lambda: nt((gqt, gst.t()), (xqt, xst.t()), 1), "bf16": lambda: g.t() @ x},
+        "wgrad_acc": {"cublas": lambda: dw32.add_(ao.gemm_wgrad(gqt, gst.t(), xqt.t(), xst)),
+                      "deep_gemm": lambda: nt((gqt, gst.t()), (xqt, xst.t()), 1, acc=dw32)},
     }
 
 

@@ -3,9 +3,10 @@
     python bench/trainer_pass.py                                   # bench/step_8b_long_h100.yaml's shape
     python bench/trainer_pass.py --config bench/step_8b.yaml --rows 8 --prompt 32 --response 512
 
-The model, dtype and micro-batch size come from --config (the bench/step.py workload). One
-micro-batch = --rows rows of --prompt + --response tokens, right-padded (batch.collate) to
-the length the FP8 trainer rounds to (rows x L a multiple of 128). Timed per micro-batch:
+The model, dtype and micro-batch size come from --config (the bench/step.py workload; --set overrides it,
+e.g. a shipped config at full shape: model.name_or_path=tiny "model.tiny={...}"; fp32 master weights
+compute under bf16 autocast, as the trainer's). One micro-batch = --rows rows of --prompt + --response
+tokens, right-padded (batch.collate) to the length the FP8 trainer rounds to (rows x L a multiple of 128). Timed per micro-batch:
 `logprobs` = token_logprobs under no_grad (the old_logp pass), `train` = token_logprobs +
 masked sum + backward (the policy update, without the optimizer step). Variants:
   bf16 unpadded  rows of exactly prompt + response tokens (what the BF16 step feeds when every
@@ -17,8 +18,7 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
   <mode> unfused head  the same with [tokens, vocab] logits and a per-row fp32 log-softmax (the train
                  pass's default): its time and memory against the fused head
 Modes: bf16, then fp8 (trainer.fp8_model of the same model; torchao on Hopper),
-then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps),
-then fp8_deep_gemm (fp8_cached with fp8.deep_gemm: the same operands through DeepGEMM's GEMMs).
+then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
 --compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
 only the `<mode>` variant (the others would add graphs); the first calls of a mode compile.
@@ -37,8 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write_results  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
-MODES = ("bf16", "fp8", "fp8_cached", "fp8_deep_gemm")  # in this order on one model: fp8 converts it, fp8_cached
-# adds caches, fp8_deep_gemm gives them DeepGEMM's GEMMs
+MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp8 converts it, fp8_cached adds caches
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int) -> dict:
@@ -61,7 +60,8 @@ def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, it
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, as train_grpo.py's")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, as train_grpo.py's "
+                   "(e.g. model.name_or_path=tiny and model.tiny={...} for a shipped config at full shape)")
     p.add_argument("--rows", type=int, help="rows per micro-batch (default: the config's train.micro_batch_size)")
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--response", type=int, help="default: the config's rollout.max_new_tokens")
@@ -73,24 +73,22 @@ def main():
     args = p.parse_args()
     from config import load_config
     from distributed import compile_layers, memory_metrics
-    from fp8.fast import deep_gemm_kernels
-    from fp8.fast.cache import attach_weight_caches, refresh_weight_caches, weight_caches
+    from fp8.fast.cache import attach_weight_caches, refresh_weight_caches
     from fp8.linear import is_fp8_linear
     from trainer import fp8_model
     from fp8.quant import BLOCK
     from modeling import load_model_and_tokenizer
     from rollout import Sample
-    from batch import collate, length_multiple, token_logprobs
+    from batch import amp, collate, length_multiple, token_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
-    if "fp8_deep_gemm" in args.modes and device.type != "cuda":
-        p.error("--modes fp8_deep_gemm: DeepGEMM needs an SM90 GPU; leave it out on the CPU")
     cfg = load_config(args.config, [*args.set, f"train.device={device.type}"])
     rows = args.rows or cfg.train.micro_batch_size
     n_resp = args.response or cfg.rollout.max_new_tokens
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(cfg.model, device)
     model.train()
+    mixed = device.type == "cuda" and next(model.parameters()).dtype == torch.float32  # as trainer.Run.mixed
     g = torch.Generator().manual_seed(0)
     samples = [Sample(0, torch.randint(3, len(tok), (args.prompt,), generator=g).tolist(),
                       torch.randint(3, len(tok), (n_resp,), generator=g).tolist(), [0.0] * n_resp, "length")
@@ -107,31 +105,29 @@ def main():
 
     def measure(mode) -> list[dict]:
         torch._dynamo.reset()  # fp8 replaces the linears: a fresh graph
-        if mode != "bf16" and not any(is_fp8_linear(m) for m in model.modules()):
+        if mode in ("fp8", "fp8_cached") and not any(is_fp8_linear(m) for m in model.modules()):
             cfg.fp8.train = True
             print(f"[trainer_pass] fp8: {len(fp8_model(model, cfg.fp8)[0])} linears", flush=True)
-        if mode in ("fp8_cached", "fp8_deep_gemm"):
-            print(f"[trainer_pass] {mode}: {attach_weight_caches(model)} new weight caches", flush=True)
+        if mode == "fp8_cached":
+            print(f"[trainer_pass] fp8_cached: {attach_weight_caches(model)} weight caches", flush=True)
             refresh_weight_caches(model)  # before a compiled forward, which cannot fill them
-        if mode == "fp8_deep_gemm":
-            for cache in weight_caches(model):
-                cache.kernels = deep_gemm_kernels()
         variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
         variants += [("padded", True, "masked"), ("padded", False, ""), ("padded", False, "unfused head")]
         if args.compile:
             variants = [("padded", False, "compiled"), ("padded", False, "compiled unfused head")]
-        runs = []
-        for batch, masked, label in variants:
-            memory_metrics(device)  # this variant's peak starts here
-            fused = "unfused" not in label
-            r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
-                 **passes(model, *batches[batch], masked, fused, args.iters), **memory_metrics(device)}
-            with torch.no_grad():
-                r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()
-            print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
-                  flush=True)
-            runs.append(r)
-        return runs
+        with amp(mixed):  # fp32 master weights: bf16 autocast, as the trainer computes
+            return [variant(mode, *v) for v in variants]
+
+    def variant(mode: str, batch: str, masked: bool, label: str) -> dict:
+        memory_metrics(device)  # this variant's peak starts here
+        fused = "unfused" not in label
+        r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
+             **passes(model, *batches[batch], masked, fused, args.iters), **memory_metrics(device)}
+        with torch.no_grad():
+            r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()
+        print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
+              flush=True)
+        return r
 
     run_inline(args.modes, measure, workload, on_mode=lambda runs: write_results("trainer_pass", runs, Path(args.out)))
     print(f"wrote {Path(args.out) / 'trainer_pass.json'}")

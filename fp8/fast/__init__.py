@@ -7,8 +7,7 @@ fast kernels, then adds what the switches ask for:
 
 * kernels (always; same bytes): on torchao, one Triton pass writes an activation's 1x128 and 128x1
   copies and x is saved for backward in FP8 (dual.py, kernels.py); each linear also gets the
-  SwiGLU entry points fuse_swiglu uses. With fp8.deep_gemm the GEMMs run on DeepGEMM, not cuBLAS
-  (deep_gemm.py: same operands, another summation order).
+  SwiGLU entry points fuse_swiglu uses.
 * fp8.fuse_projections: q/k/v and gate/up of a layer as ONE FP8 GEMM each (fused.py).
 * fp8.fuse_swiglu (with fuse_projections): a SwiGLU MLP as one autograd node, silu(gate) * up made
   inside the FP8 quantization of down_proj's input (swiglu.py).
@@ -25,7 +24,6 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from errors import UserError
 from fp8.fast.cache import attach_weight_caches
 from fp8.fast.dual import DualQuantKernels
 from fp8.fast.fused import fuse_projections
@@ -42,7 +40,7 @@ def apply(model: nn.Module, cfg: FP8Config) -> list[str]:
     then cfg.fuse_projections, cfg.fuse_swiglu, cfg.cache_weights. Returns what it did, for the log."""
     for m in model.modules():
         if is_fp8_linear(m) and type(m.kernels) is TorchaoKernels:
-            m.kernels = deep_gemm_kernels() if cfg.deep_gemm else _dual_quant_kernels()
+            m.kernels = _dual_quant_kernels()
         elif is_fp8_linear(m) and type(m.kernels) is EmulatedKernels:
             m.kernels = SwiGLUEmulatedKernels(m.kernels.act_recipe)
     done = []
@@ -59,15 +57,3 @@ def apply(model: nn.Module, cfg: FP8Config) -> list[str]:
 def _dual_quant_kernels():
     """One DualQuantKernels for every torchao linear (stateless), as TorchaoKernels is one per class."""
     return DualQuantKernels()
-
-
-@functools.cache
-def deep_gemm_kernels():
-    """One DeepGemmKernels for every torchao linear, once DeepGEMM imports as `deep_gemm`."""
-    from fp8.fast.deep_gemm import DeepGemmKernels
-    from fp8.moe import import_deep_gemm
-
-    if not import_deep_gemm():
-        raise UserError("fp8.deep_gemm=true: neither deep_gemm nor vllm.third_party.deep_gemm imports; install "
-                        "DeepGEMM, or set fp8.deep_gemm=false (cuBLAS's block-FP8 GEMMs)")
-    return DeepGemmKernels()

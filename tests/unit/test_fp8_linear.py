@@ -665,32 +665,3 @@ def test_fp8_paths_under_activation_checkpointing(fp8, backend):
     assert all(torch.equal(a, b) for a, b in zip(logps, ref_logps))
     for name, g in ref_grads.items():
         assert g is not None and torch.equal(grads[name], g), name
-
-
-def test_deep_gemm_switch_gives_dense_linears_deep_gemm(monkeypatch):
-    """fp8.deep_gemm with torchao linears (pretended: the CPU gets the emulation): fp8.fast gives each linear
-    DeepGemmKernels where DeepGEMM imports, DualQuantKernels without the switch, and the fix where it does not."""
-    import fp8.moe as moe
-    from errors import UserError
-    from fp8.fast.deep_gemm import DeepGemmKernels
-    from fp8.fast.dual import DualQuantKernels
-    from fp8.torchao import TorchaoKernels
-
-    def kernels_after_apply(deep_gemm: bool) -> set[type]:
-        model, cfg = tiny_llama(layers=1), FP8Config(deep_gemm=deep_gemm, fuse_projections=False)
-        convert_to_fp8_training(model, cfg)
-        for m in model.modules():
-            if is_fp8_linear(m):
-                m.kernels = TorchaoKernels()
-        fast.apply(model, cfg)
-        return {type(m.kernels) for m in model.modules() if is_fp8_linear(m)}
-
-    fast.deep_gemm_kernels.cache_clear()
-    monkeypatch.setattr(moe, "import_deep_gemm", lambda: "")
-    with pytest.raises(UserError, match=r"fp8.deep_gemm=true: neither deep_gemm nor vllm.third_party.deep_gemm "
-                                        r"imports; install DeepGEMM, or set fp8.deep_gemm=false"):
-        kernels_after_apply(True)
-    assert kernels_after_apply(False) == {DualQuantKernels}
-    monkeypatch.setattr(moe, "import_deep_gemm", lambda: "vllm.third_party.deep_gemm")
-    assert kernels_after_apply(True) == {DeepGemmKernels}
-    fast.deep_gemm_kernels.cache_clear()
