@@ -23,7 +23,9 @@ logp_sum: the sum of the token logprobs of the unmasked call (float64): equal fo
 --compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
 only the `<mode>` variant (the others would add graphs); the first calls of a mode compile.
 Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
-per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them).
+per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them; with --profile,
+per pass the GPU ms per kernel category, gemm / fp8 quantize / attention / copy / elementwise, and the
+top kernels, from 2 profiled calls after the timed ones).
 """
 
 import argparse
@@ -40,7 +42,8 @@ DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
 MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp8 converts it, fp8_cached adds caches
 
 
-def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int) -> dict:
+def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int, profile: bool = False
+           ) -> dict:
     from batch import token_logprobs
 
     m = functools.partial(model, attention_mask=attention_mask) if masked else model  # the old call
@@ -54,7 +57,12 @@ def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, it
         model.zero_grad(set_to_none=True)
 
     # one warm-up call (FP8: torchao's autotuning, unless seeded), then the median of `iters`
-    return {"logprobs_ms": cuda_time_ms(logprobs, 1, iters), "train_ms": cuda_time_ms(train, 1, iters)}
+    out = {"logprobs_ms": cuda_time_ms(logprobs, 1, iters), "train_ms": cuda_time_ms(train, 1, iters)}
+    if profile:  # after the timing: kernels compiled and autotuned
+        from bench.train import profile_kernels
+
+        out["profile"] = {name: profile_kernels(fn) for name, fn in (("logprobs", logprobs), ("train", train))}
+    return out
 
 
 def main():
@@ -70,6 +78,8 @@ def main():
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--compile", action="store_true", help="compile the decoder layers (train.compile=inductor)")
+    p.add_argument("--profile", action="store_true", help="CUDA: also each variant's kernels under torch.profiler "
+                   "(2 calls per pass): ms per kernel category and the top kernels, as bench/train.py --profile")
     args = p.parse_args()
     from config import load_config
     from distributed import compile_layers, memory_metrics
@@ -122,11 +132,15 @@ def main():
         memory_metrics(device)  # this variant's peak starts here
         fused = "unfused" not in label
         r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
-             **passes(model, *batches[batch], masked, fused, args.iters), **memory_metrics(device)}
+             **passes(model, *batches[batch], masked, fused, args.iters, args.profile and device.type == "cuda"),
+             **memory_metrics(device)}
         with torch.no_grad():
             r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()
         print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
               flush=True)
+        for name, prof in r.get("profile", {}).items():
+            cats = ", ".join(f"{c} {v['ms']:.1f}" for c, v in prof["categories"].items())
+            print(f"[trainer_pass] {'':>14}  {name} kernels, ms: {cats}", flush=True)
         return r
 
     run_inline(args.modes, measure, workload, on_mode=lambda runs: write_results("trainer_pass", runs, Path(args.out)))
