@@ -115,10 +115,10 @@ def main(argv=None):
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen3", help="projection shapes (default qwen3)")
     p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results)")
     args = p.parse_args(argv)
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens = [int(t) if t.strip().isdigit() else -1 for t in args.tokens.split(",")]
     if bad := [t for t in tokens if t <= 0 or t % 128]:
-        p.error(f"--tokens {bad[0]}: must be a positive multiple of 128 (the 1x128 groups of wgrad run along the "
-                "tokens)")
+        p.error(f"--tokens {args.tokens}: each must be a positive multiple of 128 (the 1x128 groups of wgrad run "
+                "along the tokens)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench/gemm.py needs a Hopper (SM90) GPU")
     rows = [r for t in tokens for r in bench(t, args.model)]
