@@ -7,8 +7,8 @@ The model, dtype and micro-batch size come from --config (the bench/step.py work
 e.g. a shipped config at full shape: model.name_or_path=tiny "model.tiny={...}"; fp32 master weights
 compute under bf16 autocast, as the trainer's). One micro-batch = --rows rows of --prompt + --response
 tokens, right-padded (batch.collate) to the length the FP8 trainer rounds to (rows x L a multiple of
-128). Timed per micro-batch: `logprobs` = token_logprobs under no_grad (the old_logp pass), `train` = token_logprobs +
-masked sum + backward (the policy update, without the optimizer step). Variants:
+128). Timed per micro-batch: `logprobs` = token_logprobs under no_grad (the old_logp pass), `train` =
+token_logprobs + masked sum + backward (the policy update, without the optimizer step). Variants:
   bf16 unpadded  rows of exactly prompt + response tokens (what the BF16 step feeds when every
                  sample has the same length: no padding, no mask)
   <mode> masked  the padded batch with its attention mask passed to the model (HF builds a
