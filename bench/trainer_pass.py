@@ -2,13 +2,15 @@
 
     python bench/trainer_pass.py                                   # bench/step_8b_long_h100.yaml's shape
     python bench/trainer_pass.py --config bench/step_8b.yaml --rows 8 --prompt 32 --response 512
+    python bench/trainer_pass.py --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3 --prompt 128 --response 1664 \
+        --compile --profile --modes bf16,fp8_cached        # a shipped config's micro-batch at full shape
 
-The model, dtype and micro-batch size come from --config (the bench/step.py workload; --set overrides it,
-e.g. a shipped config at full shape: model.name_or_path=tiny "model.tiny={...}"; fp32 master weights
-compute under bf16 autocast, as the trainer's). One micro-batch = --rows rows of --prompt + --response
-tokens, right-padded (batch.collate) to the length the FP8 trainer rounds to (rows x L a multiple of
-128). Timed per micro-batch: `logprobs` = token_logprobs under no_grad (the old_logp pass), `train` =
-token_logprobs + masked sum + backward (the policy update, without the optimizer step). Variants:
+The model, dtype and micro-batch size come from --config (the bench/step.py workload; --set overrides
+it, --shape builds its model at a real model's dims; fp32 master weights compute under bf16 autocast, as
+the trainer's). One micro-batch = --rows rows of --prompt + --response tokens, right-padded
+(batch.collate) to the length the FP8 trainer rounds to (rows x L a multiple of 128). Timed per
+micro-batch: `logprobs` = token_logprobs under no_grad (the old_logp pass), `train` = token_logprobs +
+masked sum + backward (the policy update, without the optimizer step). Variants:
   bf16 unpadded  rows of exactly prompt + response tokens (what the BF16 step feeds when every
                  sample has the same length: no padding, no mask)
   <mode> masked  the padded batch with its attention mask passed to the model (HF builds a
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.rollout import ALIASES, MODELS, tiny_flow  # noqa: E402
 from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write_results  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
@@ -68,8 +71,10 @@ def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, it
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, as train_grpo.py's "
-                   "(e.g. model.name_or_path=tiny and model.tiny={...} for a shipped config at full shape)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides, as train_grpo.py's")
+    p.add_argument("--shape", choices=sorted({*MODELS, *ALIASES}), help="build the config's model from scratch at "
+                   "this real model's dims (bench/rollout.py MODELS; model.name_or_path=tiny), e.g. a shipped config "
+                   "at full shape: --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3")
     p.add_argument("--rows", type=int, help="rows per micro-batch (default: the config's train.micro_batch_size)")
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--response", type=int, help="default: the config's rollout.max_new_tokens")
@@ -92,7 +97,9 @@ def main():
     from batch import amp, collate, length_multiple, token_logprobs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
-    cfg = load_config(args.config, [*args.set, f"train.device={device.type}"])
+    shape = ["model.name_or_path=tiny", f"model.tiny={tiny_flow(ALIASES.get(args.shape, args.shape))}"] \
+        if args.shape else []
+    cfg = load_config(args.config, [*shape, *args.set, f"train.device={device.type}"])
     rows = args.rows or cfg.train.micro_batch_size
     n_resp = args.response or cfg.rollout.max_new_tokens
     torch.manual_seed(0)
@@ -107,7 +114,8 @@ def main():
                "padded": collate(samples, tok.pad_token_id, length_multiple(rows, BLOCK))}  # as trainer.assemble_batch
     batches = {k: [x.to(device) for x in (ids, am, mask)] for k, (ids, am, mask, _) in batches.items()}
     L = {k: b[0].shape[1] for k, b in batches.items()}
-    workload = f"{rows} rows x {args.prompt}+{n_resp} tokens (padded to {L['padded']}), {Path(args.config).name}"
+    workload = (f"{rows} rows x {args.prompt}+{n_resp} tokens (padded to {L['padded']}), {Path(args.config).name}, "
+                f"{type(model).__name__} {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B")
     print(f"[trainer_pass] {workload}", flush=True)
 
     if args.compile:

@@ -544,6 +544,20 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
         assert abs(by_mode[mode] - by_mode[f"{mode} unfused head"]) < 1e-4 * abs(by_mode[mode])
 
 
+def test_trainer_pass_builds_a_shipped_config_at_a_named_shape(tmp_path):
+    """--shape qwen3 builds the config's model from scratch at Qwen3-8B's dims (model.tiny), and --set
+    applies after it (here: cut down to one small layer, so the CPU can run it)."""
+    small = ["model.tiny.num_layers=1", "model.tiny.hidden_size=128", "model.tiny.intermediate_size=256",
+             "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.tiny.head_dim=64", "model.tiny.vocab_size=0"]
+    p = subprocess.run([sys.executable, str(REPO / "bench/trainer_pass.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
+                        "--shape", "qwen3", "--set", *small, "--rows", "1", "--prompt", "4", "--response", "8",
+                        "--modes", "bf16", "--iters", "1", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    runs = json.loads((tmp_path / "trainer_pass.json").read_text())["runs"]
+    assert "Qwen3ForCausalLM" in runs[0]["workload"] and "tiny_cpu.yaml" in runs[0]["workload"]
+    assert runs[0]["mode"] == "bf16 unpadded" and runs[0]["tokens"] == 12
+
+
 def test_checkpoint_bench_runs_on_cpu(tmp_path):
     """bench/checkpoint.py at a tiny shape: the four (format, op) rows, each load restores every
     weight and moment, both formats hold the same bytes to within DCP's index, the dir is cleaned."""
