@@ -572,3 +572,17 @@ def test_checkpoint_bench_runs_on_cpu(tmp_path):
     full, sharded = doc["runs"][0]["ckpt_gb"], doc["runs"][2]["ckpt_gb"]
     assert doc["params"] * 12 / 1e9 <= min(full, sharded) and abs(full - sharded) < 0.2 * full
     assert doc["layers"] == 2 and not list((tmp_path / "ckpt").iterdir())
+
+
+def test_gemm_bench_names_bad_token_counts_and_needs_hopper(tmp_path):
+    """bench/gemm.py: a token count that is not a positive multiple of 128 is a usage error naming the
+    value (exit 2, nothing written); on a host without an SM90 GPU it stops with what it needs."""
+    bench = [sys.executable, str(REPO / "bench/gemm.py"), "--out", str(tmp_path)]
+    for bad in ("100", "8192,abc", "0"):
+        p = subprocess.run([*bench, "--tokens", bad], capture_output=True, text=True)
+        assert p.returncode == 2 and f"error: --tokens {bad}: each must be a positive multiple of 128" in p.stderr
+    p = subprocess.run([*bench, "--tokens", "8192"], capture_output=True, text=True)
+    if not p.returncode:
+        pytest.skip("an SM90 GPU is here: the benchmark ran")
+    assert "needs a Hopper (SM90) GPU" in p.stderr
+    assert not list(tmp_path.iterdir())
