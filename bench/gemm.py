@@ -116,15 +116,16 @@ def main(argv=None):
     p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results)")
     args = p.parse_args(argv)
     tokens = [int(t) if t.strip().isdigit() else -1 for t in args.tokens.split(",")]
-    if bad := [t for t in tokens if t <= 0 or t % 128]:
+    if any(t <= 0 or t % 128 for t in tokens):
         p.error(f"--tokens {args.tokens}: each must be a positive multiple of 128 (the 1x128 groups of wgrad run "
                 "along the tokens)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench/gemm.py needs a Hopper (SM90) GPU")
     rows = [r for t in tokens for r in bench(t, args.model)]
-    path = write_results("gemm", rows + [dict(r, summary=True) for r in summary(rows)], Path(args.out))
+    layers = summary(rows)
+    path = write_results("gemm", rows + [dict(r, summary=True) for r in layers], Path(args.out))
     print(markdown_table(rows, ["shape", "tokens", "gemm", "kernel", "ms", "tflops", "rel_diff"]))
-    print(markdown_table(summary(rows), ["model", "tokens", "kernel", "layer_ms", "vs_cublas"]))
+    print(markdown_table(layers, ["model", "tokens", "kernel", "layer_ms", "vs_cublas"]))
     print(f"wrote {path}")
 
 

@@ -105,7 +105,7 @@ def main():
     torch.manual_seed(0)
     model, tok = load_model_and_tokenizer(cfg.model, device)
     model.train()
-    mixed = device.type == "cuda" and next(model.parameters()).dtype == torch.float32  # as trainer.Run.mixed
+    mixed = device.type == "cuda" and cfg.model.dtype == "float32"  # train_grpo.py's: fp32 master weights, bf16 compute
     g = torch.Generator().manual_seed(0)
     samples = [Sample(0, torch.randint(3, len(tok), (args.prompt,), generator=g).tolist(),
                       torch.randint(3, len(tok), (n_resp,), generator=g).tolist(), [0.0] * n_resp, "length")
