@@ -389,8 +389,8 @@ class LogConfig:
     profile_step: int = -1
     """Run this step under torch.profiler (CPU + CUDA, in-process vLLM included): writes
     <run_dir>/profile/step_N_rankR.json (trace for Perfetto / chrome://tracing) and .txt (each
-    phase's wall time and device-busy share, then the top operators by self device time, CPU time
-    on CPU; observe.save_profile). -1 = off; step 0 includes autotuning."""
+    phase's wall time and device-busy share, the top device kernels, then the top operators by self
+    device time, CPU time on CPU; observe.save_profile). -1 = off; step 0 includes autotuning."""
     profile_rollout: bool = True
     """false: profile_step's profile starts after the rollout (the trainer's logprobs, train,
     recalibrate and refit only): a long-generation rollout is ~1e6 kernels, a trace too big to read."""

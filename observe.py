@@ -156,26 +156,42 @@ def phase_busy(spans: dict[str, list[tuple[int, int]]], device_intervals: list[t
     return out
 
 
-def profile_phases(prof) -> str:
-    """phase_busy of a stopped torch.profiler profile, as a table (empty without phase spans)."""
+def profile_phases(prof, top: int = 30) -> str:
+    """phase_busy of a stopped torch.profiler profile, as a table (empty without phase spans), then the
+    `top` device kernels by summed time: read straight from the trace's events, in seconds where
+    key_averages takes minutes for a long step."""
     spans: dict[str, list[tuple[int, int]]] = {}
     device = []
+    kernels: dict[str, list[int]] = {}
     for ev in prof.profiler.kineto_results.events():
         if ev.device_type() == torch.autograd.DeviceType.CPU:
             if ev.name() in PHASES:
                 spans.setdefault(ev.name(), []).append((ev.start_ns(), ev.end_ns()))
         elif not ev.is_user_annotation() and ev.name() not in PHASES:  # kernels, memcpy, memset
             device.append((ev.start_ns(), ev.end_ns()))
+            k = kernels.setdefault(ev.name(), [0, 0])
+            k[0], k[1] = k[0] + ev.end_ns() - ev.start_ns(), k[1] + 1
     rows = [f"{'phase':<12} {'wall_s':>8} {'device_busy_s':>14} {'busy':>6}"]
     for name, (wall, busy) in phase_busy(spans, device).items():
         rows.append(f"{name:<12} {wall:8.3f} {busy:14.3f} {busy / max(wall, 1e-12):6.1%}")
-    return "\n".join(rows) + "\n\n" if spans else ""
+    return ("\n".join(rows) + "\n\n" if spans else "") + kernel_table(kernels, top)
+
+
+def kernel_table(kernels: dict[str, list[int]], top: int) -> str:
+    """{kernel name: [summed ns, calls]} as a table of the `top` by time, with each one's share of all."""
+    if not kernels:
+        return ""
+    total = sum(ns for ns, _ in kernels.values())
+    rows = [f"{'device kernel (top ' + str(top) + ')':<100} {'ms':>10} {'share':>6} {'calls':>7}"]
+    for name, (ns, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+        rows.append(f"{name[:100]:<100} {ns / 1e6:10.1f} {ns / total:6.1%} {n:7d}")
+    return "\n".join(rows) + f"\nall device kernels: {total / 1e9:.3f} s\n\n"
 
 
 def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device) -> Path:
-    """Stop the profiler; write (.txt) the device-busy share of each phase (profile_phases), then the
-    top-40 operator table below it, then the trace (.json): the last two take minutes for a long
-    step's ~10^6 events, so a run cut off meanwhile still leaves the phase table."""
+    """Stop the profiler; write (.txt) the device-busy share of each phase and the top device kernels
+    (profile_phases), then the top-40 operator table below them, then the trace (.json): the last two
+    take minutes for a long step's ~10^6 events, so a run cut off meanwhile still leaves the first two."""
     prof.stop()
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"step_{step:06d}_rank{rank}"

@@ -119,6 +119,17 @@ def test_phase_busy_is_the_device_time_inside_each_phase():
     assert phase_busy({"refit": [(0, 10)]}, []) == {"refit": (10e-9, 0.0)}
 
 
+def test_kernel_table_ranks_kernels_by_summed_time():
+    from observe import kernel_table
+
+    table = kernel_table({"gemm": [3_000_000, 2], "quant": [1_000_000, 4], "nccl": [4_000_000, 1]}, top=2)
+    rows = table.splitlines()
+    assert [r.split()[0] for r in rows[1:3]] == ["nccl", "gemm"]  # the top 2 by time; quant cut
+    assert rows[1].split()[1:] == ["4.0", "50.0%", "1"] and rows[2].split()[1:] == ["3.0", "37.5%", "2"]
+    assert rows[3] == "all device kernels: 0.008 s"
+    assert kernel_table({}, top=5) == ""  # a CPU run: no device kernels, no table
+
+
 def test_gc_timer_counts_collections_once():
     import gc
 
