@@ -232,7 +232,8 @@ def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int
                                                      ("truncated", "response/truncated_frac", 3),
                                                      ("tokens_per_s", "perf/tokens_per_s", None)) if m in last},
             "smi_peak_gib": round(max(smi_mib, default=0) / 1024, 1),
-            "changed_frac": min(m["optim/changed_frac"] for m in steps),
+            # None where no step had a gradient to move (all advantages 0: a step of random weights may)
+            "changed_frac": min((m["optim/changed_frac"] for m in steps if "optim/changed_frac" in m), default=None),
             "update_ratio_max": round(max(m.get("optim/update_ratio_max", 0) for m in steps), 3),
             "token_mult_prob_error": round(last["mismatch/token_mult_prob_error"], 4), **moe,
             "preemptions": sum(m.get("rollout/preemptions", 0) for m in steps),
@@ -409,7 +410,7 @@ def main():
                   for p in pairs]
     (out / "flagship.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    sys.exit(0 if all(r["ok"] and r.get("changed_frac", 0) >= 0.99 and min(r.get("policy_gain") or [1]) > 0
+    sys.exit(0 if all(r["ok"] and (r.get("changed_frac") or 0) >= 0.99 and min(r.get("policy_gain") or [1]) > 0
                       and r.get("update_ratio_max", 0) <= 2.0
                       for r in results) else 1)
 

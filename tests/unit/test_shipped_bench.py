@@ -51,6 +51,17 @@ def test_shipped_rows_pair_runs_of_one_gpu_kind():
     assert row["phases"]["llama31_8b_bf16"]["rollout_s"] == 60.0
 
 
+def test_a_run_row_holds_steps_that_moved_no_weight():
+    """A step with no gradient to move the weights (all advantages 0) logs no optim/changed_frac: the
+    run's row says None (the smallest share over the steps that have one) instead of stopping the whole
+    bench, whose other runs' rows would be lost."""
+    fc = _flagship()
+    step = {"time/step": 10.0, "time/rollout": 4.0, "mismatch/token_mult_prob_error": 1.5}
+    assert fc.row("a", [step], [], 12.0, 0)["changed_frac"] is None
+    r = fc.row("a", [step, {**step, "optim/changed_frac": 0.98}, {**step, "optim/changed_frac": 0.99}], [], 12.0, 0)
+    assert (r["changed_frac"], r["steps"], r["step_s"], r["rollout_s"]) == (0.98, 3, 10.0, 4.0)
+
+
 def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
     """--parallel --ranks 2: each run gets its own two GPUs (CUDA_VISIBLE_DEVICES), side by side, and every
     run's row lands in flagship.json and the pair rows (a stand-in for train_grpo.py writes the metrics)."""
