@@ -53,19 +53,41 @@ def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, size)]
 
 
-def by_length(attention_mask: Tensor, rows: Tensor, size: int, multiple: int = 1) -> list[tuple[Tensor, int]]:
+def by_length(attention_mask: Tensor, rows: Tensor, size: int, multiple: int = 1, budget: int = 0,
+              count: int = 0) -> list[tuple[Tensor, int]]:
     """`rows` (indices into the batch) as micro-batches of `size`, longest first, each with the length
     it needs: its longest row rounded up to `multiple` (at most the batch's L). Rows of like length
     share a micro-batch, so a batch of varied lengths (reasoning RL: a long tail up to the budget)
-    computes little padding. The rows' order inside a mini-batch changes no sum but a float rounding."""
+    computes little padding. The rows' order inside a mini-batch changes no sum but a float rounding.
+
+    budget > 0 (train.pack_micro_batches): as many rows per micro-batch as fit `budget` tokens at the
+    micro-batch's length, at least one, instead of `size` rows; `multiple` is then a token multiple:
+    each micro-batch's rows x length is one (its length rounded up to length_multiple(rows, multiple)),
+    so the batch's L must be a multiple of `multiple`. count: split the micro-batches of the most rows
+    until there are `count` (FSDP2's forwards are collective: every rank runs as many)."""
     lengths = attention_mask[rows].sum(1).tolist()  # one host sync
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
     L = attention_mask.shape[1]
-    out = []
-    for s in micro_batches(len(order), size):
-        need = lengths[order[s.start]]
-        out.append((rows[torch.tensor(order[s], device=rows.device)], min(L, -(-need // multiple) * multiple)))
-    return out
+
+    def length(start: int, stop: int) -> int:  # the micro-batch of order[start:stop]'s padded length
+        m = length_multiple(stop - start, multiple) if budget else multiple
+        return min(L, -(-lengths[order[start]] // m) * m)
+
+    spans = [(s.start, s.stop) for s in micro_batches(len(order), size)] if not budget else []
+    start = 0
+    while budget and start < len(order):
+        stop = start + 1
+        while stop < len(order) and (stop + 1 - start) * length(start, stop + 1) <= budget:
+            stop += 1
+        spans.append((start, stop))
+        start = stop
+    while len(spans) < count:  # halve the micro-batch of the most rows (count <= rows: always reachable)
+        i = max(range(len(spans)), key=lambda j: spans[j][1] - spans[j][0])
+        a, b = spans[i]
+        if b - a < 2:
+            raise ValueError(f"by_length: {count} micro-batches asked of {len(order)} rows")
+        spans[i:i + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
+    return [(rows[torch.tensor(order[a:b], device=rows.device)], length(a, b)) for a, b in spans]
 
 
 def amp(mixed: bool):
@@ -211,16 +233,17 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy
 
 @torch.no_grad()
 def logprob_pass(model, input_ids, attention_mask, temperature: float, micro_batch: int, *,
-                 entropy: bool = False, mixed: bool = False, device=None, forward_context=None, multiple: int = 1):
+                 entropy: bool = False, mixed: bool = False, device=None, forward_context=None, multiple: int = 1,
+                 plan: list[tuple[Tensor, int]] | None = None):
     """No-grad token_logprobs of a whole batch, micro_batch rows per forward (by_length: rows of like
-    length together, each micro-batch cut to its own length, a multiple of `multiple`): logp [B, L], or
-    (logp, entropy) [B, L] each with entropy=True (0 past a row's micro-batch length). mixed: amp().
-    device: move each micro-batch there first (a batch kept on the CPU, scored on the GPU); the result
-    stays where it was computed. forward_context: (rows, columns) index -> a context each micro-batch's
-    forward runs in (routing.forward_context)."""
+    length together, each micro-batch cut to its own length, a multiple of `multiple`; or the given
+    `plan` of by_length's (rows, length)): logp [B, L], or (logp, entropy) [B, L] each with entropy=True
+    (0 past a row's micro-batch length). mixed: amp(). device: move each micro-batch there first (a batch
+    kept on the CPU, scored on the GPU); the result stays where it was computed. forward_context: (rows,
+    columns) index -> a context each micro-batch's forward runs in (routing.forward_context)."""
     B, L = input_ids.shape
     outs = None
-    for rows, n in by_length(attention_mask, torch.arange(B, device=input_ids.device), micro_batch, multiple):
+    for rows, n in plan or by_length(attention_mask, torch.arange(B, device=input_ids.device), micro_batch, multiple):
         ids, am = input_ids[rows, :n], attention_mask[rows, :n]
         if device is not None:
             ids, am = ids.to(device), am.to(device)

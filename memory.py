@@ -128,7 +128,7 @@ def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> E
     w_bytes = 4 if cfg.model.dtype == "float32" else 2
     state_bytes = 2 if cfg.optim.name.startswith("adamw8bit") else 2 * w_bytes
     weights = p * w_bytes / n
-    tokens = cfg.train.micro_batch_size * (r.max_model_len or cfg.data.max_prompt_tokens + r.max_new_tokens)
+    tokens = cfg.micro_batch_tokens
     h, f = shape.hidden, shape.ffn
     layer = 5 * (4 * h + 3 * f) * (1 if cfg.fp8.train else 2)
     per_token = (2 * h * shape.layers + layer if cfg.model.gradient_checkpointing else layer * shape.layers) \

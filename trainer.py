@@ -339,7 +339,8 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
     metrics["rollout/rounds"] = len(rounds)
     # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
     B, mb = len(groups.samples), cfg.train.micro_batch_size
-    multiple = length_multiple(min(mb, B), run.fp8_tokens)
+    # (packed micro-batches: any row count, so L a multiple of the token multiple itself; by_length rounds each)
+    multiple = run.fp8_tokens if cfg.train.pack_micro_batches else length_multiple(min(mb, B), run.fp8_tokens)
     input_ids, attention_mask, mask, rollout_logp = (x.to(d.device) for x in collate(
         groups.samples, run.tokenizer.pad_token_id, multiple))
     loss_mask = mask * keep.repeat_interleave(n).to(d.device)[:, None]  # [B, L]
@@ -352,6 +353,20 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
 
 # ----------------------------------------------------------------------------- trainer passes
 
+def micro_plan(run: Run, b: StepBatch, rows: torch.Tensor | None = None) -> list[tuple[torch.Tensor, int]]:
+    """by_length's micro-batches of `rows` (default all): train.micro_batch_size rows each, or packed to
+    the worst case's tokens (train.pack_micro_batches); as many on every rank (each forward of an FSDP2
+    model is collective)."""
+    cfg, d = run.cfg, run.d
+    rows = torch.arange(len(b.samples), device=d.device) if rows is None else rows
+    budget = cfg.micro_batch_tokens if cfg.train.pack_micro_batches else 0
+    plan = by_length(b.attention_mask, rows, cfg.train.micro_batch_size, b.multiple, budget)
+    if budget and d.world > 1:
+        count = distributed.all_sum(torch.tensor(len(plan), device=d.device), d, torch.distributed.ReduceOp.MAX)
+        plan = by_length(b.attention_mask, rows, cfg.train.micro_batch_size, b.multiple, budget, int(count))
+    return plan
+
+
 def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
     """b.old_logp (and b.ref_logp) from no-grad passes; policy/entropy and mismatch/* over all ranks.
     fp8.calib_pass=logprobs: this forward's q/k/v amax gives the next rollout's scales."""
@@ -361,13 +376,14 @@ def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
         else contextlib.nullcontext()
     stats = routing.RoutingStats()  # MoE: the trainer's top-k vs the engine's, over response tokens
     routed = routing.forward_context(run.model, b.routed_experts, cfg.moe.router_replay, b.mask.bool(), stats)
+    plan = micro_plan(run, b)
     with capture, torch.profiler.record_function("logprobs"):
         b.old_logp, entropy = logprob_pass(run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
                                            cfg.train.micro_batch_size, entropy=True, mixed=run.mixed,
-                                           forward_context=routed, multiple=b.multiple)  # [B, L]
+                                           forward_context=routed, plan=plan)  # [B, L]
     if run.ref_model is not None:
         b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
-                                  cfg.train.micro_batch_size, mixed=run.mixed, multiple=b.multiple)
+                                  cfg.train.micro_batch_size, mixed=run.mixed, plan=plan)
     metrics["time/logprobs"] = time.perf_counter() - t0
     metrics["policy/entropy"] = float(distributed.all_sum((entropy * b.mask).sum(), d)
                                       / distributed.all_sum(b.mask.sum(), d).clamp(min=1))
@@ -383,7 +399,7 @@ def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
     """No-grad logprobs [B, L] of the master weights, linears not quantized (train.probe, saved batches)."""
     with bf16_reference(run.model):
         return logprob_pass(run.model, b.input_ids, b.attention_mask, run.cfg.rollout.temperature,
-                            run.cfg.train.micro_batch_size, mixed=run.mixed, multiple=b.multiple)
+                            run.cfg.train.micro_batch_size, mixed=run.mixed, plan=micro_plan(run, b))
 
 
 def save_batch(run: Run, b: StepBatch, step: int) -> None:
@@ -406,7 +422,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
     run.weight_change.start()
     with torch.profiler.record_function("train"):
         model.train()
-        B, mb = len(b.samples), cfg.train.micro_batch_size
+        B = len(b.samples)
         order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(d.device)
         mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
         n_mini = len(micro_batches(B, mini))
@@ -420,7 +436,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                 response_tokens=distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1) if entropy_coef > 0 else None)
             optimizer.zero_grad(set_to_none=True)
             nonfinite_loss = torch.zeros((), device=d.device)
-            for rows, n in by_length(b.attention_mask, idx, mb, b.multiple):  # rows of like length, cut to n
+            for rows, n in micro_plan(run, b, idx):  # rows of like length, cut to n
                 j = (rows, slice(0, n))
                 routed = routing.prepare(model, None if b.routed_experts is None else b.routed_experts[j],
                                          cfg.moe.router_replay, keep_logits=cfg.moe.aux_loss_coef > 0)  # MoE

@@ -76,6 +76,19 @@ def test_two_ranks_reproduce_one_rank(runs):
     assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
 
 
+def test_packed_micro_batches_match_row_micro_batches(runs, tmp_path):
+    """train.pack_micro_batches on 2 FSDP2 ranks: rows packed into micro-batches of 2 x 34 tokens (2 rows of
+    the longest; as many on both ranks, whatever their rows' lengths: each forward is collective) compute
+    the 16-row micro-batches' steps. The loss is normalised over the mini-batch, so only the float
+    rounding differs."""
+    packed = launch(tmp_path, "packed", 2, [*RUNS_EXTRA, "train.micro_batch_size=2", "train.pack_micro_batches=true"])
+    rows = read(runs[2])
+    for key in ("reward/mean", "response/length_mean"):
+        assert by_step(packed, key) == by_step(rows, key), key
+    for key in ("optim/grad_norm", "loss/policy", "policy/entropy"):
+        torch.testing.assert_close(by_step(packed, key), by_step(rows, key), rtol=1e-4, atol=1e-7, msg=key)
+
+
 def test_saved_batch_holds_every_ranks_rows(runs):
     """log.save_batch_every on 2 ranks writes the whole global batch (gathered, in rank order), the
     same rows as the 1-rank run's."""

@@ -1,6 +1,7 @@
 """HFEngine: group layout, EOS handling, and the logprob convention the trainer relies on."""
 
 
+import pytest
 import torch
 
 from config import load_config
@@ -98,6 +99,46 @@ def test_logprob_pass_groups_rows_by_length_and_cuts_the_padding():
     cut, entropy = logprob_pass(model, input_ids, attention_mask, 0.7, micro_batch=2, entropy=True, multiple=8)
     torch.testing.assert_close(cut * mask, full * mask, atol=1e-5, rtol=0)
     assert entropy.shape == (6, 48) and not entropy[0, 8:].any() and entropy[1].gt(0).sum() >= 40
+
+
+def test_by_length_packs_rows_into_a_token_budget():
+    """budget > 0 (train.pack_micro_batches): rows of like length, longest first, packed while rows x
+    length fits the budget, each micro-batch's rows x length a multiple of the token multiple; a
+    row longer than the budget goes alone; count splits the micro-batches of most rows."""
+    lengths = [100, 30, 250, 60, 20, 40, 10]  # row 2 is longer than the budget
+    attention_mask = (torch.arange(256)[None, :] < torch.tensor(lengths)[:, None]).long()
+    plan = by_length(attention_mask, torch.arange(7), 2, multiple=16, budget=200)
+    assert [(rows.tolist(), n) for rows, n in plan] == [([2], 256), ([0], 112), ([3, 5, 1], 64), ([4, 6], 24)]
+    assert all(len(rows) * n % 16 == 0 and (len(rows) * n <= 200 or len(rows) == 1) for rows, n in plan)
+    assert sorted(i for rows, _ in plan for i in rows.tolist()) == list(range(7))  # every row once
+    split = by_length(attention_mask, torch.arange(7), 2, multiple=16, budget=200, count=6)
+    assert [(rows.tolist(), n) for rows, n in split] == [([2], 256), ([0], 112), ([3], 64), ([5], 48), ([1], 32),
+                                                         ([4, 6], 24)]  # the longer of equal ones first
+    with pytest.raises(ValueError, match="8 micro-batches asked of 7 rows"):
+        by_length(attention_mask, torch.arange(7), 2, multiple=16, budget=200, count=8)
+    rows = [(r.tolist(), n) for r, n in by_length(attention_mask, torch.arange(7), 3, multiple=16)]  # no budget
+    assert rows == [([2, 0, 3], 256), ([5, 1, 4], 48), ([6], 16)]  # size rows, `multiple` a length multiple
+
+
+def test_micro_plan_runs_as_many_micro_batches_as_the_busiest_rank(monkeypatch):
+    """trainer.micro_plan over FSDP2 ranks: a rank whose rows pack into fewer micro-batches than another
+    rank's splits its own until the counts agree (the max over ranks); rows mode never asks."""
+    from types import SimpleNamespace
+
+    import distributed
+    import trainer
+
+    asked = []
+    monkeypatch.setattr(distributed, "all_sum", lambda x, d, op=None: asked.append(int(x)) or torch.tensor(5))
+    lengths = [30, 28, 10, 9, 8, 8]
+    b = SimpleNamespace(samples=[None] * 6, multiple=1,
+                        attention_mask=(torch.arange(32)[None, :] < torch.tensor(lengths)[:, None]).long())
+    run = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=2, pack_micro_batches=True),
+                                              micro_batch_tokens=64), d=SimpleNamespace(world=2, device=torch.device("cpu")))
+    plan = trainer.micro_plan(run, b)
+    assert asked == [2] and [r.tolist() for r, _ in plan] == [[0], [1], [2], [3], [4, 5]]  # 2 packed -> 5
+    run.cfg.train.pack_micro_batches = False
+    assert [r.tolist() for r, _ in trainer.micro_plan(run, b)] == [[0, 1], [2, 3], [4, 5]] and asked == [2]
 
 
 def test_collate_rounds_length_for_fp8_tokens():
