@@ -428,6 +428,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         n_mini = len(micro_batches(B, mini))
         loss_metrics: dict[str, float] = {}
         skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
+        forwards = 0  # micro-batches this rank trained (perf/micro_batches: packing shows here)
         for mini_slice in micro_batches(B, mini):
             idx = order[mini_slice]
             totals = MiniBatchTotals(  # over every rank's share of the mini-batch
@@ -437,6 +438,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
             optimizer.zero_grad(set_to_none=True)
             nonfinite_loss = torch.zeros((), device=d.device)
             for rows, n in micro_plan(run, b, idx):  # rows of like length, cut to n
+                forwards += 1
                 j = (rows, slice(0, n))
                 routed = routing.prepare(model, None if b.routed_experts is None else b.routed_experts[j],
                                          cfg.moe.router_replay, keep_logits=cfg.moe.aux_loss_coef > 0)  # MoE
@@ -477,6 +479,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
             loss_metrics = dict(zip(loss_metrics, summed.tolist()))
         metrics.update(loss_metrics)
         metrics["optim/skipped_steps"] = skipped
+        metrics["perf/micro_batches"] = forwards
     metrics["time/train"] = time.perf_counter() - t0
     if (changed := run.weight_change.finish()) is not None:  # the share of weights the step moved
         metrics["optim/changed_frac"] = changed

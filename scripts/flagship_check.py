@@ -230,7 +230,8 @@ def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int
             "trainer_peak_gib": round(max(m.get("mem/trainer_peak_gib", 0) for m in steps), 1),
             **{k: round(last[m], r) for k, m, r in (("response_mean", "response/length_mean", 1),
                                                      ("truncated", "response/truncated_frac", 3),
-                                                     ("tokens_per_s", "perf/tokens_per_s", None)) if m in last},
+                                                     ("tokens_per_s", "perf/tokens_per_s", None),
+                                                     ("micro_batches", "perf/micro_batches", None)) if m in last},
             "smi_peak_gib": round(max(smi_mib, default=0) / 1024, 1),
             # None where no step had a gradient to move (all advantages 0: a step of random weights may)
             "changed_frac": min((m["optim/changed_frac"] for m in steps if "optim/changed_frac" in m), default=None),
