@@ -327,7 +327,7 @@ class TrainConfig:
     """Micro-batches cut by tokens instead of rows: rows of like length packed while rows x padded length
     stays within micro_batch_size x the longest row (rollout.max_model_len, else data.max_prompt_tokens +
     rollout.max_new_tokens), in both trainer passes: the same worst-case micro-batch, so the same peak
-    memory, with ~2.5x fewer micro-batches at reasoning-RL lengths (mean ~1,600 of 4,096 tokens): fewer
+    memory, with ~2x fewer micro-batches at reasoning-RL lengths (mean ~1,600 of 4,096 tokens): fewer
     FSDP2 collectives and weight passes per step, longer GEMMs (batch.by_length)."""
     fused_head: bool = False
     """The policy forward's LM head and log-softmax fused (batch._HeadLogprobs): no [tokens, vocab]
