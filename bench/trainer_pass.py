@@ -24,6 +24,12 @@ then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between t
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
 --compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
 only the `<mode>` variant (the others would add graphs); the first calls of a mode compile.
+Under torchrun with several ranks (FSDP2, the 80 GB recipe), each mode builds its own model and prepares
+it as the trainer does (trainer.prepare_trainer: FP8 conversion, compile, fully_shard; no weight cache over
+ranks, so no fp8_cached), and only the padded variants run: every rank the same micro-batch, the times
+rank 0's, the all-gathers and gradient reduce-scatters of each pass inside them, e.g.
+    torchrun --nproc_per_node 2 bench/trainer_pass.py --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3 \
+        --prompt 128 --response 1664 --rows 2 --compile --modes bf16,fp8
 Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
 per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them; with --profile,
 per pass the GPU ms per kernel category, gemm / fp8 quantize / attention / copy / elementwise, and the
@@ -87,20 +93,27 @@ def main():
     p.add_argument("--profile", action="store_true", help="CUDA: also each variant's kernels under torch.profiler "
                    "(2 calls per pass): ms per kernel category and the top kernels, as bench/train.py --profile")
     args = p.parse_args()
+    import distributed
     from config import load_config
     from distributed import compile_layers, memory_metrics
     from fp8.fast.cache import attach_weight_caches, refresh_weight_caches
     from fp8.linear import is_fp8_linear
-    from trainer import fp8_model
+    from trainer import fp8_model, prepare_trainer
     from fp8.quant import BLOCK
     from modeling import load_model_and_tokenizer
     from rollout import Sample
     from batch import amp, collate, length_multiple, token_logprobs
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: emulated FP8 (a smoke run)
     shape = ["model.name_or_path=tiny", f"model.tiny={tiny_flow(ALIASES.get(args.shape, args.shape))}"] \
         if args.shape else []
-    cfg = load_config(args.config, [*shape, *args.set, f"train.device={device.type}"])
+    # train.device=auto: cuda:LOCAL_RANK, else the CPU (emulated FP8: a smoke run)
+    cfg = load_config(args.config, [*shape, *args.set, "train.device=auto"])
+    d = distributed.init(cfg)  # torchrun with > 1 rank: joins the process group (FSDP2)
+    device = d.device
+    if d.world > 1 and "fp8_cached" in args.modes:
+        print(f"error: --modes fp8_cached: no weight cache over {d.world} ranks (the trainer turns "
+              "fp8.cache_weights off under FSDP2); drop it", file=sys.stderr)
+        sys.exit(2)
     rows = args.rows or cfg.train.micro_batch_size
     n_resp = args.response or cfg.rollout.max_new_tokens
     torch.manual_seed(0)
@@ -116,11 +129,30 @@ def main():
     batches = {k: [x.to(device) for x in (ids, am, mask)] for k, (ids, am, mask, _) in batches.items()}
     L = {k: b[0].shape[1] for k, b in batches.items()}
     workload = (f"{rows} rows x {args.prompt}+{n_resp} tokens (padded to {L['padded']}), {Path(args.config).name}, "
-                f"{type(model).__name__} {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B")
-    print(f"[trainer_pass] {workload}", flush=True)
+                f"{type(model).__name__} {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B"
+                + (f", FSDP2 over {d.world} ranks" if d.world > 1 else ""))
+    if d.main:
+        print(f"[trainer_pass] {workload}", flush=True)
 
-    if args.compile:
+    if args.compile and d.world == 1:
         compile_layers(model, "inductor")
+
+    def measure_sharded(mode) -> list[dict]:
+        """FSDP2: a fresh model per mode, converted, compiled and sharded in the trainer's order."""
+        nonlocal model
+        model = None
+        torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        model = load_model_and_tokenizer(cfg.model, device)[0]
+        model.train()
+        run_cfg = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, train=mode == "fp8"),
+                                      train=dataclasses.replace(cfg.train, compile="inductor" if args.compile else "none"))
+        prepare_trainer(model, None, run_cfg, d, mixed, argparse.Namespace(print=print if d.main else lambda *a: None))
+        variants = [("padded", False, "fsdp2"), ("padded", False, "fsdp2 unfused head")]
+        with amp(mixed):
+            return [variant(mode, *v) for v in variants]
 
     def measure(mode) -> list[dict]:
         torch._dynamo.reset()  # fp8 replaces the linears: a fresh graph
@@ -146,6 +178,8 @@ def main():
              **memory_metrics(device)}
         with torch.no_grad():
             r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()
+        if not d.main:
+            return r
         print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
               flush=True)
         for name, prof in r.get("profile", {}).items():
@@ -153,8 +187,12 @@ def main():
             print(f"[trainer_pass] {'':>14}  {name} kernels, ms: {cats}", flush=True)
         return r
 
-    run_inline(args.modes, measure, workload, on_mode=lambda runs: write_results("trainer_pass", runs, Path(args.out)))
-    print(f"wrote {Path(args.out) / 'trainer_pass.json'}")
+    write = (lambda runs: write_results("trainer_pass", runs, Path(args.out))) if d.main else None
+    run_inline(args.modes, measure_sharded if d.world > 1 else measure, workload, on_mode=write)
+    if d.main:
+        print(f"wrote {Path(args.out) / 'trainer_pass.json'}")
+    if d.world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

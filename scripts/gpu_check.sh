@@ -54,7 +54,8 @@
 #   bash scripts/gpu_check.sh step [ARGS]  bench/step.py (e.g. --config bench/step_8b_long.yaml --steps 2
 #                                      --modes bf16) -> $OUT/step.json, trainer logs $OUT/step_<mode>.log
 #   bash scripts/gpu_check.sh pass [ARGS]  bench/trainer_pass.py: the trainer's logprobs / train pass per
-#                                      micro-batch at the step's shape -> $OUT/trainer_pass.json
+#                                      micro-batch at the step's shape -> $OUT/trainer_pass.json (RANKS=2: under
+#                                      torchrun on 2 GPUs, FSDP2 as the trainer shards)
 #   bash scripts/gpu_check.sh gemm [ARGS]  bench/gemm.py: the trainer's three FP8 GEMMs per projection, cuBLAS vs
 #                                      DeepGEMM's dense GEMM vs BF16 -> $OUT/gemm.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
@@ -144,8 +145,9 @@ case "$1" in
   stack)    $PY bench/train.py "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
   step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
   gemm)     $PY bench/gemm.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_gemm.log" ;;
-  pass)     $PY bench/trainer_pass.py --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' \
-              | tee "$OUT/trainer_pass.log" ;;
+  pass)     launch=(bench/trainer_pass.py); [ "${RANKS:-1}" -gt 1 ] \
+              && launch=(-m torch.distributed.run --standalone --nproc_per_node "$RANKS" bench/trainer_pass.py)
+            $PY "${launch[@]}" --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' | tee "$OUT/trainer_pass.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
   jobs) limit=${JOBS_LIMIT:-560}; end=$(( $(date +%s) + limit )); i=0; pids=()

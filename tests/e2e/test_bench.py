@@ -544,6 +544,28 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
         assert abs(by_mode[mode] - by_mode[f"{mode} unfused head"]) < 1e-4 * abs(by_mode[mode])
 
 
+def test_trainer_pass_under_fsdp2_computes_the_unsharded_logprobs(tmp_path):
+    """torchrun, 2 gloo ranks: each mode's model built and sharded as the trainer prepares it, the padded
+    variants timed, and their log-probabilities those of the same model on one process."""
+    cmd = ["bench/trainer_pass.py", "--config", "configs/tiny_cpu.yaml", "--rows", "2", "--prompt", "5",
+           "--response", "40", "--iters", "1", "--modes", "bf16,fp8"]
+    one = subprocess.run([sys.executable, *cmd, "--out", str(tmp_path / "one")], capture_output=True, text=True, cwd=REPO)
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd,
+                          "--out", str(tmp_path / "two")], capture_output=True, text=True, cwd=REPO)
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    ref = {r["mode"]: r for r in json.loads((tmp_path / "one/trainer_pass.json").read_text())["runs"]}
+    runs = json.loads((tmp_path / "two/trainer_pass.json").read_text())["runs"]
+    assert [r["mode"] for r in runs] == ["bf16 fsdp2", "bf16 fsdp2 unfused head", "fp8 fsdp2", "fp8 fsdp2 unfused head"]
+    assert all(r["workload"].endswith("FSDP2 over 2 ranks") and r["train_ms"] > 0 for r in runs)
+    for r in runs:
+        unsharded = ref[r["mode"].replace("fsdp2", "").replace("  ", " ").strip()]
+        assert r["tokens"] == unsharded["tokens"] == 128
+        assert r["logp_sum"] == pytest.approx(unsharded["logp_sum"], rel=1e-6)
+    cached = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             *cmd[:-1], "fp8_cached"], capture_output=True, text=True, cwd=REPO)
+    assert cached.returncode != 0 and "error: --modes fp8_cached" in cached.stderr
+
+
 def test_trainer_pass_builds_a_shipped_config_at_a_named_shape(tmp_path):
     """--shape qwen3 builds the config's model from scratch at Qwen3-8B's dims (model.tiny), and --set
     applies after it (here: cut down to one small layer, so the CPU can run it)."""
