@@ -72,8 +72,14 @@
 #   bash scripts/gpu_check.sh bg NAME PART [ARGS]  PART in the background, detached from the call (it goes on while
 #                                      the host stays warm, i.e. while calls follow each other), files in $BG_DIR/NAME
 #                                      (default ~/bg/NAME); for runs longer than one call
+#   bash scripts/gpu_check.sh queue NAME 'PART ARGS' ['PART ARGS' ...]  the parts in the background like bg, in order,
+#                                      each on the next free GPU of CUDA_VISIBLE_DEVICES (else all), one part per GPU
+#                                      at a time; part k's files in $BG_DIR/NAME/job<k> (e.g. 5 shipped configs over 2
+#                                      GPUs: start them in one call, collect them in the next ones)
 #   bash scripts/gpu_check.sh collect NAME  wait for the bg job NAME (at most COLLECT_LIMIT s, default 560), pack its
-#                                      files into $OUT/NAME.tgz; finished: its rc, and its folder removed
+#                                      files into $OUT/NAME.tgz; finished: its rc, and its folder removed. A queue:
+#                                      each part that has finished packed into $OUT/NAME_job<k>.tgz as it ends, with
+#                                      its rc; the folder removed once every part is collected
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
 # 8B step shapes, H100: ~190 s of a first FP8 step) and bench/triton_autotune_moe_h200.tgz (the expert
 # GEMMs' quantizers at Qwen3-30B-A3B's shapes, H200: over 300 s of a first run) and leaves all autotuning results in
@@ -170,11 +176,42 @@ case "$1" in
          OUT="$dir" setsid bash -c 'bash "$0" "$@" >"$OUT/job.log" 2>&1; echo $? >"$OUT/rc"' "$0" "${@:3}" \
            </dev/null >/dev/null 2>&1 &
          echo $! >"$dir/pid"; echo "$2: started in the background (pid $!), files in $dir" ;;
+  queue) [ $# -ge 3 ] || { echo "usage: gpu_check.sh queue NAME 'PART ARGS' ..." >&2; exit 2; }
+         dir=$BG_DIR/$2; rm -rf "$dir"; mkdir -p "$dir"; printf '%s\n' "${@:3}" >"$dir/jobs"; echo 0 >"$dir/next"
+         gpus=${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader | paste -sd,)}
+         for g in ${gpus//,/ }; do  # one worker per GPU, each taking the next part (mkdir: the lock)
+           OUT="$dir/worker$g" setsid bash "$0" _worker "$dir" "$g" </dev/null >/dev/null 2>&1 &
+         done
+         echo "$2: $(( $# - 2 )) parts queued on GPUs $gpus, files in $dir" ;;
+  _worker) dir=$2; mapfile -t jobs <"$dir/jobs"
+         while :; do
+           until mkdir "$dir/lock" 2>/dev/null; do sleep 1; done
+           k=$(cat "$dir/next"); echo $((k + 1)) >"$dir/next"; rmdir "$dir/lock"
+           [ "$k" -lt "${#jobs[@]}" ] || break
+           mkdir -p "$dir/job$k"; echo "$3" >"$dir/job$k/gpu"
+           OUT="$dir/job$k" CUDA_VISIBLE_DEVICES=$3 bash "$0" ${jobs[$k]} >"$dir/job$k/job.log" 2>&1
+           echo $? >"$dir/job$k/rc"
+         done ;;
   collect) [ $# -eq 2 ] && [ -d "$BG_DIR/$2" ] || { echo "usage: gpu_check.sh collect NAME (a bg job's name)" >&2; exit 2; }
          dir=$BG_DIR/$2; end=$(( $(date +%s) + ${COLLECT_LIMIT:-560} ))
+         if [ -f "$dir/jobs" ]; then  # a queue
+           mapfile -t jobs <"$dir/jobs"
+           while :; do
+             for k in "${!jobs[@]}"; do
+               [ -f "$dir/job$k/rc" ] && [ ! -f "$dir/job$k/collected" ] || continue
+               tar --exclude=triton_autotune.tgz -czf "$OUT/$2_job$k.tgz" -C "$dir" "job$k" && touch "$dir/job$k/collected"
+               echo "$2 job$k (${jobs[$k]}) on GPU $(cat "$dir/job$k/gpu"): rc=$(cat "$dir/job$k/rc")"
+             done
+             n=$(ls -d "$dir"/job*/collected 2>/dev/null | wc -l)
+             if [ "$n" -eq "${#jobs[@]}" ]; then echo "$2: all ${#jobs[@]} parts collected"; rm -rf "$dir"; break; fi
+             if [ "$(date +%s)" -ge $end ]; then echo "$2: $n of ${#jobs[@]} parts collected; collect it again"; break; fi
+             sleep 5
+           done
+           exit 0
+         fi
          while [ ! -f "$dir/rc" ] && [ "$(date +%s)" -lt $end ]; do sleep 5; done
          tar --exclude=triton_autotune.tgz -czf "$OUT/$2.tgz" -C "$BG_DIR" "$2"
          if [ -f "$dir/rc" ]; then echo "$2: finished, rc=$(cat "$dir/rc")"; rm -rf "$dir"
          else echo "$2: still running at COLLECT_LIMIT; its files so far in $OUT/$2.tgz; collect it again"; fi ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|collect|rollout|capacity|stack|step|gemm|pass|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|queue|collect|rollout|capacity|stack|step|gemm|pass|quant|ckpt" >&2; exit 2 ;;
 esac

@@ -512,6 +512,28 @@ def test_gpu_check_bg_and_collect(tmp_path):
     assert run("o3", "collect", "job").returncode == 2
 
 
+def test_gpu_check_queue_runs_parts_on_free_gpus_and_collects_them_as_they_end(tmp_path):
+    """`gpu_check.sh queue NAME PART...`: the parts detached, in order, one per GPU of CUDA_VISIBLE_DEVICES at a
+    time (3 parts, 2 GPUs: the third waits for a free one); `collect NAME` packs each finished part into
+    OUT/NAME_job<k>.tgz with its rc and GPU, and removes the folder once all are collected."""
+    env = {**os.environ, "BG_DIR": str(tmp_path / "bg"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "CUDA_VISIBLE_DEVICES": "0,1", "COLLECT_LIMIT": "100"}
+    run = lambda out, *args: subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), *args], cwd=REPO,  # noqa: E731
+                                            capture_output=True, text=True, env={**env, "OUT": str(tmp_path / out)},
+                                            timeout=150)
+    started = run("o1", "queue", "q", "nosuch a", "other", "third x y")
+    assert started.returncode == 0 and "q: 3 parts queued on GPUs 0,1" in started.stdout, started.stderr
+    done = run("o2", "collect", "q")
+    assert done.returncode == 0 and "q: all 3 parts collected" in done.stdout, done.stdout + done.stderr
+    lines = sorted(x for x in done.stdout.splitlines() if x.startswith("q job"))
+    assert [x.split(" on GPU ")[0] for x in lines] == ["q job0 (nosuch a)", "q job1 (other)", "q job2 (third x y)"]
+    assert all(x.split(" on GPU ")[1] in ("0: rc=2", "1: rc=2") for x in lines)
+    for k in range(3):
+        with tarfile.open(tmp_path / f"o2/q_job{k}.tgz") as t:
+            assert "usage: gpu_check.sh" in t.extractfile(f"job{k}/job.log").read().decode()
+    assert not (tmp_path / "bg/q").exists()
+
+
 def test_kernel_summary_categories():
     """--profile's kernel table: names map to categories, ms are per iteration, shares add up."""
     kernels = [("triton_fp8_blockwise_act_quant_lhs_kernel", 4.0), ("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA", 10.0),
