@@ -233,17 +233,17 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy
 
 @torch.no_grad()
 def logprob_pass(model, input_ids, attention_mask, temperature: float, micro_batch: int, *,
-                 entropy: bool = False, mixed: bool = False, device=None, forward_context=None, multiple: int = 1,
+                 entropy: bool = False, mixed: bool = False, device=None, forward_context=None,
                  plan: list[tuple[Tensor, int]] | None = None):
     """No-grad token_logprobs of a whole batch, micro_batch rows per forward (by_length: rows of like
-    length together, each micro-batch cut to its own length, a multiple of `multiple`; or the given
-    `plan` of by_length's (rows, length)): logp [B, L], or (logp, entropy) [B, L] each with entropy=True
+    length together, each micro-batch cut to its own length; or the given `plan` of by_length's (rows,
+    length), the trainer's micro-batches): logp [B, L], or (logp, entropy) [B, L] each with entropy=True
     (0 past a row's micro-batch length). mixed: amp(). device: move each micro-batch there first (a batch
     kept on the CPU, scored on the GPU); the result stays where it was computed. forward_context: (rows,
     columns) index -> a context each micro-batch's forward runs in (routing.forward_context)."""
     B, L = input_ids.shape
     outs = None
-    for rows, n in plan or by_length(attention_mask, torch.arange(B, device=input_ids.device), micro_batch, multiple):
+    for rows, n in plan or by_length(attention_mask, torch.arange(B, device=input_ids.device), micro_batch):
         ids, am = input_ids[rows, :n], attention_mask[rows, :n]
         if device is not None:
             ids, am = ids.to(device), am.to(device)

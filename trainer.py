@@ -362,8 +362,9 @@ def micro_plan(run: Run, b: StepBatch, rows: torch.Tensor | None = None) -> list
     budget = cfg.micro_batch_tokens if cfg.train.pack_micro_batches else 0
     plan = by_length(b.attention_mask, rows, cfg.train.micro_batch_size, b.multiple, budget)
     if budget and d.world > 1:
-        count = distributed.all_sum(torch.tensor(len(plan), device=d.device), d, torch.distributed.ReduceOp.MAX)
-        plan = by_length(b.attention_mask, rows, cfg.train.micro_batch_size, b.multiple, budget, int(count))
+        count = int(distributed.all_sum(torch.tensor(len(plan), device=d.device), d, torch.distributed.ReduceOp.MAX))
+        if count > len(plan):  # the busiest rank keeps its plan
+            plan = by_length(b.attention_mask, rows, cfg.train.micro_batch_size, b.multiple, budget, count)
     return plan
 
 

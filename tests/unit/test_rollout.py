@@ -96,7 +96,7 @@ def test_logprob_pass_groups_rows_by_length_and_cuts_the_padding():
     assert [n for _, n in by_length(attention_mask, torch.tensor([0, 2, 5]), 2)] == [9, 5]  # within given rows
     with torch.no_grad():
         full = token_logprobs(model, input_ids, attention_mask, 0.7)
-    cut, entropy = logprob_pass(model, input_ids, attention_mask, 0.7, micro_batch=2, entropy=True, multiple=8)
+    cut, entropy = logprob_pass(model, input_ids, attention_mask, 0.7, micro_batch=2, entropy=True, plan=groups)
     torch.testing.assert_close(cut * mask, full * mask, atol=1e-5, rtol=0)
     assert entropy.shape == (6, 48) and not entropy[0, 8:].any() and entropy[1].gt(0).sum() >= 40
 
