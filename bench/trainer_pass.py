@@ -137,16 +137,20 @@ def main():
     if args.compile and d.world == 1:
         compile_layers(model, "inductor")
 
+    prepared = False  # FSDP2: the model built above serves the first mode
+
     def measure_sharded(mode) -> list[dict]:
         """FSDP2: a fresh model per mode, converted, compiled and sharded in the trainer's order."""
-        nonlocal model
-        model = None
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        torch.manual_seed(0)
-        model = load_model_and_tokenizer(cfg.model, device)[0]
-        model.train()
+        nonlocal model, prepared
+        if prepared:  # the previous mode's model is converted and sharded: build the same one again
+            model = None
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            torch.manual_seed(0)
+            model = load_model_and_tokenizer(cfg.model, device)[0]
+            model.train()
+        prepared = True
         run_cfg = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, train=mode == "fp8"),
                                       train=dataclasses.replace(cfg.train, compile="inductor" if args.compile else "none"))
         prepare_trainer(model, None, run_cfg, d, mixed, argparse.Namespace(print=print if d.main else lambda *a: None))
