@@ -36,7 +36,7 @@ def test_counted_bytes_and_sharding():
     assert one.weights == one.grads == pytest.approx(8.03e9 * 4 / 2**30, rel=1e-3)  # fp32 master weights
     assert one.optimizer == pytest.approx(one.weights / 2) and one.fp8_cache == pytest.approx(one.optimizer)
     assert one.vllm_share == pytest.approx(0.45 * H200) and one.tokens == 4 * 4096
-    assert one.kv_tokens == int(one.kv_cache * 2**30 / (2 * 32 * 8 * 128 * 2))  # bf16 KV, 128 KiB a token
+    assert one.kv_tokens == int(one.kv_cache * 2**30 / (2 * 32 * 8 * 128 * 1))  # FP8 KV, 64 KiB a token
     eight = memory.estimate(LLAMA_8B, cfg("llama31_8b_fp8"), 8, H100)
     assert eight.weights == pytest.approx(one.weights / 8) and eight.optimizer == pytest.approx(one.optimizer / 8)
     assert eight.fp8_cache == 0 and eight.gathered > 0  # no cache over ranks; FSDP2's all-gathered unit
