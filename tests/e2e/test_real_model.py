@@ -45,7 +45,9 @@ def run_args(model_dir: Path, data: Path, out: Path, name: str, *extra: str) -> 
     """configs/gsm8k.yaml on CPU, scaled down: 2 prompts x 4 samples of <= 24 tokens, micro-batches of 4.
     Short answers ("Reply with the number only.", scored by their last number) give the groups
     rewards that differ, so the steps have a gradient; AdamW from step 0 (no warm-up, no compiled
-    8-bit update: seconds instead of a minute of inductor on 2 cores)."""
+    8-bit update: seconds instead of a minute of inductor on 2 cores). BF16 KV cache: the FP8 KV recipe's
+    q/k/v scales are a percentile over micro-batches, which 1 and 2 processes split differently, so the
+    2-process run would not reproduce the 1-process one (scripts/kv_mismatch.py compares the KV variants)."""
     return ["--config", str(ROOT / "configs/gsm8k.yaml"), f"model.name_or_path={model_dir}",
             "model.gradient_checkpointing=false", "data.source=jsonl", f"data.path={data / 'train.jsonl'}",
             f"data.val_split={data / 'test.jsonl'}", "data.instruction=Reply with the number only.",
@@ -53,7 +55,8 @@ def run_args(model_dir: Path, data: Path, out: Path, name: str, *extra: str) -> 
             "rollout.max_new_tokens=24", "rollout.max_model_len=0", "optim.name=adamw", "optim.warmup_steps=0",
             "train.mini_batch_size=0", "train.micro_batch_size=4", "train.steps=2", "train.device=cpu",
             "train.val_every=2", "train.val_max_prompts=2", "train.ckpt_every=1", "train.keep_ckpts=0",
-            "log.tensorboard=false", "log.dump_episodes_every=1", "fp8.cache_weights=false", f"train.out_dir={out}",
+            "log.tensorboard=false", "log.dump_episodes_every=1", "fp8.cache_weights=false", "fp8.kv_cache=false",
+            f"train.out_dir={out}",
             f"train.run_name={name}", *extra]
 
 
