@@ -116,9 +116,13 @@ def main():
         sys.exit(2)
     rows = args.rows or cfg.train.micro_batch_size
     n_resp = args.response or cfg.rollout.max_new_tokens
-    torch.manual_seed(0)
-    model, tok = load_model_and_tokenizer(cfg.model, device)
-    model.train()
+    def build():
+        """The config's model, seeded: every mode starts from the same weights."""
+        torch.manual_seed(0)
+        built, tokenizer = load_model_and_tokenizer(cfg.model, device)
+        return built.train(), tokenizer
+
+    model, tok = build()
     mixed = device.type == "cuda" and cfg.model.dtype == "float32"  # train_grpo.py's: fp32 master weights, bf16 compute
     g = torch.Generator().manual_seed(0)
     samples = [Sample(0, torch.randint(3, len(tok), (args.prompt,), generator=g).tolist(),
@@ -147,9 +151,7 @@ def main():
             torch._dynamo.reset()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            torch.manual_seed(0)
-            model = load_model_and_tokenizer(cfg.model, device)[0]
-            model.train()
+            model = build()[0]
         prepared = True
         run_cfg = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, train=mode == "fp8"),
                                       train=dataclasses.replace(cfg.train, compile="inductor" if args.compile else "none"))
