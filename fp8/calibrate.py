@@ -171,6 +171,7 @@ class QKVCalibrator:
         self._records: list[Tensor] = []  # each [L, 3] float32 on the model's device
         self._open = False  # a model forward recorded into the modules' amax: a record not yet in _records
         self._mask: Tensor | None = None
+        self._layers: Tensor | None = None  # the recorded layers' indices, on the device while capturing
 
     def reset(self) -> None:
         self._records.clear()
@@ -186,6 +187,9 @@ class QKVCalibrator:
         for m in self._mods.values():
             m._fp8_qkv.calibrator = self
             m._fp8_qkv.amax = torch.zeros(3, device=device)
+        # made once: indexing with a Python list would copy it to the GPU in every _close, and a copy
+        # from pageable host memory waits for the stream (a host sync per micro-batch)
+        self._layers = torch.tensor(list(self._mods), device=device)
         try:
             yield self
         finally:
@@ -200,7 +204,7 @@ class QKVCalibrator:
         if self._open:
             amax = [m._fp8_qkv.amax for m in self._mods.values()]
             rec = torch.zeros(self.num_layers, 3, device=amax[0].device)
-            rec[list(self._mods)] = torch.stack(amax)
+            rec.index_copy_(0, self._layers, torch.stack(amax))
             torch._foreach_zero_(amax)
             self._records.append(rec)
         self._open = False

@@ -170,9 +170,10 @@ def _check_shapes(logp, advantages, **others):
 
 
 def grpo_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages: Tensor,
-              mask: Tensor, cfg: LossConfig, ref_logp: Tensor | None = None
+              mask: Tensor, cfg: LossConfig, ref_logp: Tensor | None = None, *, on_device: bool = False
               ) -> tuple[Tensor, dict[str, float]]:
-    """Scalar loss (differentiable w.r.t. logp) and a dict of python-float metrics."""
+    """Scalar loss (differentiable w.r.t. logp) and a dict of python-float metrics; on_device: the
+    metrics as 0-d tensors on logp's device instead (no host sync: the trainer reads them once a step)."""
     _check_shapes(logp, advantages, old_logp=old_logp, rollout_logp=rollout_logp, mask=mask,
                   ref_logp=ref_logp)
     if cfg.kl_coef != 0 and ref_logp is None:
@@ -217,8 +218,8 @@ def grpo_loss(logp: Tensor, old_logp: Tensor, rollout_logp: Tensor, advantages: 
             "is/truncated_frac": masked_mean(truncated.float(), m),
             "is/nonfinite_frac": masked_mean(nonfinite.float(), m),
         }
-        metrics = dict(zip(vals, torch.stack([v.detach() for v in vals.values()]).tolist()))
-    return loss, metrics
+        stacked = torch.stack([v.detach() for v in vals.values()])
+    return loss, dict(zip(vals, stacked if on_device else stacked.tolist()))
 
 
 @dataclass
@@ -246,21 +247,22 @@ class MiniBatchTotals:
 @dataclass
 class LossOutputs:
     loss: Tensor                          # scalar to backpropagate: the micro-batch's share of the objective
-    weight: Tensor | float                # its share of the mini-batch's policy loss (weights the metrics)
-    metrics: dict[str, float]             # grpo_loss's, plus moe/aux_loss
+    weight: Tensor                        # its share of the mini-batch's policy loss (weights the metrics)
+    metrics: dict[str, Tensor]            # grpo_loss's, plus moe/aux_loss: 0-d, on the device
 
 
 def micro_batch_loss(x: LossInputs, totals: MiniBatchTotals, cfg: LossConfig, entropy_coef: float = 0.0,
                      aux_coef: float = 0.0) -> LossOutputs:
     """The micro-batch objective of the module docstring: micro-batch losses summed over a mini-batch
-    give its aggregate, the entropy bonus and the MoE auxiliary loss."""
-    loss, metrics = grpo_loss(x.logp, x.old_logp, x.rollout_logp, x.advantages, x.mask, cfg, ref_logp=x.ref_logp)
+    give its aggregate, the entropy bonus and the MoE auxiliary loss. Nothing in it waits for the GPU."""
+    loss, metrics = grpo_loss(x.logp, x.old_logp, x.rollout_logp, x.advantages, x.mask, cfg, ref_logp=x.ref_logp,
+                              on_device=True)
     weight = x.mask.sum() / totals.tokens if cfg.agg == "token_mean" else \
-        float(x.mask.amax(1).sum()) / max(totals.rows, 1.0)
+        x.mask.amax(1).sum() / max(totals.rows, 1.0)
     loss = loss * weight
     if entropy_coef > 0:
         loss = loss - entropy_coef * (x.entropy * x.response_mask).sum() / totals.response_tokens
     if x.aux_loss is not None and aux_coef > 0:
         loss = loss + aux_coef * x.aux_loss * weight
-        metrics = {**metrics, "moe/aux_loss": float(x.aux_loss.detach())}
+        metrics = {**metrics, "moe/aux_loss": x.aux_loss.detach().float()}
     return LossOutputs(loss, weight, metrics)
