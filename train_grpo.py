@@ -119,6 +119,8 @@ def train(args) -> Path:
         metrics.update(trainer.step_metrics(run, batch, t_step, metrics))
         prof.finish(run_dir, d.rank, logger)
         logger.log(step, metrics)
+        if step == state.start_step:  # compiled, autotuned, engine started: later full collections skip it
+            observe.freeze_gc_heap()
         pbar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in
                           ("reward/mean", "mismatch/token_mult_prob_error", "val/accuracy") if k in metrics})
         if d.main and cfg.log.dump_episodes_every and step % cfg.log.dump_episodes_every == 0:

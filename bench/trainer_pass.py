@@ -19,6 +19,8 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
                  LM head + log-softmax fused in both passes (batch.fused_head; train.fused_head)
   <mode> unfused head  the same with [tokens, vocab] logits and a per-row fp32 log-softmax (the train
                  pass's default): its time and memory against the fused head
+  <mode> calib   (--calib) the `<mode>` variant with its logprobs calls inside one q/k/v amax capture
+                 (fp8.calib_pass=logprobs: what recording costs the logprobs pass; the train pass as `<mode>`)
 Modes: bf16, then fp8 (trainer.fp8_model of the same model; torchao on Hopper),
 then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
@@ -37,6 +39,7 @@ top kernels, from 2 profiled calls after the timed ones).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -52,8 +55,8 @@ DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
 MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp8 converts it, fp8_cached adds caches
 
 
-def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int, profile: bool = False
-           ) -> dict:
+def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int, profile: bool = False,
+           calib=None) -> dict:
     from batch import token_logprobs
 
     m = functools.partial(model, attention_mask=attention_mask) if masked else model  # the old call
@@ -66,12 +69,19 @@ def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, it
         (token_logprobs(m, input_ids, attention_mask, 1.0, fused=fused) * mask).sum().backward()
         model.zero_grad(set_to_none=True)
 
+    # calib: the logprobs calls inside one q/k/v amax capture, as the trainer's logprobs pass with
+    # fp8.calib_pass=logprobs (each call's forward closes the previous call's record)
+    capture = calib.capture if calib else contextlib.nullcontext
     # one warm-up call (FP8: torchao's autotuning, unless seeded), then the median of `iters`
-    out = {"logprobs_ms": cuda_time_ms(logprobs, 1, iters), "train_ms": cuda_time_ms(train, 1, iters)}
+    with capture():
+        out = {"logprobs_ms": cuda_time_ms(logprobs, 1, iters)}
+    out["train_ms"] = cuda_time_ms(train, 1, iters)
     if profile:  # after the timing: kernels compiled and autotuned
         from bench.train import profile_kernels
 
-        out["profile"] = {name: profile_kernels(fn) for name, fn in (("logprobs", logprobs), ("train", train))}
+        with capture():
+            out["profile"] = {"logprobs": profile_kernels(logprobs)}
+        out["profile"]["train"] = profile_kernels(train)
     return out
 
 
@@ -90,12 +100,15 @@ def main():
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--compile", action="store_true", help="compile the decoder layers (train.compile=inductor)")
+    p.add_argument("--calib", action="store_true", help="one more variant: the logprobs calls inside a q/k/v amax "
+                   "capture (fp8.calib_pass=logprobs: each forward closes the previous one's record)")
     p.add_argument("--profile", action="store_true", help="CUDA: also each variant's kernels under torch.profiler "
                    "(2 calls per pass): ms per kernel category and the top kernels, as bench/train.py --profile")
     args = p.parse_args()
     import distributed
     from config import load_config
     from distributed import compile_layers, memory_metrics
+    from fp8.calibrate import QKVCalibrator
     from fp8.fast.cache import attach_weight_caches, refresh_weight_caches
     from fp8.linear import is_fp8_linear
     from trainer import fp8_model, prepare_trainer
@@ -173,6 +186,8 @@ def main():
         variants += [("padded", True, "masked"), ("padded", False, ""), ("padded", False, "unfused head")]
         if args.compile:
             variants = [("padded", False, "compiled"), ("padded", False, "compiled unfused head")]
+        if args.calib:
+            variants.append(("padded", False, "compiled calib" if args.compile else "calib"))
         with amp(mixed):  # fp32 master weights: bf16 autocast, as the trainer computes
             return [variant(mode, *v) for v in variants]
 
@@ -180,7 +195,8 @@ def main():
         memory_metrics(device)  # this variant's peak starts here
         fused = "unfused" not in label
         r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
-             **passes(model, *batches[batch], masked, fused, args.iters, args.profile and device.type == "cuda"),
+             **passes(model, *batches[batch], masked, fused, args.iters, args.profile and device.type == "cuda",
+                      QKVCalibrator(model) if "calib" in label else None),
              **memory_metrics(device)}
         with torch.no_grad():
             r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()

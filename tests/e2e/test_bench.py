@@ -553,17 +553,19 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
     multiple of 128 tokens (as the FP8 trainer collates it), the unpadded one exactly the rows."""
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, str(root / "bench/trainer_pass.py"), "--config", str(root / "configs/tiny_cpu.yaml"),
-                        "--rows", "2", "--prompt", "5", "--response", "40", "--iters", "1", "--out", str(tmp_path)],
+                        "--rows", "2", "--prompt", "5", "--response", "40", "--iters", "1", "--calib",
+                        "--out", str(tmp_path)],
                        capture_output=True, text=True, cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
     runs = json.loads((tmp_path / "trainer_pass.json").read_text())["runs"]
-    assert [r["mode"] for r in runs] == ["bf16 unpadded", "bf16 masked", "bf16", "bf16 unfused head",
-                                         "fp8 masked", "fp8", "fp8 unfused head"]
+    assert [r["mode"] for r in runs] == ["bf16 unpadded", "bf16 masked", "bf16", "bf16 unfused head", "bf16 calib",
+                                         "fp8 masked", "fp8", "fp8 unfused head", "fp8 calib"]
     assert runs[0]["tokens"] == 2 * 45 and all(r["tokens"] == 128 for r in runs[1:])
     assert all(r["logprobs_ms"] > 0 and r["train_ms"] > 0 for r in runs)
     by_mode = {r["mode"]: r["logp_sum"] for r in runs}  # the fused head computes the unfused logprobs
     for mode in ("bf16", "fp8"):
         assert abs(by_mode[mode] - by_mode[f"{mode} unfused head"]) < 1e-4 * abs(by_mode[mode])
+        assert by_mode[f"{mode} calib"] == by_mode[mode]  # recording changes no logprob
 
 
 def test_trainer_pass_under_fsdp2_computes_the_unsharded_logprobs(tmp_path):

@@ -105,7 +105,9 @@ def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path, rollout):
     assert set(phases) >= {"logprobs", "train", "refit"} and ("rollout" in phases) == rollout, table[:600]
     assert all(float(wall) > 0 and float(busy) == 0 for wall, busy, _ in phases.values())
     records = [json.loads(line) for line in (tmp_path / "prof" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["time/gc"] >= 0 for r in records if "time/step" in r)
+    steps = [r for r in records if "time/step" in r]
+    assert all(r["time/gc"] >= 0 for r in steps)
+    assert steps[0]["gc/frozen"] < steps[1]["gc/frozen"]  # the heap is frozen after the first step
 
 
 def test_phase_busy_is_the_device_time_inside_each_phase():
