@@ -203,6 +203,31 @@ def fused_head(model, input_ids, temperature: float, entropy: bool, enabled: boo
         del head.forward
 
 
+def _one_sequence(position_ids: Tensor) -> None:
+    return None
+
+
+@contextlib.contextmanager
+def rows_not_packed():
+    """transformers, called without an attention mask, checks at every forward whether position_ids
+    pack several sequences into a row (masking_utils.find_packed_sequence_indices), and reading the
+    answer makes the host wait for the GPU: once per micro-batch, draining the GPU's queue each time
+    (tests/gpu/test_host_syncs_gpu.py found it). Rows here never pack sequences (one right-padded
+    sample each), so the answer is known: None. Swapped in for the forward only; left alone where the
+    installed transformers has no such function."""
+    from transformers import masking_utils
+
+    check = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if check is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = _one_sequence
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = check
+
+
 def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy: bool = False,
                    fused: bool = True):
     """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]
@@ -217,7 +242,8 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy
     kernel for a masked one that computes all L x L scores."""
     # no KV cache: nothing to reuse, and its per-layer state would make compiled layers recompile
     # token_mask still keeps pads out of the q/k/v calibrator's amax
-    with token_mask(attention_mask), fused_head(model, input_ids, temperature, entropy, fused) as head_fused:
+    with token_mask(attention_mask), rows_not_packed(), \
+            fused_head(model, input_ids, temperature, entropy, fused) as head_fused:
         out = model(input_ids=input_ids, use_cache=False).logits  # [B, L, 2] fused, else [B, L, V]
     if head_fused:
         return (out[..., 0], out[..., 1]) if entropy else out[..., 0]

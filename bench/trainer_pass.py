@@ -25,7 +25,9 @@ Modes: bf16, then fp8 (trainer.fp8_model of the same model; torchao on Hopper),
 then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
 --compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
-only the `<mode>` variant (the others would add graphs); the first calls of a mode compile.
+only the `<mode>` variant (the others would add graphs); the first calls of a mode compile. --dynamic: each
+variant first runs both passes 128 tokens shorter, so compiled layers time their length-generic graphs (the
+trainer's: its micro-batches differ in length) instead of graphs specialized to this one length.
 Under torchrun with several ranks (FSDP2, the 80 GB recipe), each mode builds its own model and prepares
 it as the trainer does (trainer.prepare_trainer: FP8 conversion, compile, fully_shard; no weight cache over
 ranks, so no fp8_cached), and only the padded variants run: every rank the same micro-batch, the times
@@ -56,19 +58,24 @@ MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int, profile: bool = False,
-           calib=None) -> dict:
+           calib=None, dynamic: bool = False) -> dict:
     from batch import token_logprobs
 
-    m = functools.partial(model, attention_mask=attention_mask) if masked else model  # the old call
+    def forward(cut: int):  # the batch's columns from `cut` on
+        m = functools.partial(model, attention_mask=attention_mask[:, cut:]) if masked else model  # the old call
+        return token_logprobs(m, input_ids[:, cut:], attention_mask[:, cut:], 1.0, fused=fused)
 
-    def logprobs():
+    def logprobs(cut: int = 0):
         with torch.no_grad():
-            token_logprobs(m, input_ids, attention_mask, 1.0, fused=fused)
+            forward(cut)
 
-    def train():
-        (token_logprobs(m, input_ids, attention_mask, 1.0, fused=fused) * mask).sum().backward()
+    def train(cut: int = 0):
+        (forward(cut) * mask[:, cut:]).sum().backward()
         model.zero_grad(set_to_none=True)
 
+    if dynamic:  # a first call 128 columns shorter: compiled layers take dynamo's length-generic graphs
+        logprobs(128)
+        train(128)
     # calib: the logprobs calls inside one q/k/v amax capture, as the trainer's logprobs pass with
     # fp8.calib_pass=logprobs (each call's forward closes the previous call's record)
     capture = calib.capture if calib else contextlib.nullcontext
@@ -102,6 +109,9 @@ def main():
     p.add_argument("--compile", action="store_true", help="compile the decoder layers (train.compile=inductor)")
     p.add_argument("--calib", action="store_true", help="one more variant: the logprobs calls inside a q/k/v amax "
                    "capture (fp8.calib_pass=logprobs: each forward closes the previous one's record)")
+    p.add_argument("--dynamic", action="store_true", help="each variant first runs both passes on rows 128 tokens "
+                   "shorter: with --compile the layers then run dynamo's length-generic graphs, as in the trainer, "
+                   "whose micro-batches differ in length")
     p.add_argument("--profile", action="store_true", help="CUDA: also each variant's kernels under torch.profiler "
                    "(2 calls per pass): ms per kernel category and the top kernels, as bench/train.py --profile")
     args = p.parse_args()
@@ -196,7 +206,7 @@ def main():
         fused = "unfused" not in label
         r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
              **passes(model, *batches[batch], masked, fused, args.iters, args.profile and device.type == "cuda",
-                      QKVCalibrator(model) if "calib" in label else None),
+                      QKVCalibrator(model) if "calib" in label else None, args.dynamic),
              **memory_metrics(device)}
         with torch.no_grad():
             r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()

@@ -131,11 +131,16 @@ def token_mask(mask: Tensor | None):
 
 
 def _masked_amax(t: Tensor, mask: Tensor | None) -> Tensor:
-    """max|t| of t [B, H, T, D] over positions where mask [B, T] is nonzero (all if no mask fits)."""
-    t = t.detach()
-    if mask is not None and mask.shape == (t.shape[0], t.shape[2]):
-        return torch.where(mask.to(t.device, torch.bool)[:, None, :, None], t.abs(), 0).amax().float()
-    return t.abs().amax().float()
+    """max|t| of t [B, H, T, D] over positions where mask [B, T] is nonzero (all if no mask fits).
+
+    Two reductions, per position over heads and channels, then over the [B, T] positions: the same
+    value, but inside a compiled layer of dynamic length inductor made one whole-tensor reduction of
+    the masked form slow (0.42 ms per layer for Llama-3.1-8B's q/k/v at 4 x ~1,700 tokens, ~13 ms per
+    micro-batch, in the shipped logprobs pass on an H200)."""
+    per_position = t.detach().abs().amax(dim=(1, 3))  # [B, T]
+    if mask is not None and mask.shape == per_position.shape:
+        per_position = torch.where(mask.to(t.device, torch.bool), per_position, 0)
+    return per_position.amax().float()
 
 
 def scales_from_amax(amax: Tensor, percentile: float, margin: float,

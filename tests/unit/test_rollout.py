@@ -55,6 +55,25 @@ def test_token_logprobs_of_a_right_padded_batch_need_no_mask():
     assert seen == [None] and logp.isfinite().all()
 
 
+def test_token_logprobs_skip_transformers_packed_sequence_check(monkeypatch):
+    """Without a mask, transformers checks at every forward whether position_ids pack sequences into a
+    row, a host sync on a GPU; token_logprobs' rows never do, so the check must not run, and it is back
+    in place after the forward."""
+    from transformers import masking_utils
+
+    def check(position_ids):
+        raise AssertionError("transformers' packed-sequence check ran")
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", check)
+    cfg, model, tok, engine = make()
+    input_ids, attention_mask, _, _ = collate([Sample(0, [5, 6], [7, 9, 11], [-1.0] * 3, "stop")], tok.pad_token_id)
+    with torch.no_grad():
+        assert token_logprobs(model, input_ids, attention_mask, 0.7).isfinite().all()
+        with pytest.raises(AssertionError, match="packed-sequence check ran"):
+            model(input_ids=input_ids, use_cache=False)  # a plain forward still runs it: only ours skip it
+    assert masking_utils.find_packed_sequence_indices is check
+
+
 def test_fused_head_matches_logits_and_log_softmax(monkeypatch):
     """batch.token_logprobs' LM head + log-softmax in chunks (_HeadLogprobs, here 7 tokens a chunk) gives
     the unfused path's logprobs, entropies and every parameter's gradient through both (an entropy bonus
