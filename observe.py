@@ -230,7 +230,7 @@ def gc_timer() -> GCTimer:
 
 def freeze_gc_heap() -> int:
     """Collect, then move every object alive now into the collector's permanent generation (gc.freeze,
-    as vLLM does at its engine's start); the objects frozen so far (gc/frozen). Called once, after the
+    as vLLM does at its engine's start); the objects frozen so far (perf/gc_frozen). Called once, after the
     first step: what it built and keeps (compiled graphs and their guards, autotuning results, the
     engine's state) is most of the heap, and every full collection would walk it again at each later
     step (time/gc: 1.5-2 s a step at 8B before). Objects freed by refcount are still freed; only cycles

@@ -107,7 +107,7 @@ def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path, rollout):
     records = [json.loads(line) for line in (tmp_path / "prof" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "time/step" in r]
     assert all(r["time/gc"] >= 0 for r in steps)
-    assert steps[0]["gc/frozen"] < steps[1]["gc/frozen"]  # the heap is frozen after the first step
+    assert steps[0]["perf/gc_frozen"] < steps[1]["perf/gc_frozen"]  # the heap is frozen after the first step
 
 
 def test_phase_busy_is_the_device_time_inside_each_phase():
