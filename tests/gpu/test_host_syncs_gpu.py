@@ -1,5 +1,5 @@
-"""What the trainer does between two micro-batches makes the host wait for the GPU nowhere, on a CUDA
-GPU (torch.cuda.set_sync_debug_mode("error") turns each wait into an error); skipped without CUDA.
+"""What the trainer does for a micro-batch makes the host wait for the GPU nowhere, on a CUDA GPU
+(torch.cuda.set_sync_debug_mode reports each wait); skipped without CUDA.
 
 A wait per micro-batch drains the GPU's queue, which then idles while the host launches the next
 micro-batch's first kernels:
