@@ -228,16 +228,15 @@ def gc_timer() -> GCTimer:
     return GCTimer()
 
 
-def freeze_gc_heap() -> int:
+def freeze_gc_heap() -> None:
     """Collect, then move every object alive now into the collector's permanent generation (gc.freeze,
-    as vLLM does at its engine's start); the objects frozen so far (perf/gc_frozen). Called once, after the
+    as vLLM does at its engine's start; perf/gc_frozen counts them). Called once, after the
     first step: what it built and keeps (compiled graphs and their guards, autotuning results, the
     engine's state) is most of the heap, and every full collection would walk it again at each later
     step (time/gc: 1.5-2 s a step at 8B before). Objects freed by refcount are still freed; only cycles
     among frozen objects that die later stay uncollected."""
     gc.collect()
     gc.freeze()
-    return gc.get_freeze_count()
 
 
 class StepProfile:

@@ -428,7 +428,9 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(d.device)
         mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
         n_mini = len(micro_batches(B, mini))
-        loss_metrics: dict[str, torch.Tensor] = {}  # on the device until the phase ends: no host sync per micro-batch
+        # the loss metrics' names and their weighted sum, one float64 vector on the device until the phase ends:
+        # no host sync per micro-batch
+        loss_keys, loss_sum = [], None
         skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
         forwards = 0  # micro-batches this rank trained (perf/micro_batches: packing shows here)
         for mini_slice in micro_batches(B, mini):
@@ -456,9 +458,8 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                     response_mask=b.mask[j], aux_loss=aux), totals, cfg.loss, entropy_coef, cfg.moe.aux_loss_coef)
                 (out.loss * distributed.grad_scale(d)).backward()
                 nonfinite_loss += (~torch.isfinite(out.loss.detach())).float()
-                share = out.weight.detach().double() / n_mini
-                for k, v in out.metrics.items():
-                    loss_metrics[k] = loss_metrics.get(k, 0.0) + v.double() * share
+                terms = torch.stack(list(out.metrics.values())).double() * (out.weight.detach().double() / n_mini)
+                loss_keys, loss_sum = list(out.metrics), terms if loss_sum is None else loss_sum + terms
             max_norm = math.inf if cfg.optim.max_grad_norm is None else cfg.optim.max_grad_norm  # null: no clip
             grad_norm = distributed.clip_grad_norm(model.parameters(), max_norm)
             if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees
@@ -477,9 +478,8 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
             metrics["optim/grad_norm_clipped"] = float(grad_norm) * min(1.0, max_norm / (float(grad_norm) + 1e-6))
         optimizer.zero_grad(set_to_none=True)  # free the gradients before the engine wakes (memory)
         routing.clear(model)
-        if loss_metrics:  # each rank's terms are already weighted by its share of the global batch
-            summed = distributed.all_sum(torch.stack(list(loss_metrics.values())), d)
-            metrics.update(zip(loss_metrics, summed.tolist()))
+        if loss_sum is not None:  # each rank's terms are already weighted by its share of the global batch
+            metrics.update(zip(loss_keys, distributed.all_sum(loss_sum, d).tolist()))
         metrics["optim/skipped_steps"] = skipped
         metrics["perf/micro_batches"] = forwards
     metrics["time/train"] = time.perf_counter() - t0
