@@ -27,15 +27,18 @@ from fp8.fast import kernels  # noqa: E402
 from fp8.quant import FP8_MAX, TORCHAO_EPS  # noqa: E402
 
 ARGS = {"x_ptr": "*bf16", "gu_ptr": "*bf16", "x_out_ptr": "*bf16", "q_row_ptr": "*fp8e4nv", "s_row_ptr": "*fp32",
-        "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", "M": "i32", "K": "i32"}  # all 16-aligned / divisible
+        "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", "MT": "i32", "K": "i32"}  # all 16-aligned / divisible
 CONSTEXPRS = ["BLOCK", "SPLIT", "MODE", "COLS", "STORE_X", "STAGES", "EPS", "FP8_MAX"]
 
 
-def resources(split: int, warps: int, mode: int, stages: int = 0) -> dict:
+def resources(split: int, warps: int, mode: int, stages: int = 0, size_hint: bool = True) -> dict:
+    """size_hint=False: the row-tile count without the divisibility specialization, as a compiled caller
+    of dynamic length (inductor, symbolic M) launches it."""
     consts = {"BLOCK": 128, "SPLIT": split, "MODE": mode, "COLS": True, "STORE_X": False, "STAGES": stages,
               "EPS": TORCHAO_EPS, "FP8_MAX": FP8_MAX}
+    hinted = [i for i, name in enumerate(ARGS) if size_hint or name != "MT"]
     src = ASTSource(fn=kernels._quant_dual_kernel, signature=ARGS | dict.fromkeys(CONSTEXPRS, "constexpr"),
-                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in range(len(ARGS))})
+                    constexprs=consts, attrs={(i,): [["tt.divisibility", 16]] for i in hinted})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     tools = Path(triton.__file__).parent / "backends/nvidia/bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -48,7 +51,8 @@ def resources(split: int, warps: int, mode: int, stages: int = 0) -> dict:
     regs, stack = re.search(r"REG:(\d+) STACK:(\d+)", usage).groups()
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+([A-Z0-9_.]+)", sass, re.M)
     return {"registers": int(regs), "stack_bytes": int(stack), "shared_bytes": compiled.metadata.shared,
-            "instructions": sum(not op.startswith("NOP") for op in ops)}
+            "instructions": sum(not op.startswith("NOP") for op in ops),
+            "byte_stores": sum(op.startswith("STG") and ".U8" in op for op in ops)}  # unvectorized FP8 stores
 
 
 def main(argv: list[str]) -> None:
@@ -60,7 +64,8 @@ def main(argv: list[str]) -> None:
             sys.exit(f"{launch}: expected split,warps,mode[,stages], e.g. 1,8,2")
         r = resources(*launch)
         print(f"split,warps,mode,stages={launch}: {r['registers']} registers, {r['stack_bytes']} B stack, "
-              f"{r['shared_bytes']} B shared, {r['instructions']} SASS instructions per thread")
+              f"{r['shared_bytes']} B shared, {r['instructions']} SASS instructions per thread, "
+              f"{resources(*launch, size_hint=False)['byte_stores']} byte stores at a dynamic length")
 
 
 if __name__ == "__main__":

@@ -108,9 +108,14 @@ def _tile(x_ptr, gu_ptr, m, pid_k, K, MODE: tl.constexpr, HALF: tl.constexpr, BL
 
 
 @triton.jit
-def _quant_dual_kernel(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K,
+def _quant_dual_kernel(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, MT, K,
                        BLOCK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr, COLS: tl.constexpr,
                        STORE_X: tl.constexpr, STAGES: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    # MT = M / 128 row tiles, not M: a compiled caller of dynamic length passes its size without Triton's
+    # divisible-by-16 specialization, and then the [K, M] stores below (stride M) went out byte by byte
+    # (64 STG.U8 instead of 4 STG.128 per thread and tile, scripts/kernel_regs.py); M = MT * 128 is
+    # known to be a multiple of 128 whatever MT is.
+    M = MT * BLOCK
     # The 128x128 tiles in row-major order, program p taking tiles p, p + P, ... of the P launched:
     # one per tile, or a few per SM whose loop Triton software-pipelines (STAGES > 1: the next tiles'
     # loads in flight while this one is quantized). MODE 2: each tile index covers the tiles at
@@ -124,7 +129,7 @@ def _quant_dual_kernel(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr
         _quant_tiles(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, tl.program_id(0), nk,
                      BLOCK, SPLIT, MODE, COLS, STORE_X, EPS, FP8_MAX)
     else:
-        for t in tl.range(tl.program_id(0), (M // BLOCK) * nk, tl.num_programs(0), num_stages=STAGES):
+        for t in tl.range(tl.program_id(0), MT * nk, tl.num_programs(0), num_stages=STAGES):
             _quant_tiles(x_ptr, gu_ptr, x_out_ptr, q_row_ptr, s_row_ptr, q_col_ptr, s_col_ptr, M, K, t, nk,
                          BLOCK, SPLIT, MODE, COLS, STORE_X, EPS, FP8_MAX)
 
@@ -248,7 +253,7 @@ def _launch(x: Tensor, gu: Tensor, k: int, mode: int, cols: bool = True, config:
     tiles = m // BLOCK * k // BLOCK // (2 if mode == 2 else 1)
     programs = min(tiles, per_sm * _sm_count(x.device.index)) if stages else tiles
     wrap_triton(_quant_dual_kernel)[(programs,)](
-        x, gu, x if x_out is None else x_out, q, s, qt, st, m, k, BLOCK=BLOCK, SPLIT=split, MODE=mode, COLS=cols,
+        x, gu, x if x_out is None else x_out, q, s, qt, st, m // BLOCK, k, BLOCK=BLOCK, SPLIT=split, MODE=mode, COLS=cols,
         STORE_X=x_out is not None, STAGES=stages, EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=warps)
     return (q, s, qt, st) if cols else (q, s)
 
