@@ -204,23 +204,28 @@ def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device
 
 
 class GCTimer:
-    """Seconds this process spent in Python garbage collection since the last take() (time/gc):
-    a collection pauses the host, and the GPU with it once its queue runs dry. One per process
-    (gc_timer()), registered in gc.callbacks for the process's life."""
+    """Seconds this process spent in Python garbage collection since the last take() (time/gc), and
+    the part of them in full collections (time/gc_full, perf/gc_full: their count): a collection
+    pauses the host, and the GPU with it once its queue runs dry. One per process (gc_timer()),
+    registered in gc.callbacks for the process's life."""
 
     def __init__(self):
-        self.total, self._t0 = 0.0, None
+        self.seconds, self.full, self.full_count, self._t0 = 0.0, 0.0, 0, None
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
         elif self._t0 is not None:
-            self.total, self._t0 = self.total + time.perf_counter() - self._t0, None
+            dt, self._t0 = time.perf_counter() - self._t0, None
+            self.seconds += dt
+            if info["generation"] == 2:
+                self.full, self.full_count = self.full + dt, self.full_count + 1
 
-    def take(self) -> float:
-        total, self.total = self.total, 0.0
-        return total
+    def take(self) -> dict[str, float]:
+        out = {"time/gc": self.seconds, "time/gc_full": self.full, "perf/gc_full": self.full_count}
+        self.seconds, self.full, self.full_count = 0.0, 0.0, 0
+        return out
 
 
 @functools.cache

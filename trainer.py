@@ -600,5 +600,5 @@ def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
         "optim/lr": float(run.scheduler.get_last_lr()[0]), "time/step": elapsed,
         "time/other": elapsed - sum(v for k, v in metrics.items() if k in PHASE_TIMES),
         "perf/tokens_per_s": tokens / elapsed,
-        "time/gc": gc_timer().take(), "perf/gc_frozen": gc.get_freeze_count(), **reward_stats(), **memory,
+        **gc_timer().take(), "perf/gc_frozen": gc.get_freeze_count(), **reward_stats(), **memory,
         **({"compile/graphs": g} if (g := distributed.compiled_graphs()) else {})}
