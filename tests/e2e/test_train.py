@@ -147,6 +147,30 @@ def test_gc_timer_counts_collections_once():
     assert timer.take() == {"time/gc": 0.0, "time/gc_full": 0.0, "perf/gc_full": 0}
 
 
+def test_freeze_gc_heap_spaces_full_collections():
+    """After the freeze, young cycles are collected as before, full collections 10x less often."""
+    import gc
+
+    from observe import FULL_GC_SPACING, freeze_gc_heap
+
+    threshold = gc.get_threshold()
+    try:
+        freeze_gc_heap()
+        assert gc.get_freeze_count() > 0 and gc.get_threshold() == (*threshold[:2], FULL_GC_SPACING)
+        before = [g["collections"] for g in gc.get_stats()]
+        survivors = []
+        for i in range(700_000):  # young cycles, and a step's survivors: 3 full collections at Python's spacing
+            cycle = []
+            cycle.append(cycle)
+            if i % 10 == 0:
+                survivors.append([i])
+        young, _, full = (g["collections"] - b for g, b in zip(gc.get_stats(), before))
+        assert young >= 800 and full == 0
+    finally:
+        gc.set_threshold(*threshold)
+        gc.unfreeze()
+
+
 @pytest.mark.parametrize("calib_pass", ["separate", "logprobs"])
 def test_compiled_trainer_matches_eager(tmp_path, calib_pass):
     """train.compile=aot_eager (dynamo + AOT autograd, no code generation) reproduces the eager run's
