@@ -84,6 +84,7 @@
 # 8B step shapes, H100: ~190 s of a first FP8 step) and bench/triton_autotune_moe_h200.tgz (the expert
 # GEMMs' quantizers at Qwen3-30B-A3B's shapes, H200: over 300 s of a first run) and leaves all autotuning results in
 # $OUT/triton_autotune.tgz (refresh the shipped file from it when shapes or the bundle change).
+# FlashInfer's JIT-built modules likewise from .gpu_cache/flashinfer_aot.tgz when it is there (below).
 # Child logs of the rollout and align parts: $OUT/logs/. $OUT/smi.csv: nvidia-smi's utilization/clock/power log.
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"; BG_DIR=${BG_DIR:-$HOME/bg}
@@ -93,6 +94,39 @@ TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}  # fp8.torchao.keep_triton_a
 for seed in bench/triton_autotune_h100.tgz bench/triton_autotune_moe_h200.tgz; do
   mkdir -p "$TRITON_DIR" && tar -xzf $seed -C "$TRITON_DIR" && echo "seeded $TRITON_DIR with $seed" | tee -a "$OUT/env.log"
 done
+# FlashInfer's JIT modules (XQA decode, FP8 prefill: minutes of nvcc at a fresh host's first FP8 KV engine)
+# from $FLASHINFER_SEED (default .gpu_cache/flashinfer_aot.tgz, carried to the host; made by an earlier one),
+# placed where FlashInfer loads prebuilt (AOT) modules, so none is compiled again; used only if its KEY (the
+# flashinfer and torch versions) matches. A host that compiles a module the seed lacks packs the seed's
+# and its own into $OUT/flashinfer_aot.tgz on exit: keep that file as the next seed.
+FI_PKG=$($PY -c 'import importlib.util as u; s = u.find_spec("flashinfer"); print(s.submodule_search_locations[0] if s else "")' 2>/dev/null)
+FI_KEY=$($PY -c 'import importlib.metadata as m; print("flashinfer", m.version("flashinfer-python"), "torch", m.version("torch"))' 2>/dev/null)
+FI_SEED=${FLASHINFER_SEED:-.gpu_cache/flashinfer_aot.tgz}
+FI_JIT=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
+if [ -n "$FI_PKG" ] && [ -f "$FI_SEED" ]; then
+  if [ "$(tar -xzOf "$FI_SEED" ./KEY 2>/dev/null)" = "$FI_KEY" ]; then
+    mkdir -p "$FI_PKG/data/aot" && tar -xzf "$FI_SEED" -C "$FI_PKG/data/aot" --exclude ./KEY \
+      && echo "seeded FlashInfer's AOT modules with $FI_SEED: $(tar -tzf "$FI_SEED" | grep -c '\.so$') module(s)" | tee -a "$OUT/env.log"
+  else
+    echo "$FI_SEED: made for $(tar -xzOf "$FI_SEED" ./KEY 2>/dev/null), this host has $FI_KEY: not used" | tee -a "$OUT/env.log"
+  fi
+fi
+save_flashinfer_modules() {  # the seed's modules and any this host compiled, if it compiled one the seed lacks
+  local tmp so name new=0
+  [ -n "$FI_PKG" ] && [ -d "$FI_JIT" ] || return 0
+  tmp=$(mktemp -d); echo "$FI_KEY" >"$tmp/KEY"
+  for so in "$FI_PKG"/data/aot/*/*.so $(find "$FI_JIT" -path '*/cached_ops/*' -name '*.so' 2>/dev/null); do
+    name=$(basename "$(dirname "$so")")
+    [ -f "$so" ] && [ "$(basename "$so")" = "$name.so" ] || continue
+    [ -f "$FI_PKG/data/aot/$name/$name.so" ] || new=1
+    mkdir -p "$tmp/$name" && cp "$so" "$tmp/$name/"
+  done
+  if [ $new = 1 ]; then
+    tar -czf "$OUT/flashinfer_aot.tgz" -C "$tmp" . \
+      && echo "FlashInfer modules: $(ls "$tmp" | grep -vc KEY) in $OUT/flashinfer_aot.tgz (the next seed)" | tee -a "$OUT/env.log"
+  fi
+  rm -rf "$tmp"
+}
 # GPU utilization, SM clock, power, temperature and clock-limit reasons once a second (throttling?)
 SMI=timestamp,utilization.gpu,clocks.sm,power.draw,temperature.gpu
 ( nvidia-smi --query-gpu=$SMI,clocks_event_reasons.active --format=csv -l 1 \
@@ -102,6 +136,7 @@ save_autotuning() {  # on exit, whatever the part did
   pkill -P $SMI_PID 2>/dev/null; kill $SMI_PID 2>/dev/null
   (cd "$TRITON_DIR" && find . -name '*.autotune.json' | sed 's|^\./||' | tar -czf "$OUT/triton_autotune.tgz" -T -)
   echo "autotune results: $(tar -tzf "$OUT/triton_autotune.tgz" | wc -l) files in $TRITON_DIR" | tee -a "$OUT/env.log"
+  save_flashinfer_modules
 }
 trap save_autotuning EXIT
 case "$1" in

@@ -495,6 +495,42 @@ def test_gpu_check_jobs_run_parts_side_by_side(tmp_path):
                 assert "usage: gpu_check.sh" in t.extractfile(f"job{i}/{k}/job.log").read().decode()
 
 
+def test_gpu_check_seeds_and_packs_flashinfer_modules(tmp_path):
+    """FlashInfer's JIT-built modules: a host that compiled one packs them into OUT/flashinfer_aot.tgz (name/name.so
+    and the versions' KEY, no build files); the next host, given that file as FLASHINFER_SEED, gets them in
+    flashinfer's AOT dir and packs nothing more; a seed made for other versions is not used."""
+    pkg = tmp_path / "site" / "flashinfer"  # stands in for the installed package: its data/aot is written
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    built = tmp_path / "home1" / ".cache/flashinfer/0.6.14/90a/cached_ops/xqa_fp8"
+    built.mkdir(parents=True)
+    (built / "xqa_fp8.so").write_bytes(b"module")
+    (built / "mha.cuda.o").write_bytes(b"object")
+
+    def run(home, out, **env):
+        env = {**os.environ, "HOME": str(tmp_path / home), "OUT": str(tmp_path / out), "PY": sys.executable,
+               "PYTHONPATH": str(pkg.parent), "TRITON_CACHE_DIR": str(tmp_path / "triton"), **env}
+        r = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "nosuch"], capture_output=True, text=True,
+                           env=env, cwd=REPO, timeout=120)
+        assert r.returncode == 2, r.stderr  # the unknown part: usage; the exit handler still runs
+        return (tmp_path / out / "env.log").read_text()
+
+    run("home1", "out1")
+    with tarfile.open(tmp_path / "out1/flashinfer_aot.tgz") as t:
+        assert sorted(t.getnames()) == [".", "./KEY", "./xqa_fp8", "./xqa_fp8/xqa_fp8.so"]
+        key = t.extractfile("./KEY").read().decode()
+    assert key.startswith("flashinfer ") and " torch " in key
+    log = run("home2", "out2", FLASHINFER_SEED=str(tmp_path / "out1/flashinfer_aot.tgz"))
+    assert "seeded FlashInfer's AOT modules" in log and ": 1 module(s)" in log
+    assert (pkg / "data/aot/xqa_fp8/xqa_fp8.so").read_bytes() == b"module"
+    assert not (tmp_path / "out2/flashinfer_aot.tgz").exists()  # nothing compiled that the seed lacks
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other/KEY").write_text("flashinfer 0.0.1 torch 1.0\n")
+    with tarfile.open(tmp_path / "other.tgz", "w:gz") as t:
+        t.add(tmp_path / "other", arcname=".")
+    assert "not used" in run("home2", "out3", FLASHINFER_SEED=str(tmp_path / "other.tgz"))
+
+
 def test_gpu_check_bg_and_collect(tmp_path):
     """`gpu_check.sh bg NAME PART`: the part detached, its files in BG_DIR/NAME; `collect NAME` waits for it,
     packs them into OUT/NAME.tgz with its rc and removes the folder; an unknown NAME is a usage error."""
