@@ -96,11 +96,11 @@ for seed in bench/triton_autotune_h100.tgz bench/triton_autotune_moe_h200.tgz; d
 done
 # FlashInfer's JIT modules (XQA decode, FP8 prefill: minutes of nvcc at a fresh host's first FP8 KV engine)
 # from $FLASHINFER_SEED (default .gpu_cache/flashinfer_aot.tgz, carried to the host; made by an earlier one),
-# placed where FlashInfer loads prebuilt (AOT) modules, so none is compiled again; used only if its KEY (the
-# flashinfer and torch versions) matches. A host that compiles a module the seed lacks packs the seed's
-# and its own into $OUT/flashinfer_aot.tgz on exit: keep that file as the next seed.
+# placed where FlashInfer loads prebuilt (AOT) modules, so none is compiled again; used only if its KEY
+# (the flashinfer and torch versions, the GPU's compute capability) matches. A host that compiles a module
+# the seed lacks packs the seed's and its own into $OUT/flashinfer_aot.tgz on exit: keep it as the next seed.
 FI_PKG=$($PY -c 'import importlib.util as u; s = u.find_spec("flashinfer"); print(s.submodule_search_locations[0] if s else "")' 2>/dev/null)
-FI_KEY=$($PY -c 'import importlib.metadata as m; print("flashinfer", m.version("flashinfer-python"), "torch", m.version("torch"))' 2>/dev/null)
+FI_KEY="$($PY -c 'import importlib.metadata as m; print("flashinfer", m.version("flashinfer-python"), "torch", m.version("torch"))' 2>/dev/null) sm $(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)"
 FI_SEED=${FLASHINFER_SEED:-.gpu_cache/flashinfer_aot.tgz}
 FI_JIT=${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer
 if [ -n "$FI_PKG" ] && [ -f "$FI_SEED" ]; then
