@@ -244,8 +244,10 @@ class FP8Config:
     cache_weights: bool = False
     """Trainer: keep each FP8 weight's quantized copies until the optimizer changes it, so the weight
     quantization runs once per optimizer step, not in every forward and backward of every
-    micro-batch. Costs 2 bytes per FP8 parameter (torchao's two GEMM layouts). One GPU only (with
-    FSDP the cache would hold unsharded weights)."""
+    micro-batch. Costs 2 bytes per FP8 parameter (torchao's two GEMM layouts). Over FSDP2 ranks each
+    rank keeps its shard's FP8 bytes (1 byte per parameter / ranks) and FSDP2 all-gathers those instead
+    of the bf16 weight (fp8/fast/gather.py; weights whose rows split into whole 128-row blocks per rank;
+    off with train.probe, whose BF16 reference needs the bf16 weights)."""
     emulate: bool = False
     """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
     the emulation (same numerics, slower than BF16), with a warning unless this is set."""

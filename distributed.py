@@ -321,7 +321,9 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     moments have tensors to load into."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    return get_state_dict(model, optimizer, options=StateDictOptions())
+    from fp8.fast.gather import plain_state  # fp8.cache_weights over ranks: its shards saved as plain tensors
+
+    return plain_state(get_state_dict(model, optimizer, options=StateDictOptions()))
 
 
 def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:

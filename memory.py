@@ -7,7 +7,9 @@ them; activations are per rank), GiB = 2^30 bytes:
     weights       P x 4 / N (fp32 master weights; 2 for bf16)
     grads         the same as the weights (freed before vLLM wakes)
     optimizer     P x 2 / N for adamw8bit(_rms) (8-bit m and v); torch AdamW: two states of the weights' dtype
-    fp8 cache     P x 2 with fp8.cache_weights (an FP8 copy of each linear weight, released while vLLM runs; one GPU only)
+    fp8 cache     P x 2 with fp8.cache_weights (an FP8 copy of each linear weight in the GEMMs' two layouts,
+                  released while vLLM runs); over N > 1 ranks P x 1 / N (each rank's FP8 shard, which FSDP2
+                  all-gathers instead of the bf16 weight; fp8/fast/gather.py)
     reference     the KL reference model (loss.kl_coef > 0): a copy of the weights
     gathered      N > 1: FSDP2's all-gathered bf16 unit and the prefetched next one, 2 x 2 x max(layer, V x h)
     activations   per micro-batch token (micro_batch_size x (prompt + response) tokens, bf16):
@@ -143,7 +145,7 @@ def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> E
     unit = max((p - 2 * shape.vocab * h) / shape.layers, shape.vocab * h)  # a decoder layer, or an embedding
     return Estimate(
         world=n, device=device_gib, weights=weights / GIB, grads=weights / GIB, optimizer=p * state_bytes / n / GIB,
-        fp8_cache=p * 2 / GIB if cfg.fp8.train and cfg.fp8.cache_weights and n == 1 else 0.0,
+        fp8_cache=(p * 2 if n == 1 else p / n) / GIB if cfg.fp8.train and cfg.fp8.cache_weights else 0.0,
         reference=weights / GIB if cfg.loss.kl_coef > 0 else 0.0,
         gathered=2 * 2 * unit / GIB if n > 1 else 0.0,
         activations=tokens * per_token / GIB, tokens=tokens,

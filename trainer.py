@@ -153,10 +153,10 @@ def reference_model(model, cfg: Config):
     return copy.deepcopy(model).eval().requires_grad_(False) if cfg.loss.kl_coef > 0 else None
 
 
-def fp8_model(model, fp8) -> tuple[list[str], list[str]]:
+def fp8_model(model, fp8, world: int = 1) -> tuple[list[str], list[str]]:
     """The trainer's FP8 model in place: fp8.linear.convert_to_fp8_training, then fp8.fast.apply when
-    fp8.uses_fast (benchmarks and analysis build theirs here too). Returns (the converted linears' HF
-    names, what fp8.fast did)."""
+    fp8.uses_fast (benchmarks and analysis build theirs here too), for `world` FSDP2 ranks. Returns (the
+    converted linears' HF names, what fp8.fast did)."""
     from fp8.linear import convert_to_fp8_training
 
     converted = convert_to_fp8_training(model, fp8)
@@ -164,7 +164,7 @@ def fp8_model(model, fp8) -> tuple[list[str], list[str]]:
         return converted, []
     from fp8 import fast
 
-    return converted, fast.apply(model, fp8)
+    return converted, fast.apply(model, fp8, world)
 
 
 def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: bool, logger: RunLogger) -> int:
@@ -180,11 +180,11 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
         from fp8.linear import use_torchao
         from fp8.quant import BLOCK
         fp8 = cfg.fp8
-        if fp8.cache_weights and d.world > 1:
-            logger.print(f"fp8.cache_weights: off over {d.world} ranks (the cache would hold unsharded FP8 weights, "
-                         "defeating FSDP)")
+        if fp8.cache_weights and d.world > 1 and cfg.train.probe:
+            logger.print(f"fp8.cache_weights: off over {d.world} ranks with train.probe (its BF16 reference forward "
+                         "needs the BF16 weights, and the cache all-gathers them in FP8)")
             fp8 = dataclasses.replace(fp8, cache_weights=False)
-        converted, fast_done = fp8_model(model, fp8)
+        converted, fast_done = fp8_model(model, fp8, d.world)
         logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
         if fp8.uses_fast:
             logger.print("fp8.fast: " + (", ".join(fast_done) or "fast kernels"))
@@ -297,7 +297,9 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     cached = cfg.fp8.train and cfg.fp8.cache_weights and cfg.rollout.mode == "colocated"
     if cached:
         from fp8.fast.cache import refill_weight_caches, release_weight_caches
+        from fp8.fast.gather import release_fp8_shards
         release_weight_caches(run.model)
+        release_fp8_shards(run.model)
     run.engine.wake()
     metrics["time/wake"] = time.perf_counter() - t0  # within time/rollout: the weight cache's release + the wake
     preempted = getattr(run.engine, "preemptions", None)  # vLLM: sequences recomputed for KV-cache room

@@ -29,11 +29,12 @@ only the `<mode>` variant (the others would add graphs); the first calls of a mo
 variant first runs both passes 128 tokens shorter, so compiled layers time their length-generic graphs (the
 trainer's: its micro-batches differ in length) instead of graphs specialized to this one length.
 Under torchrun with several ranks (FSDP2, the 80 GB recipe), each mode builds its own model and prepares
-it as the trainer does (trainer.prepare_trainer: FP8 conversion, compile, fully_shard; no weight cache over
-ranks, so no fp8_cached), and only the padded variants run: every rank the same micro-batch, the times
-rank 0's, the all-gathers and gradient reduce-scatters of each pass inside them, e.g.
+it as the trainer does (trainer.prepare_trainer: FP8 conversion, compile, fully_shard; fp8_cached: with
+fp8.cache_weights, i.e. the weights all-gathered in FP8 from shards quantized once, fp8/fast/gather.py),
+and only the padded variants run: every rank the same micro-batch, the times rank 0's, the all-gathers
+and gradient reduce-scatters of each pass inside them, e.g.
     torchrun --nproc_per_node 2 bench/trainer_pass.py --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3 \
-        --prompt 128 --response 1664 --rows 2 --compile --modes bf16,fp8
+        --prompt 128 --response 1664 --rows 2 --compile --modes bf16,fp8,fp8_cached
 Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
 per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them; with --profile,
 per pass the GPU ms per kernel category, gemm / fp8 quantize / attention / copy / elementwise, and the
@@ -133,10 +134,6 @@ def main():
     cfg = load_config(args.config, [*shape, *args.set, "train.device=auto"])
     d = distributed.init(cfg)  # torchrun with > 1 rank: joins the process group (FSDP2)
     device = d.device
-    if d.world > 1 and "fp8_cached" in args.modes:
-        print(f"error: --modes fp8_cached: no weight cache over {d.world} ranks (the trainer turns "
-              "fp8.cache_weights off under FSDP2); drop it", file=sys.stderr)
-        sys.exit(2)
     rows = args.rows or cfg.train.micro_batch_size
     n_resp = args.response or cfg.rollout.max_new_tokens
     def build():
@@ -176,7 +173,8 @@ def main():
                 torch.cuda.empty_cache()
             model = build()[0]
         prepared = True
-        run_cfg = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, train=mode == "fp8"),
+        fp8 = dataclasses.replace(cfg.fp8, train=mode != "bf16", cache_weights=mode == "fp8_cached")
+        run_cfg = dataclasses.replace(cfg, fp8=fp8,
                                       train=dataclasses.replace(cfg.train, compile="inductor" if args.compile else "none"))
         prepare_trainer(model, None, run_cfg, d, mixed, argparse.Namespace(print=print if d.main else lambda *a: None))
         variants = [("padded", False, "fsdp2"), ("padded", False, "fsdp2 unfused head")]

@@ -12,7 +12,8 @@ fast kernels, then adds what the switches ask for:
 * fp8.fuse_swiglu (with fuse_projections): a SwiGLU MLP as one autograd node, silu(gate) * up made
   inside the FP8 quantization of down_proj's input (swiglu.py).
 * fp8.cache_weights: each GEMM's quantized weight kept until the optimizer changes it (cache.py);
-  the trainer registers its optimizer hook with cache.refresh_weight_caches_on_step.
+  the trainer registers its optimizer hook with cache.refresh_weight_caches_on_step. Over FSDP2
+  ranks (`world` > 1) each rank keeps its shard's instead, and FSDP2 all-gathers FP8 (gather.py).
 
 Module names, Parameters and numerics are those of the recipe (tests/unit/test_fp8_linear.py).
 """
@@ -26,6 +27,7 @@ from torch import nn
 
 from fp8.fast.cache import attach_weight_caches
 from fp8.fast.dual import DualQuantKernels
+from fp8.fast.gather import gather_fp8_weights
 from fp8.fast.fused import fuse_projections
 from fp8.fast.swiglu import SwiGLUEmulatedKernels, fuse_swiglu
 from fp8.linear import EmulatedKernels, is_fp8_linear
@@ -35,9 +37,10 @@ if TYPE_CHECKING:
     from config import FP8Config
 
 
-def apply(model: nn.Module, cfg: FP8Config) -> list[str]:
+def apply(model: nn.Module, cfg: FP8Config, world: int = 1) -> list[str]:
     """Add the speed-only structure to an FP8-converted `model` in place (idempotent): fast kernels,
-    then cfg.fuse_projections, cfg.fuse_swiglu, cfg.cache_weights. Returns what it did, for the log."""
+    then cfg.fuse_projections, cfg.fuse_swiglu, cfg.cache_weights (over `world` FSDP2 ranks: before
+    fully_shard). Returns what it did, for the log."""
     for m in model.modules():
         if is_fp8_linear(m) and type(m.kernels) is TorchaoKernels:
             m.kernels = _dual_quant_kernels()
@@ -48,7 +51,10 @@ def apply(model: nn.Module, cfg: FP8Config) -> list[str]:
         done.append(f"{n} q/k/v + gate/up groups fused into one GEMM each")
     if cfg.fuse_projections and cfg.fuse_swiglu and (n := fuse_swiglu(model)):
         done.append(f"{n} SwiGLU MLPs with silu*mul inside the FP8 quantization")
-    if cfg.cache_weights:
+    if cfg.cache_weights and world > 1:
+        done.append(f"{gather_fp8_weights(model, world)} FP8 weights all-gathered in FP8, each rank's shard "
+                    "quantized once per optimizer step")
+    elif cfg.cache_weights:
         done.append(f"{attach_weight_caches(model)} FP8 weights cached between optimizer steps")
     return done
 

@@ -449,3 +449,48 @@ def test_torchao_paths_under_activation_checkpointing(opts, backend):
     print(f"\ncheckpointed torchao model {opts} compile={backend}: {len(ref_grads) - len(differ)}/{len(ref_grads)} "
           "gradients bitwise equal")
     assert not differ, differ
+
+
+@pytest.mark.parametrize("ranks", [2, 8])
+def test_gathered_fp8_operands_equal_torchao_weight_quantizers(ranks):
+    """fp8.cache_weights over FSDP2 ranks (fp8/fast/gather.py): each rank's shard quantized by torchao's
+    transposed-rhs quantizer, the bytes and scales concatenated as FSDP2's all-gather does, give the
+    forward and dgrad operands torchao's quantizers make of the whole (fused) weight: same bytes, same
+    layouts."""
+    from fp8.fast.gather import GatheredFP8Weight, GatheredKernels, _quantize
+    from fp8.torchao import TorchaoKernels
+
+    ws = (weight((2048, 1024), seed=1), weight((1024, 1024), seed=2))  # a fused group (q and k, say)
+
+    def gathered(w):
+        parts = [_quantize(s, torchao=True) for s in w.chunk(ranks)]
+        return GatheredFP8Weight(torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]), w.dtype)
+
+    kernels, g = TorchaoKernels(), tuple(gathered(w) for w in ws)
+    for got, want in ((GatheredKernels(kernels).weight_fwd(g), kernels.weight_fwd(ws)),
+                      (GatheredKernels(kernels).weight_dgrad(g), kernels.weight_dgrad(ws))):
+        assert same_bytes(got[0], want[0]) and got[0].shape == want[0].shape and got[0].stride() == want[0].stride()
+        assert torch.equal(got[1], want[1]) and got[1].shape == want[1].shape and got[1].stride() == want[1].stride()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fp8_all_gather_under_fsdp2_computes_the_same_logprobs(tmp_path):
+    """2 GPUs, NCCL, compiled layers: bench/trainer_pass.py's fp8_cached mode (the weights all-gathered in
+    FP8) computes the fp8 mode's log-probabilities exactly, the model built and sharded as the trainer does."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    wide = ["model.tiny.hidden_size=256", "model.tiny.intermediate_size=512", "model.tiny.num_heads=8",
+            "model.tiny.num_kv_heads=8"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "bench/trainer_pass.py", "--config", "configs/tiny_cpu.yaml", "--set", *wide, "--rows", "2",
+                        "--prompt", "5", "--response", "250", "--iters", "2", "--compile", "--modes", "fp8,fp8_cached",
+                        "--out", str(tmp_path)], capture_output=True, text=True, cwd=repo, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "8 FP8 weights all-gathered in FP8" in p.stdout
+    runs = {r["mode"]: r for r in json.loads((tmp_path / "trainer_pass.json").read_text())["runs"]}
+    print({m: (r["logp_sum"], r["logprobs_ms"], r["train_ms"]) for m, r in runs.items()})
+    assert runs["fp8_cached fsdp2"]["logp_sum"] == runs["fp8 fsdp2"]["logp_sum"]
