@@ -190,10 +190,10 @@ def gather_fp8_weights(model: nn.Module, world: int) -> int:
     GEMMs done."""
     n, seen = 0, set()
     for m in model.modules():
-        if not is_fp8_linear(m) or id(m.kernels) in seen or isinstance(m.kernels, GatheredKernels):
+        if not is_fp8_linear(m) or id(m) in seen or isinstance(m.kernels, GatheredKernels):
             continue
-        members = m.group.members if isinstance(m, FusedLinear) else [m]
-        seen.add(id(m.kernels))
+        members = m.group.members if isinstance(m, FusedLinear) else [m]  # (kernels objects may be shared)
+        seen.update(id(x) for x in members)
         if not all(can_gather(x.weight, world) for x in members):
             continue
         kernels = GatheredKernels(m.kernels)
