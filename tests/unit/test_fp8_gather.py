@@ -64,3 +64,27 @@ def test_gathered_weight_serves_only_the_fp8_gemm():
     assert type(g.detach()) is GatheredFP8Weight
     with pytest.raises(NotImplementedError, match="fp8.cache_weights=false"):
         F.linear(torch.randn(3, 128), g)
+
+
+def test_every_gemm_gathers_when_linears_share_one_kernels_object():
+    """torchao's linears share one kernels object (fp8.fast's DualQuantKernels): each GEMM is still visited
+    once, by its members. At 2 ranks a layer's q/k/v group stays bf16-gathered (k/v: 128 rows, 64 a rank),
+    its gate/up group, o_proj and down_proj gather FP8."""
+    from config import FP8Config
+    from fp8.fast.gather import gather_fp8_weights
+    from fp8.linear import is_fp8_linear
+    from test_fp8_linear import convert_fast, tiny_llama
+
+    model = tiny_llama(layers=2)
+    convert_fast(model, FP8Config())
+    shared = EmulatedKernels("torchao")
+    for m in model.modules():
+        if is_fp8_linear(m):
+            m.kernels = shared
+    assert gather_fp8_weights(model, 2) == 6
+    layer = model.model.layers[0]
+    assert type(layer.self_attn.k_proj.weight.data) is torch.Tensor
+    assert all(type(m.weight.data) is ShardedFP8Weight for m in (layer.mlp.gate_proj, layer.mlp.up_proj,
+                                                                 layer.mlp.down_proj, layer.self_attn.o_proj))
+    assert layer.mlp.gate_proj.kernels is layer.mlp.up_proj.kernels and isinstance(layer.mlp.up_proj.kernels,
+                                                                                   GatheredKernels)
