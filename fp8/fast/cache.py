@@ -21,12 +21,33 @@ from fp8.fast.fused import FusedLinear
 from fp8.linear import is_fp8_linear
 
 
-class WeightCache:
+class KernelsWrapper:
+    """Kernels of one FP8 GEMM that make its weight operands their own way (weight_fwd, weight_dgrad) and
+    leave the rest to the kernels they wrap."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def fwd(self, x2, w_op, save=False):
+        return self.kernels.fwd(x2, w_op, save)
+
+    def bwd(self, g2, w_op, saved, need_x, need_w):
+        return self.kernels.bwd(g2, w_op, saved, need_x, need_w)
+
+    def fwd_swiglu(self, gu, w_op, save=False):
+        return self.kernels.fwd_swiglu(gu, w_op, save)
+
+    def bwd_swiglu(self, grad_h, gu, w_op, saved, need_x, need_w):
+        return self.kernels.bwd_swiglu(grad_h, gu, w_op, saved, need_x, need_w)
+
+
+class WeightCache(KernelsWrapper):
     """Kernels of one FP8 GEMM (a linear's, or a fused group's) whose weight_fwd/weight_dgrad return
     the operands `kernels` made of the current weights, kept between optimizer steps."""
 
     def __init__(self, kernels, weights: list[Tensor]):
-        self.kernels, self.weights = kernels, weights
+        super().__init__(kernels)
+        self.weights = weights
         self.fwd_op: tuple[Tensor, ...] | None = None
         self.dgrad_op: tuple[Tensor, ...] | None = None
         self.key: tuple | None = None
@@ -71,19 +92,6 @@ class WeightCache:
         for t, n in zip(self._operands(), self._sizes):
             t.untyped_storage().resize_(n)
         self.refresh()
-
-    # the rest is the wrapped kernels'
-    def fwd(self, x2, w_op, save=False):
-        return self.kernels.fwd(x2, w_op, save)
-
-    def bwd(self, g2, w_op, saved, need_x, need_w):
-        return self.kernels.bwd(g2, w_op, saved, need_x, need_w)
-
-    def fwd_swiglu(self, gu, w_op, save=False):
-        return self.kernels.fwd_swiglu(gu, w_op, save)
-
-    def bwd_swiglu(self, grad_h, gu, w_op, saved, need_x, need_w):
-        return self.kernels.bwd_swiglu(grad_h, gu, w_op, saved, need_x, need_w)
 
 
 def attach_weight_caches(model: nn.Module) -> int:

@@ -29,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from fp8.fast.cache import KernelsWrapper
 from fp8.fast.fused import FusedLinear
 from fp8.linear import cat_weights, is_fp8_linear
 from fp8.quant import BLOCK, dequantize_blockwise, quantize_blockwise
@@ -141,13 +142,14 @@ class GatheredFP8Weight(torch.Tensor):
         return f"GatheredFP8Weight(shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
-class GatheredKernels:
+class GatheredKernels(KernelsWrapper):
     """Kernels of one FP8 GEMM whose weights FSDP2 all-gathers in FP8: the weight operands come from the
     gathered bytes and scales (a fused group's concatenated along the output dim); the rest is the
     wrapped kernels'."""
 
     def __init__(self, kernels):
-        self.kernels, self.torchao = kernels, isinstance(kernels, TorchaoKernels)
+        super().__init__(kernels)
+        self.torchao = isinstance(kernels, TorchaoKernels)
 
     @staticmethod
     def _cat(weights: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
@@ -164,18 +166,6 @@ class GatheredKernels:
             return self.weight_fwd(weights)
         data, scale = self._cat(weights)  # weight_rhs's layout: W [N, K] column-major, scales likewise
         return data.t().contiguous().t(), scale.t().contiguous().t()
-
-    def fwd(self, x2, w_op, save=False):
-        return self.kernels.fwd(x2, w_op, save)
-
-    def bwd(self, g2, w_op, saved, need_x, need_w):
-        return self.kernels.bwd(g2, w_op, saved, need_x, need_w)
-
-    def fwd_swiglu(self, gu, w_op, save=False):
-        return self.kernels.fwd_swiglu(gu, w_op, save)
-
-    def bwd_swiglu(self, grad_h, gu, w_op, saved, need_x, need_w):
-        return self.kernels.bwd_swiglu(grad_h, gu, w_op, saved, need_x, need_w)
 
 
 def can_gather(weight: Tensor, world: int) -> bool:
