@@ -418,7 +418,7 @@ def run_row(model_name: str, w: Workload, args, base: dict, *label: str) -> dict
 
 
 KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match wins)
-    ("attention", r"flash|fmha|attn|attention|paged"),
+    ("attention", r"flash|fmha|attn|attention|paged|kernel_mha|xqa"),  # kernel_mha: FlashInfer's XQA decode
     ("gemm", r"gemm|cutlass|xmma|nvjet|matmul|_mm_|scaled_mm|w8a8"),
     ("act_quant", r"quant|fp8"),
     ("norm/rope", r"norm|rotary|rope"),
@@ -479,6 +479,10 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
                     f"{row['decode_step_ms']:.2f} ms per step unprofiled\n\n{text}")
     say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
         f"({row['out_tok_s']:,.0f} tok/s); kernels per step {row['kernel_ms_per_step']}")
+    if row["seqs_fit"] < w.prompts:  # the prefix cache cannot keep every prompt: the window prefills again
+        row["note"] = (f"the KV cache holds {row['seqs_fit']} of these {w.prompts} sequences: evicted prompts are "
+                       "prefilled again inside the window, so this is not a decode step's time")
+        say(f"WARNING {w.name}: {row['note']}")
     return row
 
 

@@ -91,6 +91,7 @@ def test_decode_profile_kernel_kinds():
         "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>(...)": "attention",
         "void flash::FlashAttnFwdCombine<...>": "attention",
         "kernel_unified_attention": "attention",  # vLLM's Triton backend (fp8.kv_attention=triton)
+        "kernel_mha(unsigned int, float, float const*, Vec<__nv_bfloat16, 128u>*, ...)": "attention",  # XQA
         "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>(...)": "gemm",
         "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "gemm",
         "_w8a8_triton_block_scaled_mm": "gemm",
