@@ -192,7 +192,8 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
     backend = cfg.train.compile if cfg.train.compile != "auto" else "inductor" if d.device.type == "cuda" else "none"
     if backend != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
         distributed.compile_layers(model, backend)
-    # after FP8 conversion: FSDP2 all-gathers the weight each FP8 linear then quantizes, as on one GPU
+    # after FP8 conversion: FSDP2 all-gathers the weight each FP8 linear then quantizes, as on one GPU (with
+    # fp8.cache_weights: the FP8 bytes of each rank's shard, quantized once per optimizer step; fp8/fast/gather.py)
     distributed.shard(model, d, bf16_compute=mixed)
     if ref_model is not None:
         distributed.shard(ref_model, d, bf16_compute=mixed)
