@@ -15,9 +15,9 @@ The trainer is FSDP2: `fully_shard` per decoder layer, then the root; parameters
 dtype (fp32 master or bf16), compute runs in bf16 where the run asks for it, and gradients are
 reduce-scattered in fp32. FP8 linears (torchao or emulated) are converted before sharding, so
 they see the all-gathered weight exactly like on one GPU; with fp8.cache_weights the all-gather moves
-each rank's shard as FP8 bytes and block scales instead (fp8/fast/gather.py; checkpoints stay plain). Refit streams the export one parameter
-at a time (`fp8/export.py` gathers each DTensor with `full_tensor()`): no full-model copy on any
-rank. Checkpoints are sharded the same way: each rank writes and reads its own shards
+each rank's shard as FP8 bytes and block scales instead (fp8/fast/gather.py; checkpoints stay plain).
+Refit streams the export one parameter at a time (`fp8/export.py` gathers each DTensor with
+`full_tensor()`): no full-model copy on any rank. Checkpoints are sharded the same way: each rank writes and reads its own shards
 (checkpoint.py, torch.distributed.checkpoint), which DCP reshards for another world size.
 
 Loss scaling: a micro-batch's loss is weighted by its share of the GLOBAL mini-batch (tokens or
