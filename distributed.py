@@ -17,8 +17,9 @@ reduce-scattered in fp32. FP8 linears (torchao or emulated) are converted before
 they see the all-gathered weight exactly like on one GPU; with fp8.cache_weights the all-gather moves
 each rank's shard as FP8 bytes and block scales instead (fp8/fast/gather.py; checkpoints stay plain).
 Refit streams the export one parameter at a time (`fp8/export.py` gathers each DTensor with
-`full_tensor()`): no full-model copy on any rank. Checkpoints are sharded the same way: each rank writes and reads its own shards
-(checkpoint.py, torch.distributed.checkpoint), which DCP reshards for another world size.
+`full_tensor()`): no full-model copy on any rank. Checkpoints are sharded the same way: each rank
+writes and reads its own shards (checkpoint.py, torch.distributed.checkpoint), which DCP reshards for
+another world size.
 
 Loss scaling: a micro-batch's loss is weighted by its share of the GLOBAL mini-batch (tokens or
 rows), and FSDP2's gradient averaging over ranks is undone by `grad_scale` = world size, so the
@@ -322,9 +323,22 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     moments have tensors to load into."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from fp8.fast.gather import plain_state  # fp8.cache_weights over ranks: its shards saved as plain tensors
+    return _plain(get_state_dict(model, optimizer, options=StateDictOptions()))
 
-    return plain_state(get_state_dict(model, optimizer, options=StateDictOptions()))
+
+def _plain(state):
+    """`state` with each tensor that wraps a plain one for FSDP2's all-gather (a `plain()` method: fp8.cache_weights
+    over ranks, fp8/fast/gather.py), or a DTensor of one, replaced by the plain tensor (same storage): checkpoints
+    hold plain tensors, whatever the all-gather moves."""
+    import torch.utils._pytree as pytree
+    from torch.distributed.tensor import DTensor
+
+    def plain(t):
+        if isinstance(t, DTensor) and hasattr(t._local_tensor, "plain"):
+            return DTensor.from_local(t._local_tensor.plain(), t.device_mesh, t.placements, run_check=False,
+                                      shape=t.shape, stride=t.stride())
+        return t.plain() if hasattr(t, "plain") else t
+    return pytree.tree_map_only(Tensor, plain, state)
 
 
 def load_sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:

@@ -92,6 +92,10 @@ class ShardedFP8Weight(torch.Tensor):
     def __repr__(self):
         return f"ShardedFP8Weight({self._tensor!r})"
 
+    def plain(self) -> Tensor:
+        """The wrapped tensor (same storage): what checkpoints save and load into (distributed.sharded_state)."""
+        return self._tensor
+
     @torch.no_grad()
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         key = (self._tensor._version, self._tensor.data_ptr())
@@ -202,16 +206,3 @@ def release_fp8_shards(model: nn.Module) -> None:
         local = getattr(p, "_local_tensor", p)
         if isinstance(local, ShardedFP8Weight):
             local._fp8 = None
-
-
-def plain_state(state: dict) -> dict:
-    """A state dict with each ShardedFP8Weight (or DTensor of one) replaced by the tensor it wraps (same
-    storage): what checkpoints save and load into."""
-    from torch.distributed.tensor import DTensor
-
-    def plain(t):
-        if isinstance(t, DTensor) and isinstance(t._local_tensor, ShardedFP8Weight):
-            return DTensor.from_local(t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
-                                      shape=t.shape, stride=t.stride())
-        return t._tensor if isinstance(t, ShardedFP8Weight) else t
-    return pytree.tree_map_only(Tensor, plain, state)
