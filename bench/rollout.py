@@ -7,6 +7,7 @@
     python bench/rollout.py --capacity-only          # Qwen3-8B KV-cache capacity per mode vs NeMo RL's
     python bench/rollout.py --decode-steps 64 --workloads 128x4096:64   # decode step ms by kernel kind
     python bench/rollout.py --modes fp8kv --set rollout.block_size=128  # a config override, every mode
+    python bench/rollout.py --modes fp8 --vllm 'compilation_config={"custom_ops": ["-quant_fp8"]}'  # a vllm.LLM keyword
     python bench/rollout.py --merge a/rollout.json b/rollout.json --out bench/results   # combine calls
 
 What runs: the trainer's engine (engines.vllm.VLLMEngine: in-process vLLM 0.26, dummy load, CUDA
@@ -38,6 +39,7 @@ bytes equally; kv_tokens_at_nemo_budget applies the shift that makes our BF16 ca
 """
 
 import argparse
+import json
 import math
 import os
 import re
@@ -328,6 +330,7 @@ def run_worker(args) -> int:
         if args.dry_run:
             engine = _DryEngine(cfg, args)
         else:
+            add_engine_kwargs(args.vllm)
             from engines.vllm import VLLMEngine
 
             engine = VLLMEngine(cfg, model, tokenizer, torch.device("cuda"), model_dir=str(model_dir))
@@ -411,8 +414,8 @@ def run_worker(args) -> int:
 
 
 def run_row(model_name: str, w: Workload, args, base: dict, *label: str) -> dict:
-    """A result row's common part; its workload label carries `label` ("decode") and the --set overrides."""
-    return {"kind": "run", "workload": " ".join([model_name, w.name, *label, *args.set]), "prompts": w.prompts,
+    """A result row's common part; its workload label carries `label` ("decode") and the overrides."""
+    return {"kind": "run", "workload": " ".join([model_name, w.name, *label, *overrides(args)]), "prompts": w.prompts,
             "prompt_len": w.prompt_len, "gen_len": w.gen_len, **base,
             "seqs_fit": base["kv_capacity_tokens"] // w.seq_len}
 
@@ -426,9 +429,47 @@ KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match win
 )
 
 
+def overrides(args) -> list[str]:
+    """--set overrides, then --vllm keywords as vllm.KEY=JSON: what sets a run apart in labels and file names."""
+    return [*args.set, *(f"vllm.{v}" for v in args.vllm)]
+
+
 def set_tag(overrides: list[str]) -> str:
-    """File-name suffix of --set overrides: "_rolloutblock_size128" for rollout.block_size=128."""
+    """File-name suffix of the overrides: "_rolloutblock_size128" for rollout.block_size=128."""
     return "".join("_" + re.sub(r"\W", "", o) for o in overrides)
+
+
+def parse_vllm_kwarg(text: str) -> str:
+    """--vllm KEY=JSON, checked here and kept as text (it goes to the children and into the labels)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: give KEY=JSON, a vllm.LLM keyword and its value, e.g. "
+                                         """compilation_config='{"custom_ops": ["-quant_fp8"]}'""")
+    try:
+        json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{key}: its value {value!r} is not JSON ({e}); a string needs its "
+                                         f"""quotes: {key}='"text"'""") from None
+    return text
+
+
+def merge_engine_kwargs(kwargs: dict, extra: dict) -> dict:
+    """kwargs with extra's keywords set; a dict goes into the dict the engine already set, key by key."""
+    out = dict(kwargs)
+    for k, v in extra.items():
+        out[k] = merge_engine_kwargs(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def add_engine_kwargs(texts: list[str]) -> None:
+    """--vllm: every engine this process builds gets these vllm.LLM keywords on top of the config's.
+    engines.vllm.vllm_engine_kwargs is wrapped, so that a benchmark can try a vLLM option the config
+    does not expose (a compilation pass, another linear backend) without a change to the engine."""
+    import engines.vllm as ev
+
+    extra = {key: json.loads(value) for key, _, value in (t.partition("=") for t in texts)}
+    make = ev.vllm_engine_kwargs
+    ev.vllm_engine_kwargs = lambda *a, **kw: merge_engine_kwargs(make(*a, **kw), extra)
 
 
 def kernel_table(prof, steps: int, top: int = 30) -> tuple[dict, str]:
@@ -474,7 +515,8 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)
     row["kernel_ms_per_step"], text = kernel_table(prof, n)
-    path = Path(args.result_file).parent / f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(args.set)}.txt"
+    stem = f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(overrides(args))}"
+    path = Path(args.result_file).parent / f"{stem}.txt"
     path.write_text(f"{row['workload']} {base['mode']}: {n} decode steps at batch {w.prompts}, "
                     f"{row['decode_step_ms']:.2f} ms per step unprofiled\n\n{text}")
     say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
@@ -582,6 +624,8 @@ def worker_argv(args, model: str, mode: str, result_file: Path, deadline: float 
         argv += ["--decode-steps", str(args.decode_steps)]
     for o in args.set:
         argv += ["--set", o]
+    for v in args.vllm:
+        argv += ["--vllm", v]
     if deadline:
         argv += ["--deadline", f"{deadline:.1f}"]
     if args.dry_run:
@@ -598,7 +642,7 @@ def run_parent(args) -> int:
     logs = out / "logs"
     name = "rollout_capacity" if args.capacity_only else "rollout"
     models = args.models or (["qwen3-8b"] if args.capacity_only else ["llama3.1-8b"])
-    suffix = "_capacity" if args.capacity_only else set_tag(args.set)
+    suffix = "_capacity" if args.capacity_only else set_tag(overrides(args))
     jobs = []
     for model in models:
         for mode in args.modes or DEFAULT_MODES:
@@ -665,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "G unused) timed and profiled by kernel kind (OUT/logs/decode_*.txt)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every mode (e.g. rollout.block_size=128); part of the workload label")
+    p.add_argument("--vllm", action="append", default=[], type=parse_vllm_kwarg, metavar="KEY=JSON",
+                   help="a vllm.LLM keyword for every mode, on top of the config's (a dict is merged into the "
+                        "engine's): vLLM options the config does not expose; part of the workload label")
     p.add_argument("--refits", type=int, default=3, help="update_weights calls timed (median reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results); logs in OUT/logs")

@@ -85,6 +85,33 @@ def test_worker_argv_round_trips():
     assert br.set_tag(w.set) == "_rolloutblock_size64_rolloutseed3"  # file names: no '=' or '.'
 
 
+def test_vllm_keywords_reach_the_engine_kwargs_and_the_labels(monkeypatch, tmp_path, capsys):
+    """--vllm KEY=JSON: checked at parse time, passed to the children, merged into the engine's vllm.LLM
+    keywords (a dict key by key), and part of the workload label and file names."""
+    import engines.vllm as ev
+
+    for bad, msg in [("custom_ops", "give KEY=JSON"), ("compilation_config={custom_ops: 1}", "is not JSON"),
+                     ("linear_backend=flashinfer_cutlass", "a string needs its quotes")]:
+        with pytest.raises(SystemExit) as e:
+            br.main(["--vllm", bad, "--out", str(tmp_path)])
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+    cc = 'compilation_config={"custom_ops": ["-quant_fp8"]}'
+    args = br.build_parser().parse_args(["--set", "rollout.seed=3", "--vllm", cc, "--vllm", 'hf_overrides={"x": 1}'])
+    w = br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[2:])
+    assert w.vllm == [cc, 'hf_overrides={"x": 1}']
+    assert br.overrides(w) == ["rollout.seed=3", f"vllm.{cc}", 'vllm.hf_overrides={"x": 1}']
+    assert br.set_tag(br.overrides(w)[:2]) == "_rolloutseed3_vllmcompilation_configcustom_opsquant_fp8"
+
+    monkeypatch.setattr(ev, "vllm_engine_kwargs", ev.vllm_engine_kwargs)  # restored after the test
+    plain = ev.vllm_engine_kwargs(br.bench_config("bf16", args.workloads, 0.5), "dir", architecture="LlamaForCausalLM")
+    br.add_engine_kwargs(w.vllm)
+    kw = ev.vllm_engine_kwargs(br.bench_config("bf16", args.workloads, 0.5), "dir", architecture="LlamaForCausalLM")
+    assert kw == {**plain, "compilation_config": {"custom_ops": ["-quant_fp8"]},
+                  "hf_overrides": {"architectures": ["LlamaForCausalLM"], "x": 1}}
+    assert br.merge_engine_kwargs({"a": {"b": 1, "c": {"d": 2}}, "e": 3}, {"a": {"c": {"f": 4}}, "e": {"g": 5}}) == \
+        {"a": {"b": 1, "c": {"d": 2, "f": 4}}, "e": {"g": 5}}
+
+
 def test_decode_profile_kernel_kinds():
     """Kernel names as vLLM 0.26's decode step launches them on an H100/H200 land in the right kind."""
     names = {
