@@ -81,8 +81,10 @@
 #                                      each part that has finished packed into $OUT/NAME_job<k>.tgz as it ends, with
 #                                      its rc; the folder removed once every part is collected
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
-# 8B step shapes, H100: ~190 s of a first FP8 step) and bench/triton_autotune_moe_h200.tgz (the expert
-# GEMMs' quantizers at Qwen3-30B-A3B's shapes, H200: over 300 s of a first run) and leaves all autotuning results in
+# 8B step shapes, H100: ~190 s of a first FP8 step), bench/triton_autotune_h200.tgz (the weight quantizers
+# at the shipped 8B configs' one-GPU shapes that the first lacks, H200) and bench/triton_autotune_moe_h200.tgz
+# (the expert GEMMs' quantizers at Qwen3-30B-A3B's shapes, H200: over 300 s of a first run; both H100 and H200
+# are sm_90, so Triton's cache keys match across them) and leaves all autotuning results in
 # $OUT/triton_autotune.tgz (refresh the shipped file from it when shapes or the bundle change).
 # FlashInfer's JIT-built modules likewise from .gpu_cache/flashinfer_aot.tgz when it is there (below).
 # Child logs of the rollout and align parts: $OUT/logs/. $OUT/smi.csv: nvidia-smi's utilization/clock/power log.
@@ -91,7 +93,7 @@ OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"; BG_DIR=${BG_DIR:-$HOME/bg}
 export PYTHONUNBUFFERED=1 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.log"
 TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}  # fp8.torchao.keep_triton_autotuning's dir
-for seed in bench/triton_autotune_h100.tgz bench/triton_autotune_moe_h200.tgz; do
+for seed in bench/triton_autotune_h100.tgz bench/triton_autotune_h200.tgz bench/triton_autotune_moe_h200.tgz; do
   mkdir -p "$TRITON_DIR" && tar -xzf $seed -C "$TRITON_DIR" && echo "seeded $TRITON_DIR with $seed" | tee -a "$OUT/env.log"
 done
 # FlashInfer's JIT modules (XQA decode, FP8 prefill: minutes of nvcc at a fresh host's first FP8 KV engine)
