@@ -112,6 +112,37 @@ def test_vllm_keywords_reach_the_engine_kwargs_and_the_labels(monkeypatch, tmp_p
         {"a": {"b": 1, "c": {"d": 2, "f": 4}}, "e": {"g": 5}}
 
 
+def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path):
+    """decode_step_ms is a window's wall time per step, fixed costs included; decode_step_marginal_ms the
+    second half's per step, without them. A stand-in engine advances a stand-in clock: 0.5 s a call + 20 ms a
+    step."""
+    import torch
+
+    from rollout import Sample
+
+    class Clock:
+        t = 0.0
+
+        def perf_counter(self):
+            return self.t
+
+    class Engine:
+        def generate(self, prompts, max_new_tokens, **kw):
+            clock.t += 0.5 + 0.02 * max_new_tokens
+            return [Sample(i, p, [1] * max_new_tokens, [0.0] * max_new_tokens, "length") for i, p in enumerate(prompts)]
+
+    clock = Clock()
+    monkeypatch.setattr(br, "time", clock)
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: None)
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: None)
+    args = br.build_parser().parse_args(["--decode-steps", "64", "--result-file", str(tmp_path / "r.jsonl")])
+    base = {"model": "llama3.1-8b", "mode": "fp8kv", "kv_capacity_tokens": 10**6}
+    row = br.decode_row(Engine(), br.parse_workload("4x16:64"), args, base, "llama3.1-8b", 100, 0)
+    assert row["decode_step_ms"] == pytest.approx(1e3 * (0.5 + 0.02 * 64) / 64, abs=1e-3)  # (rounded to us)
+    assert row["decode_step_marginal_ms"] == pytest.approx(20.0, abs=1e-3) and row["gen_tokens"] == 4 * 64
+    assert "marginal" in (tmp_path / "decode_llama3.1-8b_fp8kv_4x16_64.txt").read_text().splitlines()[0]
+
+
 def test_decode_profile_kernel_kinds():
     """Kernel names as vLLM 0.26's decode step launches them on an H100/H200 land in the right kind."""
     names = {
