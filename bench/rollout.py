@@ -524,12 +524,11 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     row["kernel_ms_per_step"], text = kernel_table(prof, n)
     stem = f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(overrides(args))}"
     path = Path(args.result_file).parent / f"{stem}.txt"
+    marginal = row.get("decode_step_marginal_ms", float("nan"))
     path.write_text(f"{row['workload']} {base['mode']}: {n} decode steps at batch {w.prompts}, "
-                    f"{row['decode_step_ms']:.2f} ms per step unprofiled "
-                    f"({row.get('decode_step_marginal_ms', float('nan')):.2f} marginal)\n\n{text}")
+                    f"{row['decode_step_ms']:.2f} ms per step unprofiled ({marginal:.2f} marginal)\n\n{text}")
     say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
-        f"({row['out_tok_s']:,.0f} tok/s; {row.get('decode_step_marginal_ms', float('nan')):.2f} ms marginal); "
-        f"kernels per step {row['kernel_ms_per_step']}")
+        f"({row['out_tok_s']:,.0f} tok/s; {marginal:.2f} ms marginal); kernels per step {row['kernel_ms_per_step']}")
     if row["seqs_fit"] < w.prompts:  # the prefix cache cannot keep every prompt: the window prefills again
         row["note"] = (f"the KV cache holds {row['seqs_fit']} of these {w.prompts} sequences: evicted prompts are "
                        "prefilled again inside the window, so this is not a decode step's time")
