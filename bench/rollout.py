@@ -6,6 +6,7 @@
     python bench/rollout.py --workloads '512x256->1024,64x1024->8192' --modes bf16,fp8kv
     python bench/rollout.py --capacity-only          # Qwen3-8B KV-cache capacity per mode vs NeMo RL's
     python bench/rollout.py --decode-steps 64 --workloads 128x4096:64   # decode step ms by kernel kind
+    python bench/rollout.py --decode-steps 64 --workloads 128x4096:64 --modes fp8kv --set fp8.kv_attention=xqa --no-pdl
     python bench/rollout.py --modes fp8kv --set rollout.block_size=128  # a config override, every mode
     python bench/rollout.py --modes fp8 --vllm 'compilation_config={"custom_ops": ["-quant_fp8"]}'  # a vllm.LLM keyword
     python bench/rollout.py --merge a/rollout.json b/rollout.json --out bench/results   # combine calls
@@ -151,6 +152,12 @@ def parse_models(text: str) -> list[str]:
             raise argparse.ArgumentTypeError(f"model {t!r} is not one of {sorted(MODELS) + sorted(ALIASES)}")
         out.append(name)
     return out
+
+
+def parse_repeats(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--decode-repeats {text!r}: a whole number >= 1")
+    return int(text)
 
 
 def parse_gpu_mem(text: str) -> str:
@@ -322,6 +329,8 @@ def run_worker(args) -> int:
         gpu_mem = (auto_gpu_memory_utilization(total, trainer_bytes) if args.gpu_mem == "auto"
                    else float(args.gpu_mem))
         cfg = bench_config(mode, workloads, gpu_mem, args.capacity_only, tuple(args.set))
+        if args.no_pdl:
+            launch_flashinfer_decode_without_pdl()
         base.update(device=device_name, gpu_memory_utilization=gpu_mem, enforce_eager=cfg.rollout.enforce_eager,
                     gpu_total_gib=round(total / GiB, 1), trainer_gib=round(param_bytes(model) / GiB, 2),
                     kv_bytes_per_token=kv_bytes_per_token(hf_cfg, cfg.fp8.kv_cache))
@@ -429,9 +438,19 @@ KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match win
 )
 
 
+def launch_flashinfer_decode_without_pdl() -> None:
+    """--no-pdl: FlashInfer's decode (XQA on SM90) launched without programmatic dependent launch, which it
+    enables on SM90 unless told otherwise and vLLM 0.26 does not tell it. flashinfer.decode resolves its
+    default at each call from this module global, and the engine core runs in this process."""
+    import flashinfer.decode
+
+    flashinfer.decode.device_support_pdl = lambda device: False
+
+
 def overrides(args) -> list[str]:
-    """--set overrides, then --vllm keywords as vllm.KEY=JSON: what sets a run apart in labels and file names."""
-    return [*args.set, *(f"vllm.{v}" for v in args.vllm)]
+    """--set overrides, --vllm keywords as vllm.KEY=JSON, --no-pdl: what sets a run apart in labels and file
+    names."""
+    return [*args.set, *(f"vllm.{v}" for v in args.vllm), *(["flashinfer.pdl=off"] if args.no_pdl else [])]
 
 
 def set_tag(overrides: list[str]) -> str:
@@ -491,13 +510,15 @@ def kernel_table(prof, steps: int, top: int = 30) -> tuple[dict, str]:
 
 def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: int, k: int) -> dict:
     """Decode step time at batch w.prompts and context ~w.prompt_len: the prompts go through once with
-    one new token (their KV stays in vLLM's prefix cache), then args.decode_steps new tokens are timed
-    (each sequence's last prompt block is recomputed: a small prefill) inside cudaProfilerStart/Stop (ncu
-    --profile-from-start off sees these steps only), then half as many unprofiled, then the full window under
-    torch.profiler; the kernel table goes to OUT/logs/decode_<model>_<mode>_<workload>.txt. decode_step_ms is the
-    window's wall time per step, with its fixed costs (admitting the requests, hashing their prompt blocks, the
-    last blocks' prefill); decode_step_marginal_ms is what the second half of the window added per step, the
-    fixed costs cancelled (its contexts are up to n / 2 tokens longer)."""
+    one new token (their KV stays in vLLM's prefix cache), then windows of args.decode_steps new tokens and of
+    half as many are timed in turn, args.decode_repeats times (each sequence's last prompt block is recomputed:
+    a small prefill; the first full window runs inside cudaProfilerStart/Stop, which `ncu --profile-from-start
+    off` sees alone), then a full window under torch.profiler; the kernel table goes to
+    OUT/logs/decode_<model>_<mode>_<workload>.txt. decode_step_ms is the median full window's wall time per step,
+    with its fixed costs (admitting the requests, hashing their prompt blocks, the last blocks' prefill);
+    decode_step_marginal_ms what the median full window adds to the median half window per step, the fixed costs
+    cancelled (its contexts are up to n / 2 tokens longer). A single pair of windows left that difference
+    several ms off at 64 steps, below the kernels' own time, hence the repeats; decode_windows_s keeps them all."""
     import torch
 
     prompts, n = random_prompts(w, vocab, args.seed + k), args.decode_steps
@@ -505,19 +526,24 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     t0 = time.perf_counter()
     engine.generate(prompts, max_new_tokens=1, **gen)
     prefill_s = time.perf_counter() - t0
-    torch.cuda.profiler.start()  # (a no-op unless a profiler waits for it: `ncu --profile-from-start off`)
-    t0 = time.perf_counter()
-    samples = engine.generate(prompts, max_new_tokens=n, **gen)
-    dt = time.perf_counter() - t0
-    torch.cuda.profiler.stop()
-    tokens = sum(len(s.token_ids) for s in samples)
+    windows: dict[int, list[float]] = {n: [], n // 2: []}
+    for r in range(args.decode_repeats):
+        for steps in windows if n >= 2 else (n,):
+            if r == 0 and steps == n:  # (a no-op unless a profiler waits for it: `ncu --profile-from-start off`)
+                torch.cuda.profiler.start()
+            t0 = time.perf_counter()
+            samples = engine.generate(prompts, max_new_tokens=steps, **gen)
+            windows[steps].append(time.perf_counter() - t0)
+            if r == 0 and steps == n:
+                torch.cuda.profiler.stop()
+                tokens = sum(len(s.token_ids) for s in samples)
+    dt = statistics.median(windows[n])
     row = {**run_row(model_name, w, args, base, "decode"), "gen_len": n, "prefill_s": round(prefill_s, 3),
            "gen_s": round(dt, 3), "gen_tokens": tokens, "out_tok_s": round(tokens / dt, 1),
-           "decode_step_ms": round(1e3 * dt / n, 3)}
+           "decode_step_ms": round(1e3 * dt / n, 3),
+           "decode_windows_s": {str(steps): [round(t, 4) for t in ts] for steps, ts in windows.items() if ts}}
     if n >= 2:
-        t0 = time.perf_counter()
-        engine.generate(prompts, max_new_tokens=n // 2, **gen)
-        row["decode_step_marginal_ms"] = round(1e3 * (dt - (time.perf_counter() - t0)) / (n - n // 2), 3)
+        row["decode_step_marginal_ms"] = round(1e3 * (dt - statistics.median(windows[n // 2])) / (n - n // 2), 3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)
@@ -629,11 +655,13 @@ def worker_argv(args, model: str, mode: str, result_file: Path, deadline: float 
     if args.capacity_only:
         argv.append("--capacity-only")
     if args.decode_steps:
-        argv += ["--decode-steps", str(args.decode_steps)]
+        argv += ["--decode-steps", str(args.decode_steps), "--decode-repeats", str(args.decode_repeats)]
     for o in args.set:
         argv += ["--set", o]
     for v in args.vllm:
         argv += ["--vllm", v]
+    if args.no_pdl:
+        argv.append("--no-pdl")
     if deadline:
         argv += ["--deadline", f"{deadline:.1f}"]
     if args.dry_run:
@@ -715,11 +743,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=0,
                    help="instead of whole generations: N decode steps per workload PxL->G (batch P, context ~L, "
                         "G unused) timed and profiled by kernel kind (OUT/logs/decode_*.txt)")
+    p.add_argument("--decode-repeats", type=parse_repeats, default=3,
+                   help="with --decode-steps: timed windows of each length (median reported, all kept)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every mode (e.g. rollout.block_size=128); part of the workload label")
     p.add_argument("--vllm", action="append", default=[], type=parse_vllm_kwarg, metavar="KEY=JSON",
                    help="a vllm.LLM keyword for every mode, on top of the config's (a dict is merged into the "
                         "engine's): vLLM options the config does not expose; part of the workload label")
+    p.add_argument("--no-pdl", action="store_true",
+                   help="FlashInfer's decode kernels (XQA) launched without programmatic dependent launch, "
+                        "which flashinfer enables by default on SM90; part of the workload label")
     p.add_argument("--refits", type=int, default=3, help="update_weights calls timed (median reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results); logs in OUT/logs")

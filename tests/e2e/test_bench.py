@@ -112,10 +112,11 @@ def test_vllm_keywords_reach_the_engine_kwargs_and_the_labels(monkeypatch, tmp_p
         {"a": {"b": 1, "c": {"d": 2, "f": 4}}, "e": {"g": 5}}
 
 
-def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path):
-    """decode_step_ms is a window's wall time per step, fixed costs included; decode_step_marginal_ms the
-    second half's per step, without them. A stand-in engine advances a stand-in clock: 0.5 s a call + 20 ms a
-    step."""
+def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsys):
+    """decode_step_ms is the median full window's wall time per step, fixed costs included;
+    decode_step_marginal_ms the median full window less the median half window, per step, without them. A
+    stand-in engine advances a stand-in clock: 0.5 s a call + 20 ms a step, plus a fixed cost that varies by
+    call (+-0.3 s: one pair of windows would be 9 ms a step off), which the medians of 3 repeats leave out."""
     import torch
 
     from rollout import Sample
@@ -126,21 +127,43 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path):
         def perf_counter(self):
             return self.t
 
+    jitter = iter([0.0, 0.0, 0.0, 0.0, 0.3, 0.0, -0.3, 0.0])  # prefill, then (full, half) x 3, then the profiled
+
     class Engine:
         def generate(self, prompts, max_new_tokens, **kw):
-            clock.t += 0.5 + 0.02 * max_new_tokens
+            clock.t += 0.5 + next(jitter) + 0.02 * max_new_tokens
             return [Sample(i, p, [1] * max_new_tokens, [0.0] * max_new_tokens, "length") for i, p in enumerate(prompts)]
 
     clock = Clock()
     monkeypatch.setattr(br, "time", clock)
-    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: None)
-    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: None)
+    profiled = []
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: profiled.append(clock.t))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: profiled.append(clock.t))
     args = br.build_parser().parse_args(["--decode-steps", "64", "--result-file", str(tmp_path / "r.jsonl")])
     base = {"model": "llama3.1-8b", "mode": "fp8kv", "kv_capacity_tokens": 10**6}
     row = br.decode_row(Engine(), br.parse_workload("4x16:64"), args, base, "llama3.1-8b", 100, 0)
     assert row["decode_step_ms"] == pytest.approx(1e3 * (0.5 + 0.02 * 64) / 64, abs=1e-3)  # (rounded to us)
     assert row["decode_step_marginal_ms"] == pytest.approx(20.0, abs=1e-3) and row["gen_tokens"] == 4 * 64
+    assert row["decode_windows_s"] == {"64": [1.78, 1.78, 1.78], "32": [1.14, 1.44, 0.84]}
+    assert profiled == [0.52, 2.3]  # the first full window alone, for ncu
     assert "marginal" in (tmp_path / "decode_llama3.1-8b_fp8kv_4x16_64.txt").read_text().splitlines()[0]
+    for bad in ("0", "two"):
+        with pytest.raises(SystemExit) as e:
+            br.build_parser().parse_args(["--decode-repeats", bad])
+        assert e.value.code == 2 and "--decode-repeats" in capsys.readouterr().err
+
+
+def test_no_pdl_reaches_the_children_the_labels_and_flashinfer(monkeypatch):
+    """--no-pdl: passed to the children, part of the label, and flashinfer.decode's SM90 default turned off."""
+    args = br.build_parser().parse_args(["--no-pdl", "--set", "fp8.kv_attention=xqa"])
+    w = br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8kv", Path("/r"), None)[2:])
+    assert w.no_pdl and br.overrides(w) == ["fp8.kv_attention=xqa", "flashinfer.pdl=off"]
+    assert br.set_tag(br.overrides(w)) == "_fp8kv_attentionxqa_flashinferpdloff"
+    assert not br.build_parser().parse_args([]).no_pdl
+    decode = pytest.importorskip("flashinfer.decode")
+    monkeypatch.setattr(decode, "device_support_pdl", decode.device_support_pdl)  # restored after the test
+    br.launch_flashinfer_decode_without_pdl()
+    assert decode.device_support_pdl(torch.device("cuda", 0)) is False
 
 
 def test_decode_profile_kernel_kinds():
