@@ -65,7 +65,7 @@ def test_refused_only_when_the_tensors_alone_exceed_the_device():
     assert memory.check(e).startswith("warning: memory model: ")
     # 2 x H100: the shipped share (0.45) warns (the first refit's step); Qwen3's 152k-token vocabulary makes
     # its BF16 micro-batch of 4 x 4096 tokens warn too (measured 78.2 of 79.2 GiB). vLLM at 0.4 with
-    # micro-batches of 2 (the README's 80 GB launch line) fit below 92%
+    # micro-batches of 2 fit below 92%
     two = memory.estimate(LLAMA_8B, cfg("llama31_8b_fp8"), 2, H100)
     assert two.rollout_peak + two.first_refit > 0.92 * H100 and two.fp8_cache == pytest.approx(8.03e9 / 2 / 2**30, rel=1e-3)
     assert memory.check(two).startswith("warning: memory model: ")
@@ -74,7 +74,8 @@ def test_refused_only_when_the_tensors_alone_exceed_the_device():
     for name, shape in (("llama31_8b_fp8", LLAMA_8B), ("qwen3_8b_bf16", QWEN3_8B), ("qwen3_8b_fp8_kv", QWEN3_8B)):
         assert memory.check(memory.estimate(shape, cfg(name, "rollout.gpu_memory_utilization=0.4",
                                                        "train.micro_batch_size=2"), 2, H100)) is None, name
-        # the README's next 80 GB setting: micro-batches of 4 through the fused LM head fit below 92% too
+        # the README's 80 GB launch line: micro-batches of 4 through the fused LM head fit below 92% too (the model's
+        # trainer phase; measured 71.2 GiB for qwen3_8b_fp8_kv, which the model under-counts on 2 ranks: memory.py)
         four = memory.estimate(shape, cfg(name, "rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=4",
                                           "train.fused_head=true"), 2, H100)
         assert memory.check(four) is None and 59 < four.trainer_peak < 62.5 and four.peak < 72, (name, four)
@@ -83,7 +84,9 @@ def test_refused_only_when_the_tensors_alone_exceed_the_device():
 @pytest.mark.parametrize("name,shape,world,device,overrides,measured", [
     ("llama31_8b_fp8", LLAMA_8B, 1, H200, [], 125.9), ("llama31_8b_fp8", LLAMA_8B, 2, H200, [], 100.7),
     ("qwen3_8b_bf16", QWEN3_8B, 2, H100, ["rollout.gpu_memory_utilization=0.4"], 69.2),
-    ("qwen3_8b_fp8_kv", QWEN3_8B, 2, H100, ["rollout.gpu_memory_utilization=0.4"], 73.2)])
+    ("qwen3_8b_fp8_kv", QWEN3_8B, 2, H100, ["rollout.gpu_memory_utilization=0.4"], 73.2),
+    ("qwen3_8b_fp8_kv", QWEN3_8B, 2, H100, ["rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=4",
+                                            "train.fused_head=true"], 74.8)])
 def test_first_refit_step_within_5_percent_of_nvidia_smi(name, shape, world, device, overrides, measured):
     """Step 0's rollout-phase peak per GPU (nvidia-smi, docs/results.md) against rollout phase + first refit."""
     e = memory.estimate(shape, cfg(name, *overrides), world, device)
