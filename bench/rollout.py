@@ -54,8 +54,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.runner import (RESULTS, Job, add_ratio, cuda_kernels, emit, kernel_category, markdown_table,  # noqa: E402
-                          merge_files, parse_choices, read_records, read_results, run_jobs, say, update_results,
+from bench.runner import (RESULTS, Job, add_ratio, cuda_busy_ms, cuda_kernels, emit, kernel_category,  # noqa: E402
+                          markdown_table, merge_files, parse_choices, read_records, read_results, run_jobs, say, update_results,
                           visible_gpus)
 
 GiB = 1024**3
@@ -514,7 +514,8 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     half as many are timed in turn, args.decode_repeats times (each sequence's last prompt block is recomputed:
     a small prefill; the first full window runs inside cudaProfilerStart/Stop, which `ncu --profile-from-start
     off` sees alone), then a full window under torch.profiler; the kernel table goes to
-    OUT/logs/decode_<model>_<mode>_<workload>.txt. decode_step_ms is the median full window's wall time per step,
+    OUT/logs/decode_<model>_<mode>_<workload>.txt, and kernel_busy_ms_per_step is the time any kernel ran
+    (overlapping kernels once, where the table's kinds add them up). decode_step_ms is the median full window's wall time per step,
     with its fixed costs (admitting the requests, hashing their prompt blocks, the last blocks' prefill);
     decode_step_marginal_ms what the median full window adds to the median half window per step, the fixed costs
     cancelled (its contexts are up to n / 2 tokens longer). A single pair of windows left that difference
@@ -548,13 +549,17 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)
     row["kernel_ms_per_step"], text = kernel_table(prof, n)
+    row["kernel_busy_ms_per_step"] = round(cuda_busy_ms(prof) / n, 3)
     stem = f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(overrides(args))}"
     path = Path(args.result_file).parent / f"{stem}.txt"
     marginal = row.get("decode_step_marginal_ms", float("nan"))
+    busy = row["kernel_busy_ms_per_step"]
     path.write_text(f"{row['workload']} {base['mode']}: {n} decode steps at batch {w.prompts}, "
-                    f"{row['decode_step_ms']:.2f} ms per step unprofiled ({marginal:.2f} marginal)\n\n{text}")
+                    f"{row['decode_step_ms']:.2f} ms per step unprofiled ({marginal:.2f} marginal); kernels busy "
+                    f"{busy:.2f} ms per step (the kinds below add up overlapping kernels twice)\n\n{text}")
     say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
-        f"({row['out_tok_s']:,.0f} tok/s; {marginal:.2f} ms marginal); kernels per step {row['kernel_ms_per_step']}")
+        f"({row['out_tok_s']:,.0f} tok/s; {marginal:.2f} ms marginal; kernels busy {busy:.2f} ms); kernels per step "
+        f"{row['kernel_ms_per_step']}")
     if row["seqs_fit"] < w.prompts:  # the prefix cache cannot keep every prompt: the window prefills again
         row["note"] = (f"the KV cache holds {row['seqs_fit']} of these {w.prompts} sequences: evicted prompts are "
                        "prefilled again inside the window, so this is not a decode step's time")

@@ -85,6 +85,18 @@ def cuda_kernels(prof) -> list[tuple[str, float, int]]:
             if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
 
 
+def cuda_busy_ms(prof) -> float:
+    """ms during which at least one CUDA kernel ran in a torch.profiler run: the union of the kernels' intervals.
+    It falls below the sum of cuda_kernels' times where kernels overlap: other streams, or a kernel launched
+    early by programmatic dependent launch that waits inside for the one before it."""
+    busy, end = 0.0, float("-inf")
+    for start, stop in sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                              if e.device_type.name == "CUDA"):
+        if stop > end:
+            busy, end = busy + stop - max(start, end), stop
+    return busy / 1e3
+
+
 def kernel_category(name: str, table, default: str = "other") -> str:
     """The first category of table ((category, regex), ...) whose pattern occurs in name (any case)."""
     return next((cat for cat, pattern in table if re.search(pattern, name, re.I)), default)

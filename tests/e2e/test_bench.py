@@ -166,6 +166,21 @@ def test_no_pdl_reaches_the_children_the_labels_and_flashinfer(monkeypatch):
     assert decode.device_support_pdl(torch.device("cuda", 0)) is False
 
 
+def test_cuda_busy_ms_counts_overlapping_kernels_once():
+    """The union of the CUDA kernels' intervals: a kernel launched early (programmatic dependent launch) that
+    waits inside for the one before it adds only its own tail; CPU events are not counted."""
+    from types import SimpleNamespace as NS
+
+    def event(kind, start_us, end_us):
+        return NS(device_type=NS(name=kind), time_range=NS(start=start_us, end=end_us))
+
+    events = [event("CUDA", 0, 280), event("CUDA", 200, 290),  # XQA, then a quantization that started at 200
+              event("CPU", 0, 5000), event("CUDA", 1000, 1100), event("CUDA", 1020, 1050),  # one inside another
+              event("CUDA", 300, 300)]  # an empty interval
+    assert runner.cuda_busy_ms(NS(events=lambda: events)) == pytest.approx((290 + 100) / 1e3)
+    assert runner.cuda_busy_ms(NS(events=lambda: [])) == 0.0
+
+
 def test_decode_profile_kernel_kinds():
     """Kernel names as vLLM 0.26's decode step launches them on an H100/H200 land in the right kind."""
     names = {
