@@ -13,8 +13,9 @@ optimizer steps of 32 samples per rollout step. Everything else is the shipped c
 weights and the optimizer, gradient checkpointing, fp8.*, the loss, vLLM's memory share and sleep mode.
 train.probe gives the rewards variance and logs probe/policy_gain. Prints one row per config: step
 time by phase (last step; step 0 also autotunes and captures), mem/peak_gib next to nvidia-smi's peak
-memory.used over the run, the share of weights the last optimizer step changed, the mismatch and the
-probe. Writes OUT/flagship.json, OUT/flagship.md and each run's log.
+memory.used over the run and the start-up memory model's peaks (model_*_gib, from the run's log), the share
+of weights the last optimizer step changed, the mismatch and the probe. Writes OUT/flagship.json,
+OUT/flagship.md and each run's log.
 
 --shipped runs the FP8 configs and their BF16 twins (SHIPPED_PAIRS) at their own workload: the config's
 n (32), generation budget (3584 new tokens) and micro-batch, its number of optimizer steps per step (4)
@@ -68,6 +69,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -244,6 +246,18 @@ def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int
             **({"compiled_graphs": [m["compile/graphs"] for m in steps]} if "compile/graphs" in last else {})}
 
 
+MODEL_PEAKS = re.compile(r"peak: trainer phase ([\d.]+), rollout phase ([\d.]+)"
+                         r"(?: \(\+ ([\d.]+) in the first refit's step\))?")
+
+
+def memory_model(log: Path) -> dict:
+    """The start-up memory model's peaks in a run's log (memory.describe, GiB per rank), to set beside the
+    measured ones: the trainer phase, and the rollout phase + the first refit (step 0's); {} where absent."""
+    m = MODEL_PEAKS.search(log.read_text(errors="replace")) if log.is_file() else None
+    return {} if m is None else {"model_trainer_peak_gib": float(m[1]),
+                                 "model_step0_rollout_peak_gib": round(float(m[2]) + float(m[3] or 0), 1)}
+
+
 def family(config: str) -> str:
     """SHAPES key of a shipped config name."""
     return "qwen3_moe" if config.startswith("qwen3_30b_a3b") else "qwen3" if config.startswith("qwen3") else "llama"
@@ -378,7 +392,8 @@ def main():
         finally:
             slots.append(slot)
         mib = [int(x) for x in (out / f"smi_{name}.txt").read_text().split() if x.isdigit()]
-        result = {**row(name, metrics, mib, time.time() - t0, rc), "gpu": gpu, "gpus": args.ranks}
+        result = {**row(name, metrics, mib, time.time() - t0, rc), **memory_model(out / f"{name}.log"), "gpu": gpu,
+                  "gpus": args.ranks}
         if args.shipped:
             result.update(workload=workload(config, args.prompts, result), date=time.strftime("%Y-%m-%d"),
                           command=" ".join(["bash scripts/gpu_check.sh shipped --prompts", str(args.prompts),

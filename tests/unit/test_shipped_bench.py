@@ -62,6 +62,23 @@ def test_a_run_row_holds_steps_that_moved_no_weight():
     assert (r["changed_frac"], r["steps"], r["step_s"], r["rollout_s"]) == (0.98, 3, 10.0, 4.0)
 
 
+def test_a_run_row_carries_the_memory_models_peaks(tmp_path):
+    """The start-up memory model's peaks, read from the run's log as memory.describe writes them."""
+    import memory
+    from test_memory import QWEN3_8B, H100, cfg
+
+    fc = _flagship()
+    e = memory.estimate(QWEN3_8B, cfg("qwen3_8b_fp8_kv", "rollout.gpu_memory_utilization=0.4"), 2, H100)
+    log = tmp_path / "run.log"
+    log.write_text("INFO vllm noise\n" + "\n".join(f"[rank0]: {line}" for line in memory.describe(e).splitlines()))
+    assert fc.memory_model(log) == {"model_trainer_peak_gib": round(e.trainer_peak, 1),
+                                    "model_step0_rollout_peak_gib": round(round(e.rollout_peak, 1)
+                                                                          + round(e.first_refit, 1), 1)}
+    assert fc.memory_model(tmp_path / "absent.log") == {}
+    log.write_text("no model here")
+    assert fc.memory_model(log) == {}
+
+
 def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
     """--parallel --ranks 2: each run gets its own two GPUs (CUDA_VISIBLE_DEVICES), side by side, and every
     run's row lands in flagship.json and the pair rows (a stand-in for train_grpo.py writes the metrics)."""
