@@ -55,8 +55,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.runner import (RESULTS, Job, add_ratio, cuda_busy_ms, cuda_kernels, emit, kernel_category,  # noqa: E402
-                          markdown_table, merge_files, parse_choices, read_records, read_results, run_jobs, say, update_results,
-                          visible_gpus)
+                          markdown_table, merge_files, parse_choices, read_records, read_results, run_jobs, say,
+                          update_results, visible_gpus)
 
 GiB = 1024**3
 MODES = {  # bench mode -> config overrides (fp8.rollout, fp8.kv_cache)
@@ -515,11 +515,12 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     a small prefill; the first full window runs inside cudaProfilerStart/Stop, which `ncu --profile-from-start
     off` sees alone), then a full window under torch.profiler; the kernel table goes to
     OUT/logs/decode_<model>_<mode>_<workload>.txt, and kernel_busy_ms_per_step is the time any kernel ran
-    (overlapping kernels once, where the table's kinds add them up). decode_step_ms is the median full window's wall time per step,
-    with its fixed costs (admitting the requests, hashing their prompt blocks, the last blocks' prefill);
-    decode_step_marginal_ms what the median full window adds to the median half window per step, the fixed costs
-    cancelled (its contexts are up to n / 2 tokens longer). A single pair of windows left that difference
-    several ms off at 64 steps, below the kernels' own time, hence the repeats; decode_windows_s keeps them all."""
+    (overlapping kernels once, where the table's kinds add them up). decode_step_ms is the median full window's
+    wall time per step, with its fixed costs (admitting the requests, hashing their prompt blocks, the last
+    blocks' prefill); decode_step_marginal_ms what the median full window adds to the median half window per
+    step, the fixed costs cancelled (its contexts are up to n / 2 tokens longer). A single pair of windows left
+    that difference several ms off at 64 steps, below the kernels' own time, hence the repeats;
+    decode_windows_s keeps them all."""
     import torch
 
     prompts, n = random_prompts(w, vocab, args.seed + k), args.decode_steps
