@@ -21,6 +21,13 @@ with --variants):
                    BF16 q, bmm1_scale = softmax_scale * k_scale and bmm2_scale = v_scale as TENSORS
   xqa_fp8_const    the same with Python-float scales (how vLLM passes them): the control for the
                    scale check (expected scale_update_ok False) and the cost of the tensor scales
+  xqa_fp8_nopdl    xqa_fp8 launched without programmatic dependent launch (flashinfer's enable_pdl, which
+                   defaults on for SM90 and which vLLM 0.26 leaves at its default)
+  <variant>_quant  each call followed by o_proj's input quantization as vLLM's block-FP8 linear runs it
+                   (per_token_group_quant_fp8 of the [batch, q_heads x head_dim] output, groups of 128,
+                   column-major scales): fa3_fp8_quant, xqa_fp8_quant, xqa_fp8_nopdl_quant. In a profiled
+                   decode step that kernel took 70 us a call after XQA and 3 us after FA3; the pair's time
+                   here says whether PDL costs time or only moves it between the two kernels' spans
 FA3 gets its scheduler metadata ahead of time with the same num_splits (vLLM's full-CUDA-graph path).
 The KV cache is vLLM's layout: one tensor per layer, physically (blocks, block_size, kv_heads,
 2 * head_dim), K and V the two halves of the last dim (--separate-kv: two contiguous tensors); the
@@ -52,7 +59,8 @@ from bench import runner  # noqa: E402
 from bench.runner import (add_ratio, cuda_time_ms, markdown_table, parse_choices, run_inline,  # noqa: E402
                           write_results)
 
-VARIANTS = ["fa3_bf16", "fa3_fp8", "fa3_fp8_splits1", "triton_fp8", "xqa_fp8", "xqa_fp8_const"]
+VARIANTS = ["fa3_bf16", "fa3_fp8", "fa3_fp8_splits1", "triton_fp8", "xqa_fp8", "xqa_fp8_const", "xqa_fp8_nopdl",
+            "fa3_fp8_quant", "xqa_fp8_quant", "xqa_fp8_nopdl_quant"]
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 COLS = ["workload", "mode", "us", "kv_tb_s", "speedup", "max_abs_err", "rel_err", "scale_update_ok", "error"]
@@ -204,6 +212,15 @@ def make_workload(a, block_size: int, device="cuda") -> SimpleNamespace:
 def build(variant: str, w: SimpleNamespace, out: torch.Tensor):
     """launch() writing `out` for `variant`: everything it does is what the CUDA graph captures."""
     a, shape, dev = w.args, (w.args.batch, w.args.kv_heads), w.q.device
+    if variant.endswith("_quant"):
+        from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+        attention = build(variant.removesuffix("_quant"), w, out)
+
+        def launch():
+            attention()
+            per_token_group_quant_fp8(out.view(a.batch, -1), 128, column_major_scales=True, use_ue8m0=False)
+        return launch
     if variant.startswith("fa3"):
         from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
 
@@ -246,12 +263,13 @@ def build(variant: str, w: SimpleNamespace, out: torch.Tensor):
     const = (w.sm_scale * w.k_scale.item(), w.v_scale.item())
 
     def launch():
-        if variant == "xqa_fp8":
+        if variant != "xqa_fp8_const":
             torch.mul(w.k_scale, w.sm_scale, out=bmm1)  # in the graph: follows k_scale
         b1, b2 = const if variant == "xqa_fp8_const" else (bmm1, w.v_scale)
         trtllm_batch_decode_with_kv_cache(query=w.q, kv_cache=(w.k8, w.v8), workspace_buffer=workspace,
                                           block_tables=w.bt, seq_lens=w.seq_lens, max_seq_len=a.context,
-                                          bmm1_scale=b1, bmm2_scale=b2, out=out, kv_layout="NHD", backend="xqa")
+                                          bmm1_scale=b1, bmm2_scale=b2, out=out, kv_layout="NHD", backend="xqa",
+                                          enable_pdl=False if variant == "xqa_fp8_nopdl" else None)
     return launch
 
 

@@ -145,6 +145,7 @@ def installed_apis() -> dict:
     try:
         import flashinfer.decode
         import vllm
+        from vllm.model_executor.layers.quantization.utils import fp8_utils
         from vllm.v1.attention.ops import triton_unified_attention
     except Exception as e:
         pytest.skip(f"vllm / flashinfer do not import here ({type(e).__name__}: {e})")
@@ -156,23 +157,27 @@ def installed_apis() -> dict:
             "get_scheduler_metadata": inspect.signature(fa.get_scheduler_metadata),
             "unified_attention": inspect.signature(triton_unified_attention.unified_attention),
             "trtllm_batch_decode_with_kv_cache": inspect.signature(flashinfer.decode.trtllm_batch_decode_with_kv_cache),
-            "modules": (triton_unified_attention, flashinfer.decode)}
+            "per_token_group_quant_fp8": inspect.signature(fp8_utils.per_token_group_quant_fp8),
+            "modules": (triton_unified_attention, flashinfer.decode, fp8_utils)}
 
 
 def test_variants_bind_to_the_installed_signatures(monkeypatch):
     """Every variant's launch() on a tiny CPU workload, the kernels replaced by recorders that bind the
     call to the real function's signature: the keyword names, the FP8 q, the scales passed as the
-    workload's own tensors (what the in-place update relies on), floats only for xqa_fp8_const."""
+    workload's own tensors (what the in-place update relies on), floats only for xqa_fp8_const, PDL off only
+    for xqa_fp8_nopdl; a *_quant variant is its attention call, then o_proj's input quantization."""
     import types
 
     apis, calls = installed_apis(), []
-    triton_mod, flashinfer_decode = apis.pop("modules")
+    triton_mod, flashinfer_decode, fp8_utils = apis.pop("modules")
 
     def recorder(name):
         def call(*args, **kw):
             calls.append((name, apis[name].bind(*args, **kw).arguments))
             if name == "get_scheduler_metadata":
                 return torch.zeros(8, dtype=torch.int32)
+            if name == "per_token_group_quant_fp8":
+                return None
             out = kw.get("out")
             out.zero_()
             return out
@@ -184,12 +189,19 @@ def test_variants_bind_to_the_installed_signatures(monkeypatch):
     monkeypatch.setattr(triton_mod, "unified_attention", recorder("unified_attention"))
     monkeypatch.setattr(flashinfer_decode, "trtllm_batch_decode_with_kv_cache",
                         recorder("trtllm_batch_decode_with_kv_cache"))
+    monkeypatch.setattr(fp8_utils, "per_token_group_quant_fp8", recorder("per_token_group_quant_fp8"))
     a = da.build_parser().parse_args(["--batch", "2", "--context", "32", "--q-heads", "4", "--kv-heads", "2",
                                       "--head-dim", "16"])
     w = da.make_workload(a, 16, device="cpu")
     for variant in da.VARIANTS:
         calls.clear()
-        da.build(variant, w, torch.empty_like(w.q))()
+        out = torch.empty_like(w.q)
+        da.build(variant, w, out)()
+        if variant.endswith("_quant"):
+            name, kw = calls.pop()
+            assert name == "per_token_group_quant_fp8" and kw["x"].shape == (2, 4 * 16)
+            assert kw["x"].data_ptr() == out.data_ptr() and kw["group_size"] == 128 and kw["column_major_scales"]
+            variant = variant.removesuffix("_quant")
         name, kw = calls[-1]
         if variant.startswith("fa3"):
             meta = calls[0][1]
@@ -209,7 +221,8 @@ def test_variants_bind_to_the_installed_signatures(monkeypatch):
         else:
             assert name == "trtllm_batch_decode_with_kv_cache" and kw["backend"] == "xqa" and kw["kv_layout"] == "NHD"
             assert kw["query"].dtype == torch.bfloat16 and kw["kv_cache"][0] is w.k8
-            if variant == "xqa_fp8":
+            assert kw["enable_pdl"] is (False if variant == "xqa_fp8_nopdl" else None)  # None: flashinfer's default
+            if variant in ("xqa_fp8", "xqa_fp8_nopdl"):
                 assert kw["bmm2_scale"] is w.v_scale
                 assert kw["bmm1_scale"].item() == pytest.approx(w.k_scale.item() * w.sm_scale)
             else:
