@@ -412,8 +412,9 @@ def main():
             (out / "flagship.json").write_text(json.dumps(results, indent=1))
     (out / "flagship.json").write_text(json.dumps(results, indent=1))
     moe_cols = ["routing_mismatch", "routing_mismatch_tokens"] if any("routing_mismatch" in r for r in results) else []
-    cols = ["config", "ok", "step_s", *[f"{p}_s" for p in PHASES], "mem_peak_gib", "smi_peak_gib", "changed_frac",
-            "update_ratio_max", "token_mult_prob_error", "preemptions", *moe_cols, "policy_gain"]
+    cols = ["config", "ok", "step_s", *[f"{p}_s" for p in PHASES], "mem_peak_gib", "smi_peak_gib", "trainer_peak_gib",
+            "model_trainer_peak_gib", "changed_frac", "update_ratio_max", "token_mult_prob_error", "preemptions",
+            *moe_cols, "policy_gain"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in results]
     if args.shipped:
