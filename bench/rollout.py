@@ -329,8 +329,6 @@ def run_worker(args) -> int:
         gpu_mem = (auto_gpu_memory_utilization(total, trainer_bytes) if args.gpu_mem == "auto"
                    else float(args.gpu_mem))
         cfg = bench_config(mode, workloads, gpu_mem, args.capacity_only, tuple(args.set))
-        if args.no_pdl:
-            launch_flashinfer_decode_without_pdl()
         base.update(device=device_name, gpu_memory_utilization=gpu_mem, enforce_eager=cfg.rollout.enforce_eager,
                     gpu_total_gib=round(total / GiB, 1), trainer_gib=round(param_bytes(model) / GiB, 2),
                     kv_bytes_per_token=kv_bytes_per_token(hf_cfg, cfg.fp8.kv_cache))
@@ -340,6 +338,8 @@ def run_worker(args) -> int:
             engine = _DryEngine(cfg, args)
         else:
             add_engine_kwargs(args.vllm)
+            if args.no_pdl:
+                launch_flashinfer_decode_without_pdl()
             from engines.vllm import VLLMEngine
 
             engine = VLLMEngine(cfg, model, tokenizer, torch.device("cuda"), model_dir=str(model_dir))
@@ -528,22 +528,23 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     t0 = time.perf_counter()
     engine.generate(prompts, max_new_tokens=1, **gen)
     prefill_s = time.perf_counter() - t0
-    windows: dict[int, list[float]] = {n: [], n // 2: []}
+    windows: dict[int, list[float]] = {n: [], n // 2: []} if n >= 2 else {n: []}
     for r in range(args.decode_repeats):
-        for steps in windows if n >= 2 else (n,):
-            if r == 0 and steps == n:  # (a no-op unless a profiler waits for it: `ncu --profile-from-start off`)
+        for steps in windows:
+            first = r == 0 and steps == n
+            if first:  # (a no-op unless a profiler waits for it: `ncu --profile-from-start off`)
                 torch.cuda.profiler.start()
             t0 = time.perf_counter()
             samples = engine.generate(prompts, max_new_tokens=steps, **gen)
             windows[steps].append(time.perf_counter() - t0)
-            if r == 0 and steps == n:
+            if first:
                 torch.cuda.profiler.stop()
                 tokens = sum(len(s.token_ids) for s in samples)
     dt = statistics.median(windows[n])
     row = {**run_row(model_name, w, args, base, "decode"), "gen_len": n, "prefill_s": round(prefill_s, 3),
            "gen_s": round(dt, 3), "gen_tokens": tokens, "out_tok_s": round(tokens / dt, 1),
            "decode_step_ms": round(1e3 * dt / n, 3),
-           "decode_windows_s": {str(steps): [round(t, 4) for t in ts] for steps, ts in windows.items() if ts}}
+           "decode_windows_s": {str(steps): [round(t, 4) for t in ts] for steps, ts in windows.items()}}
     if n >= 2:
         row["decode_step_marginal_ms"] = round(1e3 * (dt - statistics.median(windows[n // 2])) / (n - n // 2), 3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
