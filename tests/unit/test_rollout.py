@@ -172,6 +172,27 @@ def test_collate_rounds_length_for_fp8_tokens():
     assert padded[2].sum() == 61 + 65 and padded[3][1, 3:68].eq(-1.0).all()
 
 
+def test_collate_matches_a_row_by_row_fill():
+    """The masked fill puts each sample's tokens and logprobs where a row-by-row copy would: prompts
+    of any length, empty responses, float32 logprobs as torch.tensor rounds them."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(9):
+        p, r = (int(x) for x in torch.randint(1, 12, (2,), generator=g))
+        r = 0 if i == 4 else r
+        samples.append(Sample(i // 3, torch.randint(1, 50, (p,), generator=g).tolist(),
+                              torch.randint(1, 50, (r,), generator=g).tolist(),
+                              (-torch.rand(r, generator=g, dtype=torch.float64)).tolist(), "stop"))
+    ids, am, mask, logp = collate(samples, pad_id=0, multiple=8)
+    assert ids.shape[1] % 8 == 0 and ids.dtype == am.dtype == torch.long and mask.dtype == logp.dtype == torch.float32
+    for i, s in enumerate(samples):
+        p, r = len(s.prompt_ids), len(s.token_ids)
+        assert ids[i, :p + r].tolist() == s.prompt_ids + s.token_ids and not ids[i, p + r:].any()
+        assert am[i].tolist() == [1] * (p + r) + [0] * (ids.shape[1] - p - r)
+        assert mask[i].nonzero().flatten().tolist() == list(range(p, p + r))
+        assert torch.equal(logp[i, p:p + r], torch.tensor(s.logprobs)) and logp[i].count_nonzero() == r
+
+
 def test_greedy_is_deterministic_and_eos_ends_samples():
     cfg, model, tok, engine = make()
     prompts = [tok("1+1=").input_ids]
