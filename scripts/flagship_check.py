@@ -146,7 +146,7 @@ def gpu_name() -> str:
 
 def shipped_rows(results: list[dict], pairs: dict[str, str] = SHIPPED_PAIRS) -> list[dict]:
     """A row per pair {config: baseline} (default SHIPPED_PAIRS) whose two runs both finished, on the same
-    GPU kind; its command: the runs' (one, or the two that ran side by side)."""
+    GPU kind; its command: the runs' (one, or both, joined by " ; ": run one after the other, they repeat it)."""
     by = {r["config"]: r for r in results if r.get("ok")}
     rows = []
     for config, baseline in pairs.items():
@@ -157,7 +157,7 @@ def shipped_rows(results: list[dict], pairs: dict[str, str] = SHIPPED_PAIRS) -> 
                      "step_s": a["step_s"], "baseline_step_s": b["step_s"], "gpus": a.get("gpus", 1),
                      "gpu": a.get("gpu", ""),
                      "workload": a.get("workload", ""), "date": a.get("date", ""),
-                     "command": " & ".join(dict.fromkeys(r.get("command", "") for r in (a, b))),
+                     "command": " ; ".join(dict.fromkeys(r.get("command", "") for r in (a, b))),
                      "phases": {c: {k: r[k] for k in r if k.endswith("_s") or k.endswith("_gib")} for c, r in
                                 ((config, a), (baseline, b))}})
     return rows

@@ -47,7 +47,7 @@ def test_shipped_rows_pair_runs_of_one_gpu_kind():
     row = rows[0]
     assert (row["config"], row["baseline"], row["ratio"], row["step_s"], row["baseline_step_s"]) == \
         ("llama31_8b_fp8", "llama31_8b_bf16", 1.25, 100.0, 125.0)
-    assert (row["gpu"], row["gpus"], row["workload"], row["command"], row["date"]) == ("H200", 1, "w", "c & c0", "2026-11-26")
+    assert (row["gpu"], row["gpus"], row["workload"], row["command"], row["date"]) == ("H200", 1, "w", "c ; c0", "2026-11-26")
     assert row["phases"]["llama31_8b_bf16"]["rollout_s"] == 60.0
 
 
