@@ -191,6 +191,9 @@ def test_collate_matches_a_row_by_row_fill():
         assert am[i].tolist() == [1] * (p + r) + [0] * (ids.shape[1] - p - r)
         assert mask[i].nonzero().flatten().tolist() == list(range(p, p + r))
         assert torch.equal(logp[i, p:p + r], torch.tensor(s.logprobs)) and logp[i].count_nonzero() == r
+    samples[2] = Sample(0, [5], [7, 8], [-1.0], "stop")
+    with pytest.raises(ValueError, match="sample 2 has 1 logprobs for 2 response tokens"):
+        collate(samples, pad_id=0)
 
 
 def test_greedy_is_deterministic_and_eos_ends_samples():
