@@ -3,6 +3,7 @@
 bench/results/shipped_<gpu>.json."""
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,25 @@ def test_async_needs_shipped(tmp_path):
     p = subprocess.run([sys.executable, str(REPO / "scripts/flagship_check.py"), "--async", "--out", str(tmp_path / "o"),
                         "--configs", "llama31_8b_fp8"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("error: --async compares") and not (tmp_path / "o").exists()
+
+
+def test_plot_shipped_draws_the_last_pair_of_each_config_and_gpu(tmp_path):
+    """scripts/plot_shipped.py: a later row of the same config and GPU kind replaces the earlier one; the
+    rest of the step is what the three phases leave; an unreadable results file is a one-line error."""
+    import subprocess
+    import sys
+
+    phases = {"qwen3_8b_fp8_kv": {"step_s": 60.0, "rollout_s": 30.0, "logprobs_s": 6.0, "train_s": 22.0},
+              "qwen3_8b_bf16": {"step_s": 90.0, "rollout_s": 40.0, "logprobs_s": 7.0, "train_s": 41.0}}
+    row = {"config": "qwen3_8b_fp8_kv", "baseline": "qwen3_8b_bf16", "ratio": 1.5, "gpu": "H100", "gpus": 2,
+           "workload": "8 prompts x 32 samples", "date": "2026-11-28", "phases": phases}
+    path = tmp_path / "shipped_h100.json"
+    path.write_text(json.dumps([{**row, "ratio": 0.9, "date": "2026-11-26"}, row]))
+    script = str(REPO / "scripts/plot_shipped.py")
+    out = subprocess.run([sys.executable, script, "--results", str(path), "--out", str(tmp_path / "figs")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "| qwen3_8b_fp8_kv | 2 x H100 | 2026-11-28 | 60.0 | 30.00 | 6.00 | 22.00 | 2.00 | 1.5 |" in out
+    assert "2026-11-26" not in out and (tmp_path / "figs/shipped_pairs.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, script, "--results", str(tmp_path / "missing.json")],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --results") and len(bad.stderr.splitlines()) == 1
