@@ -93,6 +93,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"; BG_DIR=${BG_DIR:-$HOME/bg}
 export PYTHONUNBUFFERED=1 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.log"
+# several GPUs: how they are linked (NV# = NVLink, else PCIe paths), which multi-GPU step times depend on
+[ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ] && nvidia-smi topo -m >>"$OUT/env.log" 2>&1
 TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}  # fp8.torchao.keep_triton_autotuning's dir
 for seed in bench/triton_autotune_h100.tgz bench/triton_autotune_h200.tgz bench/triton_autotune_moe_h200.tgz; do
   mkdir -p "$TRITON_DIR" && tar -xzf $seed -C "$TRITON_DIR" && echo "seeded $TRITON_DIR with $seed" | tee -a "$OUT/env.log"
