@@ -2,7 +2,7 @@
 scripts/flagship_check.py --shipped (bench/results/shipped_<gpu>.json).
 
     python scripts/plot_shipped.py                  # the committed H200 and H100 files -> docs/figures
-    python scripts/plot_shipped.py --results OUT/shipped_h100.json --out /tmp/figs
+    python scripts/plot_shipped.py --results OUT/shipped_h100.json --out figs
 
 One pair of bars per (config, GPU kind): rollout, logprobs, train and the rest of the step (assembly,
 refit, recalibration, ...), in seconds, the ratio (BF16 step / FP8 step) beside each pair. Writes
