@@ -48,7 +48,8 @@ def collate(samples, pad_id: int, multiple: int = 1):
         s = samples[bad[0]]
         raise ValueError(f"collate: sample {bad[0]} has {len(s.logprobs)} logprobs for {len(s.token_ids)} response tokens")
     prompt = torch.tensor([len(s.prompt_ids) for s in samples])
-    total = prompt + torch.tensor([len(s.token_ids) for s in samples])
+    response_len = torch.tensor([len(s.token_ids) for s in samples])
+    total = prompt + response_len
     L = -(-int(total.max()) // multiple) * multiple
     pos = torch.arange(L)[None, :]
     real = pos < total[:, None]                                   # [B, L] prompt + response
@@ -56,7 +57,7 @@ def collate(samples, pad_id: int, multiple: int = 1):
     input_ids = torch.full(real.shape, pad_id, dtype=torch.long)
     input_ids[real] = _flat((x for s in samples for x in (s.prompt_ids, s.token_ids)), int(total.sum()), np.int64)
     rollout_logp = torch.zeros(real.shape)
-    rollout_logp[response] = _flat((s.logprobs for s in samples), int(response.sum()), np.float32)
+    rollout_logp[response] = _flat((s.logprobs for s in samples), int(response_len.sum()), np.float32)
     return input_ids, real.long(), response.float(), rollout_logp
 
 
