@@ -4,8 +4,9 @@ scripts/flagship_check.py --shipped (bench/results/shipped_<gpu>.json).
     python scripts/plot_shipped.py                  # the committed H200 and H100 files -> docs/figures
     python scripts/plot_shipped.py --results OUT/shipped_h100.json --out figs
 
-One pair of bars per (config, GPU kind): rollout, logprobs, train and the rest of the step (assembly,
-refit, recalibration, ...), in seconds, the ratio (BF16 step / FP8 step) beside each pair. Writes
+One pair of bars per (config, GPU kind, GPU count): rollout, logprobs, train and the rest of the step
+(assembly, refit, recalibration, ...), in seconds, the ratio (BF16 step / FP8 step) beside each pair, and
+under each bar's name the overrides its run took. Writes
 OUT/shipped_pairs.png and prints a markdown table of the same numbers.
 """
 
@@ -41,13 +42,21 @@ def bars(row: dict, name: str) -> list[float]:
     return [*parts, max(0.0, p["step_s"] - sum(parts))]
 
 
+def overrides(row: dict, name: str) -> str:
+    """The key=value overrides (last key part only) of `name`'s run in the row's command: a pair merged from
+    two runs joins their commands with " ; ", each naming its config after --configs."""
+    parts = row.get("command", "").split(" ; ")
+    words = next((c.split() for c in parts if name in c.split()), parts[0].split())
+    return " ".join(w.split("=")[0].split(".")[-1] + "=" + w.split("=", 1)[1] for w in words if "=" in w)
+
+
 def table(pairs: list[dict]) -> str:
-    lines = ["| config vs twin | GPUs | date | step s | rollout | logprobs | train | rest | ratio |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config vs twin | GPUs | date | overrides | step s | rollout | logprobs | train | rest | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in pairs:
         for name in (r["config"], r["baseline"]):
-            lines.append(f"| {name} | {r.get('gpus', 1)} x {r['gpu']} | {r['date']} | {r['phases'][name]['step_s']} | "
-                         + " | ".join(f"{x:.2f}" for x in bars(r, name))
+            lines.append(f"| {name} | {r.get('gpus', 1)} x {r['gpu']} | {r['date']} | {overrides(r, name)} | "
+                         f"{r['phases'][name]['step_s']} | " + " | ".join(f"{x:.2f}" for x in bars(r, name))
                          + f" | {r['ratio'] if name == r['config'] else 1.0} |")
     return "\n".join(lines)
 
@@ -59,7 +68,7 @@ def plot(pairs: list[dict], out: Path) -> Path:
 
     labels = ("rollout", "logprobs", "train", "rest")
     colors = ("#4c72b0", "#dd8452", "#55a868", "#8c8c8c")
-    fig, ax = plt.subplots(figsize=(9, 0.9 + 0.8 * len(pairs)))
+    fig, ax = plt.subplots(figsize=(11, 0.9 + 0.8 * len(pairs)))
     y, ticks = 0.0, []
     for r in reversed(pairs):
         for name in (r["baseline"], r["config"]):
@@ -67,13 +76,14 @@ def plot(pairs: list[dict], out: Path) -> Path:
             for value, label, color in zip(bars(r, name), labels, colors):
                 ax.barh(y, value, left=left, color=color, label=label if y == 0 else None)
                 left += value
-            ticks.append((y, f"{name} ({r.get('gpus', 1)} x {r['gpu']}, {r['workload'].split(' x ')[0]})"))
+            label, extra = f"{name} ({r.get('gpus', 1)} x {r['gpu']}, {r['workload'].split(' x ')[0]})", overrides(r, name)
+            ticks.append((y, label + (f"\n{extra}" if extra else "")))
             y += 1
         longest = max(r["phases"][n]["step_s"] for n in (r["config"], r["baseline"]))
         ax.text(longest * 1.01, y - 1.5, f"{r['ratio']:.3f}x", va="center")
         y += 0.6
     ax.set_xlim(0, 1.1 * max(r["phases"][r["baseline"]]["step_s"] for r in pairs))
-    ax.set_yticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=8)
+    ax.set_yticks([t for t, _ in ticks], [label for _, label in ticks], fontsize=7)
     ax.set_xlabel("seconds per step (step 1)")
     ax.set_title("shipped 8B configs vs their BF16 twins, at their own workload")
     ax.legend(loc="lower right", fontsize=8)

@@ -183,20 +183,24 @@ def test_async_needs_shipped(tmp_path):
 
 def test_plot_shipped_draws_the_last_pair_of_each_config_and_gpu(tmp_path):
     """scripts/plot_shipped.py: a later row of the same config and GPU kind replaces the earlier one; the
-    rest of the step is what the three phases leave; an unreadable results file is a one-line error."""
+    rest of the step is what the three phases leave; each run shows its own overrides (a merged pair's
+    command holds two); an unreadable results file is a one-line error."""
     import subprocess
     import sys
 
     phases = {"qwen3_8b_fp8_kv": {"step_s": 60.0, "rollout_s": 30.0, "logprobs_s": 6.0, "train_s": 22.0},
               "qwen3_8b_bf16": {"step_s": 90.0, "rollout_s": 40.0, "logprobs_s": 7.0, "train_s": 41.0}}
+    cmd = "bash scripts/gpu_check.sh shipped --prompts 8 --ranks 2 --configs"
     row = {"config": "qwen3_8b_fp8_kv", "baseline": "qwen3_8b_bf16", "ratio": 1.5, "gpu": "H100", "gpus": 2,
-           "workload": "8 prompts x 32 samples", "date": "2026-11-28", "phases": phases}
+           "workload": "8 prompts x 32 samples", "date": "2026-11-28", "phases": phases,
+           "command": f"{cmd} qwen3_8b_fp8_kv train.micro_batch_size=4 ; {cmd} qwen3_8b_bf16 rollout.gpu_memory_utilization=0.4"}
     path = tmp_path / "shipped_h100.json"
     path.write_text(json.dumps([{**row, "ratio": 0.9, "date": "2026-11-26"}, row]))
     script = str(REPO / "scripts/plot_shipped.py")
     out = subprocess.run([sys.executable, script, "--results", str(path), "--out", str(tmp_path / "figs")],
                          capture_output=True, text=True, check=True).stdout
-    assert "| qwen3_8b_fp8_kv | 2 x H100 | 2026-11-28 | 60.0 | 30.00 | 6.00 | 22.00 | 2.00 | 1.5 |" in out
+    assert "| qwen3_8b_fp8_kv | 2 x H100 | 2026-11-28 | micro_batch_size=4 | 60.0 | 30.00 | 6.00 | 22.00 | 2.00 | 1.5 |" in out
+    assert "| qwen3_8b_bf16 | 2 x H100 | 2026-11-28 | gpu_memory_utilization=0.4 | 90.0 |" in out  # its own
     assert "2026-11-26" not in out and (tmp_path / "figs/shipped_pairs.png").stat().st_size > 0
     bad = subprocess.run([sys.executable, script, "--results", str(tmp_path / "missing.json")],
                          capture_output=True, text=True)
