@@ -56,6 +56,9 @@
 #   bash scripts/gpu_check.sh pass [ARGS]  bench/trainer_pass.py: the trainer's logprobs / train pass per
 #                                      micro-batch at the step's shape -> $OUT/trainer_pass.json (RANKS=2: under
 #                                      torchrun on 2 GPUs, FSDP2 as the trainer shards)
+#   bash scripts/gpu_check.sh phase [ARGS]  bench/trainer_phase.py: the trainer's logprobs and train phases of a
+#                                      step on a synthetic batch at a shipped config's workload (--engine: its
+#                                      vLLM engine asleep beside them) -> $OUT/trainer_phase.json (RANKS=2 as pass)
 #   bash scripts/gpu_check.sh gemm [ARGS]  bench/gemm.py: the trainer's three FP8 GEMMs per projection, cuBLAS vs
 #                                      DeepGEMM's dense GEMM vs BF16 -> $OUT/gemm.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
@@ -191,9 +194,9 @@ case "$1" in
   stack)    $PY bench/train.py "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
   step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
   gemm)     $PY bench/gemm.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_gemm.log" ;;
-  pass)     launch=(bench/trainer_pass.py); [ "${RANKS:-1}" -gt 1 ] \
-              && launch=(-m torch.distributed.run --standalone --nproc_per_node "$RANKS" bench/trainer_pass.py)
-            $PY "${launch[@]}" --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' | tee "$OUT/trainer_pass.log" ;;
+  pass|phase) script=bench/trainer_$1.py; launch=("$script"); [ "${RANKS:-1}" -gt 1 ] \
+              && launch=(-m torch.distributed.run --standalone --nproc_per_node "$RANKS" "$script")
+            $PY "${launch[@]}" --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' | tee "$OUT/trainer_$1.log" ;;
   quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
   jobs) limit=${JOBS_LIMIT:-560}; end=$(( $(date +%s) + limit )); i=0; pids=()
@@ -253,5 +256,5 @@ case "$1" in
          tar --exclude=triton_autotune.tgz -czf "$OUT/$2.tgz" -C "$BG_DIR" "$2"
          if [ -f "$dir/rc" ]; then echo "$2: finished, rc=$(cat "$dir/rc")"; rm -rf "$dir"
          else echo "$2: still running at COLLECT_LIMIT; its files so far in $OUT/$2.tgz; collect it again"; fi ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|queue|collect|rollout|capacity|stack|step|gemm|pass|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|queue|collect|rollout|capacity|stack|step|gemm|pass|phase|quant|ckpt" >&2; exit 2 ;;
 esac

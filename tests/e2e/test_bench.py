@@ -5,7 +5,7 @@ parsing, the 8B configs and model dirs (checked by vLLM's own EngineArgs/ModelCo
 tests/unit/test_vllm_args.py does), the worker's records (--dry-run engine), the child processes through
 the runner (spawn, stream, partial writes, a failing and a timed-out child), the derived figures
 and the table. train: the stack's FP8 plan per mode, one CPU step, FLOPs, inputs, a failing mode.
-trainer_pass and checkpoint: CPU smoke runs of the real CLI.
+trainer_pass, trainer_phase and checkpoint: CPU smoke runs of the real CLI.
 """
 
 import importlib
@@ -699,6 +699,27 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
     for mode in ("bf16", "fp8"):
         assert abs(by_mode[mode] - by_mode[f"{mode} unfused head"]) < 1e-4 * abs(by_mode[mode])
         assert by_mode[f"{mode} calib"] == by_mode[mode]  # recording changes no logprob
+
+
+def test_trainer_phase_runs_the_trainers_phases_under_fsdp2(tmp_path):
+    """bench/trainer_phase.py, torchrun with 2 gloo ranks: trainer.assemble_batch, old_logprob_phase and
+    train_phase on the synthetic batch, each rank its half of the samples in whole micro-batches, step 0
+    untimed; a --prompts that does not split into whole micro-batches is a one-line error, exit 2."""
+    cmd = ["bench/trainer_phase.py", "--config", "configs/tiny_cpu.yaml", "--set", "rollout.max_new_tokens=40",
+           "rollout.n=4", "train.micro_batch_size=4"]
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd,
+                        "--prompts", "8", "--prompt", "5", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads((tmp_path / "trainer_phase.json").read_text())
+    assert doc["overrides"] == ["rollout.max_new_tokens=40", "rollout.n=4", "train.micro_batch_size=4"]
+    runs = doc["runs"]
+    assert [(r["step"], r["timed"]) for r in runs] == [(0, False), (1, True)]
+    assert all(r["workload"].endswith("2 rank(s)") and r["samples_per_rank"] == 16 and r["micro_batches"] == 4
+               and r["response_mean"] == 40 and r["train_s"] > 0 and r["logprobs_s"] > 0 for r in runs)
+    bad = subprocess.run([sys.executable, *cmd[:3], "--set", "rollout.n=3", "train.micro_batch_size=4", "--prompts", "3",
+                          "--out", str(tmp_path / "bad")], capture_output=True, text=True, cwd=REPO)  # 9 samples
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --prompts 3:") and len(bad.stderr.splitlines()) == 1
+    assert not (tmp_path / "bad").exists()
 
 
 def test_trainer_pass_under_fsdp2_computes_the_unsharded_logprobs(tmp_path):
