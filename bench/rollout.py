@@ -99,10 +99,17 @@ TINY_FIELDS = {"arch": "arch", "hidden_size": "hidden_size", "intermediate_size"
                "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim", "vocab_size": "vocab_size",
                "max_position_embeddings": "max_position_embeddings", "num_experts": "num_experts",
                "num_experts_per_tok": "num_experts_per_tok", "moe_intermediate_size": "moe_intermediate_size"}
+SHIPPED_LENGTHS = (1400, 0.6)  # the shipped 8B workload's response lengths: log-normal (median tokens, sigma)
 NEMO_QWEN3_8B_KV_TOKENS = {"bf16": 249952, "fp8": 299344, "fp8kv": 598672}  # NeMo RL's FP8 docs
 CHAR_VOCAB = "".join(chr(c) for c in range(32, 127))  # the engine never decodes: any small vocab works
 FIRST_TOKEN = 3  # prompts use ids >= 3: 0, 1, 2 are the char tokenizer's <pad>, <bos>, <eos>
 
+
+
+def optimizer_steps(cfg) -> int:
+    """Optimizer steps per GRPO step of `cfg`: its samples over train.mini_batch_size (unset: one)."""
+    per_step = cfg.rollout.prompts_per_step * cfg.rollout.n
+    return per_step // (cfg.train.mini_batch_size or per_step)
 
 # ----------------------------------------------------------------------------------- parsing
 

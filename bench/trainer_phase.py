@@ -32,10 +32,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.rollout import ALIASES, MODELS, tiny_flow  # noqa: E402
+from bench.rollout import ALIASES, MODELS, SHIPPED_LENGTHS, optimizer_steps, tiny_flow  # noqa: E402
 from bench.runner import RESULTS, write_results  # noqa: E402
 
-MEDIAN, SIGMA = 1400, 0.6  # scripts/flagship_check.py LENGTHS: the shipped workload's response lengths
+MEDIAN, SIGMA = SHIPPED_LENGTHS
 
 
 def fail(why: str) -> None:
@@ -76,7 +76,7 @@ def main():
     import trainer
     from config import load_config
     from errors import UserError
-    from modeling import load_model_and_tokenizer, save_config_dir
+    from modeling import load_model_and_tokenizer
     from observe import freeze_gc_heap, gc_timer, save_profile, start_profile
     from optimizer import build_optimizer
     from probe import WeightChange
@@ -88,8 +88,7 @@ def main():
     try:
         base = load_config(args.config, [*shape, *args.set])
         samples, world = args.prompts * base.rollout.n, int(os.environ.get("WORLD_SIZE", "1"))
-        per_step = base.rollout.prompts_per_step * base.rollout.n  # the config's optimizer steps per step, kept
-        opt_steps = max(1, per_step // (base.train.mini_batch_size or per_step))
+        opt_steps = optimizer_steps(base)  # the config's optimizer steps per step, kept
         if args.prompts % world or samples % opt_steps or (samples // opt_steps // world) % base.train.micro_batch_size:
             fail(f"--prompts {args.prompts}: {samples} samples do not split into {opt_steps} optimizer steps of whole "
                  f"micro-batches of {base.train.micro_batch_size} on each of {world} rank(s); pick another --prompts")
@@ -106,13 +105,9 @@ def main():
     model, tokenizer = load_model_and_tokenizer(cfg.model, d.device)
     engine = None
     if args.engine:  # before the FP8 conversion, as train_grpo.py builds it; asleep from here on
-        import tempfile
-
         from rollout import make_engine
-        model_dir = save_config_dir(model, tokenizer, tempfile.mkdtemp(prefix="trainer_phase_")) \
-            if cfg.model.name_or_path == "tiny" else cfg.model.name_or_path
-        try:
-            engine = make_engine(cfg, model, tokenizer, d.device, model_dir, d)
+        try:  # model_dir None: the engine writes a tiny model's config dir itself
+            engine = make_engine(cfg, model, tokenizer, d.device, None, d)
         except UserError as e:
             fail(f"--engine: {e}")
         engine.sleep()

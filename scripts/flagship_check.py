@@ -79,7 +79,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench.rollout import MOE_LAYERS, tiny_flow  # noqa: E402
+from bench.rollout import MOE_LAYERS, SHIPPED_LENGTHS, optimizer_steps, tiny_flow  # noqa: E402
 from bench.runner import visible_gpus  # noqa: E402
 from learn_gate import _stop  # noqa: E402
 from plot_runs import load_rows  # noqa: E402
@@ -95,7 +95,7 @@ SHAPES = {  # the real models' dims (config.json of the hub checkpoints)
     "qwen3_moe": tiny_flow("qwen3-30b-a3b"),  # the layer count from --moe-layers (model.tiny.num_layers)
 }
 SHIPPED_PAIRS = {"llama31_8b_fp8": "llama31_8b_bf16", "qwen3_8b_fp8_kv": "qwen3_8b_bf16", "qwen3_8b_fp8": "qwen3_8b_bf16"}
-LENGTHS = (1400, 0.6)  # --shipped: the response lengths' log-normal (median tokens, sigma)
+LENGTHS = SHIPPED_LENGTHS  # --shipped: the response lengths' log-normal (median tokens, sigma)
 MIN_RUN_S = 120  # --time-limit: no run starts with less left
 SHORT_RUN = ["model.name_or_path=tiny", "data.source=synthetic", "data.template=plain", "data.instruction=",
              "data.max_prompt_tokens=128", "rollout.prompts_per_step=8", "rollout.n=8",
@@ -110,8 +110,7 @@ def shipped_run(config: str, prompts: int) -> list[str]:
     from config import load_config
     cfg = load_config(ROOT / "configs" / f"{config}.yaml")
     r, t = cfg.rollout, cfg.train
-    samples = prompts * r.n
-    opt_steps = r.prompts_per_step * r.n // (t.mini_batch_size or r.prompts_per_step * r.n)
+    samples, opt_steps = prompts * r.n, optimizer_steps(cfg)
     if samples % opt_steps or (samples // opt_steps) % t.micro_batch_size:
         print(f"error: --prompts {prompts}: {samples} samples do not split into {opt_steps} optimizer steps of whole "
               f"micro-batches of {t.micro_batch_size} ({config}); pick a multiple of {opt_steps}", file=sys.stderr)
