@@ -67,7 +67,7 @@ def micro_batches(n: int, size: int) -> list[slice]:
 
 
 def by_length(attention_mask: Tensor, rows: Tensor, size: int, multiple: int = 1, budget: int = 0,
-              count: int = 0) -> list[tuple[Tensor, int]]:
+              count: int = 0, align: int = 1) -> list[tuple[Tensor, int]]:
     """`rows` (indices into the batch) as micro-batches of `size`, longest first, each with the length
     it needs: its longest row rounded up to `multiple` (at most the batch's L). Rows of like length
     share a micro-batch, so a batch of varied lengths (reasoning RL: a long tail up to the budget)
@@ -77,13 +77,14 @@ def by_length(attention_mask: Tensor, rows: Tensor, size: int, multiple: int = 1
     micro-batch's length, at least one, instead of `size` rows; `multiple` is then a token multiple:
     each micro-batch's rows x length is one (its length rounded up to length_multiple(rows, multiple)),
     so the batch's L must be a multiple of `multiple`. count: split the micro-batches of the most rows
-    until there are `count` (FSDP2's forwards are collective: every rank runs as many)."""
+    until there are `count` (FSDP2's forwards are collective: every rank runs as many). align: every
+    length also a multiple of this (compiled layers; the batch's L must be one too)."""
     lengths = attention_mask[rows].sum(1).tolist()  # one host sync
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep their order
     L = attention_mask.shape[1]
 
     def length(start: int, stop: int) -> int:  # the micro-batch of order[start:stop]'s padded length
-        m = length_multiple(stop - start, multiple) if budget else multiple
+        m = math.lcm(length_multiple(stop - start, multiple) if budget else multiple, align)
         return min(L, -(-lengths[order[start]] // m) * m)
 
     spans = [(s.start, s.stop) for s in micro_batches(len(order), size)] if not budget else []
@@ -315,6 +316,7 @@ class StepBatch:
     ref_logp: Tensor | None = None  # [B, L] KL reference (loss.kl_coef > 0)
     routed_experts: Tensor | None = None  # [B, L, moe layers, k] int16 engine routing, -1 = none (routing.py)
     multiple: int = 1           # a micro-batch's length is a multiple of this (collate's; FP8 GEMMs' tokens)
+    align: int = 1              # and of this (Inductor-compiled layers: distributed.COMPILED_ALIGN)
 
     @property
     def answers(self) -> list[str]:

@@ -152,6 +152,11 @@ def required_decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 RECOMPILE_LIMIT = 64
+COMPILED_ALIGN = 8  # the trainer's batch lengths are a multiple of this when Inductor compiles the layers
+# Inductor's mix-order reduction (the RMSNorm backward's row and column sums in one kernel) decides by
+# the token count, so a dynamic-length graph guards on it (>= 1,280 tokens, >= 2 x hidden, >= 4,096):
+# a micro-batch length in a range not met before compiles the layer again. Off: no such guards.
+INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 
 
 def compile_layers(model: nn.Module, backend: str) -> None:
@@ -165,14 +170,19 @@ def compile_layers(model: nn.Module, backend: str) -> None:
     # and torch.utils.checkpoint stops the step (CheckpointError: different saved tensors).
     # dynamic=True (no static first variant) makes dynamo fail tracing the FP8 linears on CUDA
     # (docs/log.md); dynamo's automatic dynamic shapes mark only batch and length.
+    # A variant first met after step 0 costs seconds of compiling, and over FSDP2 every other rank
+    # waits for it: so no variants by length. Inductor guards on length % 8 (alignment; assemble_batch
+    # pads to COMPILED_ALIGN) and on length ranges (INDUCTOR_OPTIONS).
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    options = {"options": INDUCTOR_OPTIONS} if backend == "inductor" else {}
     for layer in required_decoder_layers(model):
-        layer.forward = torch.compile(layer.forward, backend=backend)
+        layer.forward = torch.compile(layer.forward, backend=backend, **options)
 
 
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far (the layers' variants, the optimizer's update):
-    logged per step as compile/graphs, so a step that grew it spent time compiling."""
+    logged per step as compile/graphs (summed over the ranks), so a step that grew it spent time
+    compiling, and over FSDP2 the other ranks waited for it."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])

@@ -167,6 +167,11 @@ def fp8_model(model, fp8, world: int = 1) -> tuple[list[str], list[str]]:
     return converted, fast.apply(model, fp8, world)
 
 
+def compile_backend(cfg: Config, device: torch.device) -> str:
+    """train.compile resolved: "auto" is inductor on CUDA and none elsewhere."""
+    return cfg.train.compile if cfg.train.compile != "auto" else "inductor" if device.type == "cuda" else "none"
+
+
 def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: bool, logger: RunLogger) -> int:
     """FP8 linears (fp8.train) with fp8/fast's speed-only structure where a switch asks for it,
     compiled layers (train.compile), FSDP2 (world > 1), in that order; returns the token multiple the
@@ -189,7 +194,7 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
         if fp8.uses_fast:
             logger.print("fp8.fast: " + (", ".join(fast_done) or "fast kernels"))
         fp8_tokens = BLOCK if use_torchao(fp8, d.device) else 1
-    backend = cfg.train.compile if cfg.train.compile != "auto" else "inductor" if d.device.type == "cuda" else "none"
+    backend = compile_backend(cfg, d.device)
     if backend != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
         distributed.compile_layers(model, backend)
     # after FP8 conversion: FSDP2 all-gathers the weight each FP8 linear then quantizes, as on one GPU (with
@@ -343,8 +348,11 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
     metrics["rollout/rounds"] = len(rounds)
     # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
     B, mb = len(groups.samples), cfg.train.micro_batch_size
+    # layers compiled by Inductor: every length a multiple of COMPILED_ALIGN too (distributed.compile_layers)
+    align = distributed.COMPILED_ALIGN if compile_backend(cfg, d.device) == "inductor" else 1
     # (packed micro-batches: any row count, so L a multiple of the token multiple itself; by_length rounds each)
-    multiple = run.fp8_tokens if cfg.train.pack_micro_batches else length_multiple(min(mb, B), run.fp8_tokens)
+    multiple = math.lcm(run.fp8_tokens if cfg.train.pack_micro_batches else length_multiple(min(mb, B), run.fp8_tokens),
+                        align)
     input_ids, attention_mask, mask, rollout_logp = (x.to(d.device) for x in collate(
         groups.samples, run.tokenizer.pad_token_id, multiple))
     loss_mask = mask * keep.repeat_interleave(n).to(d.device)[:, None]  # [B, L]
@@ -352,7 +360,7 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
     metrics["time/assemble"] = time.perf_counter() - t0
     return StepBatch(groups.prompts, groups.samples, groups.texts, groups.rewards, groups.correct, keep,
                      advantages.to(d.device), input_ids, attention_mask, mask, loss_mask, rollout_logp,
-                     routed_experts=None if routed is None else routed.to(d.device), multiple=multiple)
+                     routed_experts=None if routed is None else routed.to(d.device), multiple=multiple, align=align)
 
 
 # ----------------------------------------------------------------------------- trainer passes
@@ -364,11 +372,11 @@ def micro_plan(run: Run, b: StepBatch, rows: torch.Tensor | None = None) -> list
     cfg, d = run.cfg, run.d
     rows = torch.arange(len(b.samples), device=d.device) if rows is None else rows
     budget = cfg.micro_batch_tokens if cfg.train.pack_micro_batches else 0
-    plan = by_length(b.attention_mask, rows, cfg.train.micro_batch_size, b.multiple, budget)
+    plan = by_length(b.attention_mask, rows, cfg.train.micro_batch_size, b.multiple, budget, align=b.align)
     if budget and d.world > 1:
         count = int(distributed.all_sum(torch.tensor(len(plan), device=d.device), d, torch.distributed.ReduceOp.MAX))
         if count > len(plan):  # the busiest rank keeps its plan
-            plan = by_length(b.attention_mask, rows, cfg.train.micro_batch_size, b.multiple, budget, count)
+            plan = by_length(b.attention_mask, rows, cfg.train.micro_batch_size, b.multiple, budget, count, b.align)
     return plan
 
 
@@ -590,6 +598,7 @@ def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
     rewards, correct, lengths, truncated = (distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu()
                                             for x in (b.rewards, b.correct, b.mask.sum(1), truncated))
     tokens = float(distributed.all_sum(b.attention_mask.sum(), d))
+    graphs = int(distributed.all_sum(torch.tensor(distributed.compiled_graphs(), device=d.device), d))
     memory = distributed.memory_metrics(d.device)  # mem/peak_gib: since the rollout's (mem/rollout_peak_gib)
     if memory:
         memory["mem/trainer_peak_gib"] = memory["mem/peak_gib"]
@@ -604,4 +613,4 @@ def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
         "time/other": elapsed - sum(v for k, v in metrics.items() if k in PHASE_TIMES),
         "perf/tokens_per_s": tokens / elapsed,
         **gc_timer().take(), "perf/gc_frozen": gc.get_freeze_count(), **reward_stats(), **memory,
-        **({"compile/graphs": g} if (g := distributed.compiled_graphs()) else {})}
+        **({"compile/graphs": graphs} if graphs else {})}

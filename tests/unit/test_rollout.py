@@ -137,6 +137,13 @@ def test_by_length_packs_rows_into_a_token_budget():
         by_length(attention_mask, torch.arange(7), 2, multiple=16, budget=200, count=8)
     rows = [(r.tolist(), n) for r, n in by_length(attention_mask, torch.arange(7), 3, multiple=16)]  # no budget
     assert rows == [([2, 0, 3], 256), ([5, 1, 4], 48), ([6], 16)]  # size rows, `multiple` a length multiple
+    # align (compiled layers): every length also a multiple of 8, packed or not, so Inductor never
+    # meets an unaligned length (a second graph per variant)
+    loose = by_length(attention_mask, torch.arange(7), 2, multiple=4, budget=200)
+    assert any(n % 8 for _, n in loose)
+    for budget in (200, 0):
+        aligned = by_length(attention_mask, torch.arange(7), 2, multiple=4, budget=budget, align=8)
+        assert all(n % 8 == 0 and len(rows) * n % 4 == 0 for rows, n in aligned), aligned
 
 
 def test_micro_plan_runs_as_many_micro_batches_as_the_busiest_rank(monkeypatch):
@@ -150,7 +157,7 @@ def test_micro_plan_runs_as_many_micro_batches_as_the_busiest_rank(monkeypatch):
     asked = []
     monkeypatch.setattr(distributed, "all_sum", lambda x, d, op=None: asked.append(int(x)) or torch.tensor(5))
     lengths = [30, 28, 10, 9, 8, 8]
-    b = SimpleNamespace(samples=[None] * 6, multiple=1,
+    b = SimpleNamespace(samples=[None] * 6, multiple=1, align=1,
                         attention_mask=(torch.arange(32)[None, :] < torch.tensor(lengths)[:, None]).long())
     run = SimpleNamespace(cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=2, pack_micro_batches=True),
                                               micro_batch_tokens=64), d=SimpleNamespace(world=2, device=torch.device("cpu")))
