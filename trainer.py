@@ -333,6 +333,18 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     return rounds
 
 
+def length_multiples(cfg: Config, fp8_tokens: int, rows: int, device: torch.device) -> tuple[int, int]:
+    """(multiple, align) of a step batch of `rows` rows: its length L is a multiple of `multiple`, and each
+    micro-batch's length of both (StepBatch, batch.by_length)."""
+    # layers compiled by Inductor: every length a multiple of COMPILED_ALIGN (distributed.compile_layers says why)
+    align = distributed.COMPILED_ALIGN if compile_backend(cfg, device) == "inductor" else 1
+    # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its
+    # input (packed micro-batches: any row count, so L a multiple of the token multiple itself; by_length rounds each)
+    tokens = fp8_tokens if cfg.train.pack_micro_batches else length_multiple(min(cfg.train.micro_batch_size, rows),
+                                                                              fp8_tokens)
+    return math.lcm(tokens, align), align
+
+
 def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> StepBatch:
     """Advantages and the padded batch; groups left out by dynamic sampling get loss mask 0 (the batch
     keeps its shape). Logs the collapse signals over round 0 (the step's fresh draw)."""
@@ -346,13 +358,7 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
                "reward/kept_groups": keep.float()}
     metrics.update({k: float(distributed.gather_rows(v[:, None].to(d.device), d).mean()) for k, v in signals.items()})
     metrics["rollout/rounds"] = len(rounds)
-    # micro-batch tokens % 128 == 0 for torchao's FP8 GEMMs, else each FP8 linear pads (and keeps) a copy of its input
-    B, mb = len(groups.samples), cfg.train.micro_batch_size
-    # layers compiled by Inductor: every length a multiple of COMPILED_ALIGN too (distributed.compile_layers)
-    align = distributed.COMPILED_ALIGN if compile_backend(cfg, d.device) == "inductor" else 1
-    # (packed micro-batches: any row count, so L a multiple of the token multiple itself; by_length rounds each)
-    multiple = math.lcm(run.fp8_tokens if cfg.train.pack_micro_batches else length_multiple(min(mb, B), run.fp8_tokens),
-                        align)
+    multiple, align = length_multiples(cfg, run.fp8_tokens, len(groups.samples), d.device)
     input_ids, attention_mask, mask, rollout_logp = (x.to(d.device) for x in collate(
         groups.samples, run.tokenizer.pad_token_id, multiple))
     loss_mask = mask * keep.repeat_interleave(n).to(d.device)[:, None]  # [B, L]

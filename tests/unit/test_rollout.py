@@ -167,6 +167,37 @@ def test_micro_plan_runs_as_many_micro_batches_as_the_busiest_rank(monkeypatch):
     assert [r.tolist() for r, _ in trainer.micro_plan(run, b)] == [[0, 1], [2, 3], [4, 5]] and asked == [2]
 
 
+def test_lengths_are_aligned_for_inductor_compiled_layers(monkeypatch):
+    """Inductor guards a dynamic-length graph on length % 8, so a length first met unaligned after step 0
+    compiles again (over FSDP2 the other ranks wait): under Inductor every length is a multiple of 8, on
+    top of the FP8 GEMMs' token multiple; no alignment without Inductor. compile_layers passes Inductor
+    the option that drops its length-range guards (mix-order reduction), and nothing to other backends."""
+    import distributed
+    import trainer
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    cases = [  # (overrides, fp8 token multiple, device) -> (multiple, align)
+        (["train.compile=auto"], 1, cuda, (8, 8)),  # BF16: rows of any length before
+        (["train.compile=auto"], 128, cuda, (32, 8)),  # FP8 at 4 rows: 32 is aligned already
+        (["train.compile=auto", "train.micro_batch_size=2"], 128, cuda, (64, 8)),
+        (["train.compile=auto", "train.pack_micro_batches=true"], 128, cuda, (128, 8)),
+        (["train.compile=auto"], 1, cpu, (1, 1)),  # auto is eager on CPU
+        (["train.compile=aot_eager"], 1, cuda, (1, 1)),  # no code generation, no alignment guard
+        (["train.compile=inductor"], 1, cpu, (8, 8)),
+    ]
+    for overrides, fp8_tokens, device, want in cases:
+        cfg = load_config(None, ["train.micro_batch_size=4", *overrides])
+        assert trainer.length_multiples(cfg, fp8_tokens, 512, device) == want, (overrides, fp8_tokens, device)
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    _, model, _, _ = make()
+    for backend in ("inductor", "aot_eager"):
+        distributed.compile_layers(model, backend)
+    layers = len(model.model.layers)
+    assert seen == [{"backend": "inductor", "options": {"triton.mix_order_reduction": False}}] * layers + \
+        [{"backend": "aot_eager"}] * layers
+
+
 def test_collate_rounds_length_for_fp8_tokens():
     """L rounds up to `multiple` (64: a micro-batch of 2 rows then holds a multiple of 128 tokens);
     the extra positions are padding, outside attention_mask and mask."""
