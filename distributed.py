@@ -153,9 +153,9 @@ def required_decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 RECOMPILE_LIMIT = 64
 COMPILED_ALIGN = 8  # the trainer's batch lengths are a multiple of this when Inductor compiles the layers
-# Inductor's mix-order reduction (the RMSNorm backward's row and column sums in one kernel) decides by
-# the token count, so a dynamic-length graph guards on it (>= 1,280 tokens, >= 2 x hidden, >= 4,096):
-# a micro-batch length in a range not met before compiles the layer again. Off: no such guards.
+# Inductor's mix-order reduction (a norm backward's row and column sums in one kernel) decides by size
+# (rows x width >= 5 Mi elements, rows >= 2 x width, rows >= 4,096), so a dynamic-length graph guards on
+# those: a micro-batch length in a range not met before compiles the layer again. Off: no such guards.
 INDUCTOR_OPTIONS = {"triton.mix_order_reduction": False}
 
 
@@ -179,13 +179,13 @@ def compile_layers(model: nn.Module, backend: str) -> None:
         layer.forward = torch.compile(layer.forward, backend=backend, **options)
 
 
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process so far (the layers' variants, the optimizer's update):
-    logged per step as compile/graphs (summed over the ranks), so a step that grew it spent time
-    compiling, and over FSDP2 the other ranks waited for it."""
+def compiled_graphs(d: Dist) -> int:
+    """Graphs dynamo has compiled so far (the layers' variants, the optimizer's update), summed over the
+    ranks (collective): logged per step as compile/graphs, so a step that grew it spent time compiling,
+    and over FSDP2 the other ranks waited for it."""
     from torch._dynamo.utils import counters
 
-    return int(counters["stats"]["unique_graphs"])
+    return int(all_sum(torch.tensor(int(counters["stats"]["unique_graphs"]), device=d.device), d))
 
 
 def shard(model: nn.Module, d: Dist, bf16_compute: bool) -> nn.Module:

@@ -604,7 +604,7 @@ def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
     rewards, correct, lengths, truncated = (distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu()
                                             for x in (b.rewards, b.correct, b.mask.sum(1), truncated))
     tokens = float(distributed.all_sum(b.attention_mask.sum(), d))
-    graphs = int(distributed.all_sum(torch.tensor(distributed.compiled_graphs(), device=d.device), d))
+    graphs = distributed.compiled_graphs(d)
     memory = distributed.memory_metrics(d.device)  # mem/peak_gib: since the rollout's (mem/rollout_peak_gib)
     if memory:
         memory["mem/trainer_peak_gib"] = memory["mem/peak_gib"]

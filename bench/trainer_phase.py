@@ -148,11 +148,13 @@ def main():
                "logprobs_s": round(metrics["time/logprobs"], 3), "train_s": round(metrics["time/train"], 3),
                "logprobs_s_per_micro_batch": round(metrics["time/logprobs"] / micro, 4),
                "train_s_per_micro_batch": round(metrics["time/train"] / micro, 4), "wall_s": round(wall, 3),
+               "compiled_graphs": distributed.compiled_graphs(d),  # all ranks': grown in a timed step = compiling
                **{k: round(v, 3) for k, v in gc_timer().take().items()},
                **{k: round(v, 2) for k, v in distributed.memory_metrics(d.device).items()}}
         say(f"[trainer_phase] step {step}: logprobs {row['logprobs_s']:.2f} s, train {row['train_s']:.2f} s "
             f"({micro} micro-batches: {row['logprobs_s_per_micro_batch']:.3f} + "
-            f"{row['train_s_per_micro_batch']:.3f} s each)", flush=True)
+            f"{row['train_s_per_micro_batch']:.3f} s each), {row['compiled_graphs']} graphs compiled so far "
+            "over the ranks", flush=True)
         rows.append(row)
         if step == 0:  # as train_grpo.py after its first step: later full collections skip the heap so far
             freeze_gc_heap()

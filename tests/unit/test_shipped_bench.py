@@ -49,7 +49,10 @@ def test_shipped_rows_pair_runs_of_one_gpu_kind():
     assert (row["config"], row["baseline"], row["ratio"], row["step_s"], row["baseline_step_s"]) == \
         ("llama31_8b_fp8", "llama31_8b_bf16", 1.25, 100.0, 125.0)
     assert (row["gpu"], row["gpus"], row["workload"], row["command"], row["date"]) == ("H200", 1, "w", "c ; c0", "2026-11-26")
-    assert row["phases"]["llama31_8b_bf16"]["rollout_s"] == 60.0
+    assert row["phases"]["llama31_8b_bf16"]["rollout_s"] == 60.0 and "compiled_in_timed_step" not in row
+    # a timed step that compiled graphs (compile/graphs summed over ranks grew in it) is flagged in the row
+    results[0]["compiled_graphs"], results[1]["compiled_graphs"] = [10, 10], [12, 18]
+    assert fc.shipped_rows(results)[0]["compiled_in_timed_step"] == {"llama31_8b_fp8": 6}
 
 
 def test_a_run_row_holds_steps_that_moved_no_weight():
