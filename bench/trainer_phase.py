@@ -17,7 +17,8 @@ compiles and autotunes; steps 1.. are timed. A shipped run's time/logprobs and t
 rollout before the phases) costs them; --engine puts the engine back.
 
 Writes OUT/trainer_phase.json (bench/runner.py's schema, one row per timed step: time/logprobs,
-time/train, seconds per micro-batch of each, the trainer's peak memory); --profile: the last step under
+time/train, seconds per micro-batch of each, the trainer's peak memory, the graphs compiled so far over the
+ranks: one that grew in a timed step spent time compiling); --profile: the last step under
 torch.profiler, its phases' device-busy table and top kernels in OUT/profile/ (observe.save_profile).
 """
 
