@@ -532,14 +532,19 @@ def refit(run: Run, state: State) -> float:
     return time.perf_counter() - t0
 
 
+def hook_weight_caches(run: Run) -> None:
+    """fp8.cache_weights: fill the FP8 weight caches and hook their refresh to the optimizer's step."""
+    if run.cfg.fp8.train and run.cfg.fp8.cache_weights:
+        from fp8.fast.cache import refresh_weight_caches_on_step
+        refresh_weight_caches_on_step(run.model, run.optimizer)
+
+
 def first_refit(run: Run, state: State) -> None:
     """Before step 0 (or on resume): fp8.cache_weights' caches filled and hooked to the optimizer
     (here, once the weights are final, and before the first forward, which a compiled layer cannot
     fill them in); scales from the training prompts if none were saved, so the first rollout is
     calibrated too; then the weight sync."""
-    if run.cfg.fp8.train and run.cfg.fp8.cache_weights:
-        from fp8.fast.cache import refresh_weight_caches_on_step
-        refresh_weight_caches_on_step(run.model, run.optimizer)
+    hook_weight_caches(run)
     if run.calibrator is not None and state.kv_scales is None:
         from rollout import Sample
         prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in run.train_set[: run.cfg.fp8.calib_samples]]

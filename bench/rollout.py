@@ -105,11 +105,11 @@ CHAR_VOCAB = "".join(chr(c) for c in range(32, 127))  # the engine never decodes
 FIRST_TOKEN = 3  # prompts use ids >= 3: 0, 1, 2 are the char tokenizer's <pad>, <bos>, <eos>
 
 
-
 def optimizer_steps(cfg) -> int:
     """Optimizer steps per GRPO step of `cfg`: its samples over train.mini_batch_size (unset: one)."""
     per_step = cfg.rollout.prompts_per_step * cfg.rollout.n
     return per_step // (cfg.train.mini_batch_size or per_step)
+
 
 # ----------------------------------------------------------------------------------- parsing
 

@@ -119,9 +119,7 @@ def main():
                       weight_change=WeightChange(optimizer, model),
                       scheduler=trainer.lr_schedule(optimizer, cfg.optim.warmup_steps), sampler=None,
                       train_set=[], val_set=[], fp8_tokens=fp8_tokens, mixed=mixed)
-    if cfg.fp8.train and cfg.fp8.cache_weights:  # trainer.first_refit's part that concerns the trainer
-        from fp8.fast.cache import refresh_weight_caches_on_step
-        refresh_weight_caches_on_step(model, optimizer)
+    trainer.hook_weight_caches(run)  # trainer.first_refit's part that concerns the trainer
     state = trainer.State()
     rows = []
     say(f"[trainer_phase] {args.prompts} prompts x {cfg.rollout.n} samples over {d.world} rank(s), "
