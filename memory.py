@@ -45,7 +45,8 @@ and qwen3_8b_fp8_kv on 2 H100s at vLLM 0.4, 69.2 and 73.2 (71.9 both), qwen3_8b_
 4 x 4096 tokens through the fused head 74.8 (71.9). On 2 ranks the trainer phase is under-counted: measured
 69.4 / 67.8 GiB (qwen3_8b_bf16 / qwen3_8b_fp8_kv, micro-batch 2) and 71.2 (qwen3_8b_fp8_kv, 4 rows, fused
 head) on 2 H100s, where the model gives 60.4 / 62.1 and 61.8; which allocations of the FSDP2 step make the
-6-9 GiB is not measured, so no term stands for them.
+6-9 GiB is not measured, so no term stands for them (`bench/trainer_phase.py --memory` on 2 GPUs breaks a
+step's peak down by allocation site, stream and what lies outside torch's allocator).
 
 The run is refused before its first step only when the tensors that must exist, without
 activations or runtime, exceed the device's memory (weights + grads + optimizer states while

@@ -19,10 +19,16 @@ rollout before the phases) costs them; --engine puts the engine back.
 Writes OUT/trainer_phase.json (bench/runner.py's schema, one row per timed step: time/logprobs,
 time/train, seconds per micro-batch of each, the trainer's peak memory, the graphs compiled so far over the
 ranks: one that grew in a timed step spent time compiling); --profile: the last step under
-torch.profiler, its phases' device-busy table and top kernels in OUT/profile/ (observe.save_profile).
+torch.profiler, its phases' device-busy table and top kernels in OUT/profile/ (observe.save_profile);
+--memory: the last step under torch's allocator history, and per rank in OUT/trainer_phase_memory.json what
+held memory at its allocated peak, by origin and stream, the allocator's cache per stream, the device's peak
+against torch's, and the memory model's terms (bench/memory_breakdown.py). Without --engine, since a sleeping
+engine's pool sits in torch's books.
 """
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import time
@@ -71,10 +77,15 @@ def main():
     p.add_argument("--steps", type=int, default=2, help="steps; the first is not timed")
     p.add_argument("--engine", action="store_true", help="build the config's rollout engine first and leave it asleep")
     p.add_argument("--profile", action="store_true", help="the last step under torch.profiler -> OUT/profile/")
+    p.add_argument("--memory", action="store_true", help="the last step under torch's allocator history: what "
+                   "holds memory at its peak, per rank, beside the memory model (bench/memory_breakdown.py) -> "
+                   "OUT/trainer_phase_memory.json (the step's time then includes the recording)")
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
     import distributed
+    import memory
     import trainer
+    from bench import memory_breakdown
     from config import load_config
     from errors import UserError
     from modeling import load_model_and_tokenizer
@@ -99,6 +110,8 @@ def main():
     except UserError as e:  # ConfigError included
         fail(str(e))
     d = distributed.init(cfg)
+    if args.memory and d.device.type != "cuda":
+        fail("--memory: the allocator history is CUDA's; run on a GPU, or leave --memory out")
     say = print if d.main else (lambda *a, **k: None)
     log = argparse.Namespace(print=say)  # the RunLogger methods the phases call
     torch.manual_seed(cfg.train.seed)
@@ -112,6 +125,7 @@ def main():
         except UserError as e:
             fail(f"--engine: {e}")
         engine.sleep()
+    dims = memory.model_shape(model)  # before FSDP2 shards the parameters
     fp8_tokens = trainer.prepare_trainer(model, None, cfg, d, mixed, log)
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     run = trainer.Run(cfg=cfg, d=d, run_dir=Path(args.out), logger=log, model=model, ref_model=None,
@@ -129,7 +143,13 @@ def main():
         groups = synthetic_round(cfg, args.prompts // d.world, args.prompt, len(tokenizer),
                                  cfg.train.seed + 1000 * step + d.rank)
         metrics = {}
-        prof = start_profile(d.device) if args.profile and step == args.steps - 1 else None
+        last = step == args.steps - 1
+        prof = start_profile(d.device) if args.profile and last else None
+        watch = args.memory and last and d.device.type == "cuda"
+        if watch:
+            torch.cuda.reset_peak_memory_stats(d.device)
+            before = torch.cuda.memory_allocated(d.device)
+            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python")
         distributed.memory_metrics(d.device)
         gc_timer().take()
         t0 = time.perf_counter()
@@ -139,6 +159,9 @@ def main():
         if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)
         wall = time.perf_counter() - t0
+        if watch:
+            snapshot = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
         if prof is not None:
             say(f"[trainer_phase] profile: {save_profile(prof, Path(args.out) / 'profile', step, d.rank, d.device)}")
         micro = metrics["perf/micro_batches"]
@@ -155,6 +178,22 @@ def main():
             f"{row['train_s_per_micro_batch']:.3f} s each), {row['compiled_graphs']} graphs compiled so far "
             "over the ranks", flush=True)
         rows.append(row)
+        if watch:
+            index = torch.cuda.current_device() if d.device.index is None else d.device.index
+            mine = memory_breakdown.breakdown(snapshot, index, before, str(ROOT))
+            del snapshot
+            stats = torch.cuda.memory_stats(d.device)
+            model_gib = memory.estimate(dims, cfg, d.world, torch.cuda.mem_get_info(d.device)[1] / memory.GIB)
+            mine.update(rank=d.rank, device_peak_gib=row.get("mem/peak_gib"),
+                        torch_reserved_peak_gib=round(stats["reserved_bytes.all.peak"] / memory.GIB, 3),
+                        torch_allocated_peak_gib=round(stats["allocated_bytes.all.peak"] / memory.GIB, 3),
+                        model=dataclasses.asdict(model_gib), model_trainer_peak_gib=round(model_gib.trainer_peak, 3))
+            say(f"[trainer_phase] memory, rank 0: device peak {mine['device_peak_gib']} GiB, torch reserved peak "
+                f"{mine['torch_reserved_peak_gib']}, model {mine['model_trainer_peak_gib']}; "
+                + memory_breakdown.describe(mine), flush=True)
+            ranks = distributed.all_gather_object(mine, d)
+            if d.main:
+                (Path(args.out) / "trainer_phase_memory.json").write_text(json.dumps(ranks, indent=1) + "\n")
         if step == 0:  # as train_grpo.py after its first step: later full collections skip the heap so far
             freeze_gc_heap()
     if d.main:

@@ -58,7 +58,9 @@
 #                                      torchrun on 2 GPUs, FSDP2 as the trainer shards)
 #   bash scripts/gpu_check.sh phase [ARGS]  bench/trainer_phase.py: the trainer's logprobs and train phases of a
 #                                      step on a synthetic batch at a shipped config's workload (--engine: its
-#                                      vLLM engine asleep beside them) -> $OUT/trainer_phase.json (RANKS=2 as pass)
+#                                      vLLM engine asleep beside them; --memory: what holds memory at the last
+#                                      step's peak, per rank -> trainer_phase_memory.json) -> $OUT/trainer_phase.json
+#                                      (RANKS=2 as pass)
 #   bash scripts/gpu_check.sh gemm [ARGS]  bench/gemm.py: the trainer's three FP8 GEMMs per projection, cuBLAS vs
 #                                      DeepGEMM's dense GEMM vs BF16 -> $OUT/gemm.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch

@@ -704,7 +704,8 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
 def test_trainer_phase_runs_the_trainers_phases_under_fsdp2(tmp_path):
     """bench/trainer_phase.py, torchrun with 2 gloo ranks: trainer.assemble_batch, old_logprob_phase and
     train_phase on the synthetic batch, each rank its half of the samples in whole micro-batches, step 0
-    untimed; a --prompts that does not split into whole micro-batches is a one-line error, exit 2."""
+    untimed; a --prompts that does not split into whole micro-batches, or --memory off CUDA, is a one-line
+    error, exit 2."""
     cmd = ["bench/trainer_phase.py", "--config", "configs/tiny_cpu.yaml", "--set", "rollout.max_new_tokens=40",
            "rollout.n=4", "train.micro_batch_size=4"]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd,
@@ -721,6 +722,10 @@ def test_trainer_phase_runs_the_trainers_phases_under_fsdp2(tmp_path):
                           "--out", str(tmp_path / "bad")], capture_output=True, text=True, cwd=REPO)  # 9 samples
     assert bad.returncode == 2 and bad.stderr.startswith("error: --prompts 3:") and len(bad.stderr.splitlines()) == 1
     assert not (tmp_path / "bad").exists()
+    cpu = subprocess.run([sys.executable, *cmd, "--prompts", "8", "--memory", "--out", str(tmp_path / "cpu")],
+                         capture_output=True, text=True, cwd=REPO)  # the allocator history is CUDA's
+    assert cpu.returncode == 2 and cpu.stderr.startswith("error: --memory:") and len(cpu.stderr.splitlines()) == 1
+    assert not (tmp_path / "cpu").exists()
 
 
 def test_trainer_pass_under_fsdp2_computes_the_unsharded_logprobs(tmp_path):

@@ -108,3 +108,40 @@ def test_fused_head_counts_7_bytes_of_vocabulary_less_per_token():
     on = memory.estimate(QWEN3_8B, cfg("qwen3_8b_fp8_kv", "train.fused_head=true"), 2, H100)
     assert off.activations - on.activations == pytest.approx(7 * QWEN3_8B.vocab * off.tokens / 2**30)
     assert on.trainer_peak < off.trainer_peak
+
+
+def test_memory_breakdown_finds_the_peak_and_what_is_live_there():
+    """bench/memory_breakdown.py on a hand-made allocator history: the peak of base + allocs - completed frees,
+    the live allocations there by origin and stream, a pre-existing block's free counted, reserved per stream."""
+    from bench.memory_breakdown import breakdown, describe, origin
+
+    root = "/repo"
+    fsdp = [{"filename": "/site/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "name": "foreach_reduce"},
+            {"filename": "/repo/trainer.py", "name": "train_phase"}]
+    ours = [{"filename": "/site/torch/nn/functional.py", "name": "linear"},
+            {"filename": "/repo/losses/grpo.py", "name": "loss"}]
+    mib = 2**20
+    trace = [{"action": "alloc", "addr": 1, "size": 10 * mib, "stream": 7, "frames": fsdp},
+             {"action": "alloc", "addr": 2, "size": 20 * mib, "stream": 0, "frames": ours},
+             {"action": "segment_alloc", "addr": 99, "size": 64 * mib, "stream": 0},
+             {"action": "free_requested", "addr": 1, "size": 10 * mib, "stream": 7},  # not yet free
+             {"action": "alloc", "addr": 3, "size": 5 * mib, "stream": 0, "frames": []},  # the peak: 35 MiB
+             {"action": "free_completed", "addr": 1, "size": 10 * mib, "stream": 7},
+             {"action": "free_completed", "addr": 50, "size": 40 * mib, "stream": 0},  # made before the history
+             {"action": "alloc", "addr": 4, "size": 30 * mib, "stream": 0, "frames": ours}]  # 5 MiB: below it
+    segments = [{"device": 0, "stream": 0, "total_size": 96 * mib, "allocated_size": 55 * mib},
+                {"device": 0, "stream": 7, "total_size": 32 * mib, "allocated_size": 0},
+                {"device": 1, "stream": 0, "total_size": 512 * mib, "allocated_size": 0}]
+    b = breakdown({"device_traces": [trace, []], "segments": segments}, 0, 100 * mib, root, top=2)
+    gib = 2**30
+    assert b["allocated_peak_gib"] == round(135 * mib / gib, 3) and b["before_gib"] == round(100 * mib / gib, 3)
+    assert b["made_in_stretch_at_peak_gib"] == round(35 * mib / gib, 3)
+    assert [r["origin"] for r in b["at_peak"]] == ["losses/grpo.py:loss", "fsdp2 foreach_reduce", "1 more"]
+    assert b["at_peak"][2]["gib"] == round(5 * mib / gib, 3)
+    assert b["at_peak_by_stream"] == {"0": round(25 * mib / gib, 3), "7": round(10 * mib / gib, 3)}
+    assert b["reserved_by_stream_at_end"] == {"0": {"reserved_gib": 0.094, "allocated_gib": 0.054},
+                                              "7": {"reserved_gib": 0.031, "allocated_gib": 0.0}}
+    assert "fsdp2 foreach_reduce" in describe(b)
+    assert origin([], root).startswith("no Python frame")
+    assert origin([{"filename": "/tmp/torchinductor_u/ab/cab.py", "name": "call"}], root) == "compiled graph (Inductor)"
+    assert origin([{"filename": "/site/torch/nn/functional.py", "name": "linear"}], root) == "functional.py:linear"
