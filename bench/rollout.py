@@ -40,6 +40,7 @@ bytes equally; kv_tokens_at_nemo_budget applies the shift that makes our BF16 ca
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -515,6 +516,57 @@ def kernel_table(prof, steps: int, top: int = 30) -> tuple[dict, str]:
     return {k: round(v, 3) for k, v in kinds.items()}, "\n".join(lines) + "\n"
 
 
+def host_parts(llm) -> dict[str, tuple[object, str]]:
+    """Where vLLM 0.26's in-process decode step does host work, as (object, method name): the front end's step
+    (LLM.generate's loop calls it), the engine core's step inside it, and in that the scheduler, the model
+    runner's input preparation and graph launch (execute_model), the sampler's launch (sample_tokens) and the
+    scheduler's bookkeeping of the outputs; then the front end's output processing (process_outputs)."""
+    front = llm.llm_engine
+    core = front.engine_core.engine_core
+    return {"step": (front, "step"), "engine_core_step": (core, "step_fn"), "schedule": (core.scheduler, "schedule"),
+            "execute_model": (core.model_executor, "execute_model"),
+            "sample_tokens": (core.model_executor, "sample_tokens"),
+            "update_from_output": (core.scheduler, "update_from_output"),
+            "process_outputs": (front.output_processor, "process_outputs")}
+
+
+@contextlib.contextmanager
+def timed_calls(parts: dict[str, tuple[object, str]]):
+    """Inside: every call of each part's method timed (wall clock); yields {name: [seconds, calls]}. Each method
+    is shadowed by an instance attribute and put back after, whether it was the instance's or its class's."""
+    totals = {name: [0.0, 0] for name in parts}
+    saved = []
+    for name, (obj, attr) in parts.items():
+        fn, own = getattr(obj, attr), attr in vars(obj)
+
+        def timed(*a, _fn=fn, _total=totals[name], **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _total[0] += time.perf_counter() - t0
+                _total[1] += 1
+        setattr(obj, attr, timed)
+        saved.append((obj, attr, fn if own else None))
+    try:
+        yield totals
+    finally:
+        for obj, attr, fn in reversed(saved):
+            if fn is None:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, fn)
+
+
+def host_ms_per_step(totals: dict[str, list], steps: int) -> dict[str, float]:
+    """timed_calls' totals as ms per decode step, plus engine_core_wait: the engine core's step less its timed
+    parts, mostly the wait for the GPU's sampled tokens (with async scheduling, one step behind the launch)."""
+    ms = {name: 1e3 * sec / steps for name, (sec, _) in totals.items()}
+    parts = ("schedule", "execute_model", "sample_tokens", "update_from_output")
+    ms["engine_core_wait"] = ms["engine_core_step"] - sum(ms[p] for p in parts)
+    return {name: round(v, 3) for name, v in ms.items()}
+
+
 def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: int, k: int) -> dict:
     """Decode step time at batch w.prompts and context ~w.prompt_len: the prompts go through once with
     one new token (their KV stays in vLLM's prefix cache), then windows of args.decode_steps new tokens and of
@@ -527,7 +579,9 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     blocks' prefill); decode_step_marginal_ms what the median full window adds to the median half window per
     step, the fixed costs cancelled (its contexts are up to n / 2 tokens longer). A single pair of windows left
     that difference several ms off at 64 steps, below the kernels' own time, hence the repeats;
-    decode_windows_s keeps them all."""
+    decode_windows_s keeps them all. host_ms_per_step: one more full window with vLLM's host work timed per part
+    (host_parts, timed_calls), ms per decode step, the window's fixed costs included: set beside
+    kernel_busy_ms_per_step, it says whether the GPU waits on the host."""
     import torch
 
     prompts, n = random_prompts(w, vocab, args.seed + k), args.decode_steps
@@ -554,6 +608,12 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
            "decode_windows_s": {str(steps): [round(t, 4) for t in ts] for steps, ts in windows.items()}}
     if n >= 2:
         row["decode_step_marginal_ms"] = round(1e3 * (dt - statistics.median(windows[n // 2])) / (n - n // 2), 3)
+    try:  # one more full window with vLLM's host work timed: what the GPU may wait on
+        with timed_calls(host_parts(engine.llm)) as totals:
+            engine.generate(prompts, max_new_tokens=n, **gen)
+        row["host_ms_per_step"] = host_ms_per_step(totals, n)
+    except AttributeError as e:  # another vLLM's internals
+        row["host_ms_per_step"] = {"error": f"not timed: {e}"}
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)
@@ -568,7 +628,7 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
                     f"{busy:.2f} ms per step (the kinds below add up overlapping kernels twice)\n\n{text}")
     say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
         f"({row['out_tok_s']:,.0f} tok/s; {marginal:.2f} ms marginal; kernels busy {busy:.2f} ms); kernels per step "
-        f"{row['kernel_ms_per_step']}")
+        f"{row['kernel_ms_per_step']}; host ms per step {row['host_ms_per_step']}")
     if row["seqs_fit"] < w.prompts:  # the prefix cache cannot keep every prompt: the window prefills again
         row["note"] = (f"the KV cache holds {row['seqs_fit']} of these {w.prompts} sequences: evicted prompts are "
                        "prefilled again inside the window, so this is not a decode step's time")

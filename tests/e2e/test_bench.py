@@ -116,7 +116,11 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
     """decode_step_ms is the median full window's wall time per step, fixed costs included;
     decode_step_marginal_ms the median full window less the median half window, per step, without them. A
     stand-in engine advances a stand-in clock: 0.5 s a call + 20 ms a step, plus a fixed cost that varies by
-    call (+-0.3 s: one pair of windows would be 9 ms a step off), which the medians of 3 repeats leave out."""
+    call (+-0.3 s: one pair of windows would be 9 ms a step off), which the medians of 3 repeats leave out.
+    Its steps run through stand-ins of vLLM's in-process step (host_parts), whose parts host_ms_per_step
+    times in one more window, putting every method back after."""
+    from types import SimpleNamespace
+
     import torch
 
     from rollout import Sample
@@ -127,11 +131,54 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
         def perf_counter(self):
             return self.t
 
-    jitter = iter([0.0, 0.0, 0.0, 0.0, 0.3, 0.0, -0.3, 0.0])  # prefill, then (full, half) x 3, then the profiled
+    def spend(ms):
+        clock.t += ms / 1e3
+
+    jitter = iter([0.0, 0.0, 0.0, 0.0, 0.3, 0.0, -0.3, 0.0, 0.0])  # prefill, (full, half) x 3, host, profiled
+
+    class Scheduler:
+        def schedule(self):
+            spend(1)
+
+        def update_from_output(self):
+            spend(2)
+
+    class Executor:
+        def execute_model(self):
+            spend(3)
+
+        def sample_tokens(self):
+            spend(1)
+
+    class Core:  # vLLM's EngineCore: step_fn an instance attribute
+        def __init__(self):
+            self.scheduler, self.model_executor, self.step_fn = Scheduler(), Executor(), self.step
+
+        def step(self):
+            spend(10)  # waiting for the GPU
+            self.scheduler.schedule(), self.model_executor.execute_model()
+            self.model_executor.sample_tokens(), self.scheduler.update_from_output()
+
+    class Processor:
+        def process_outputs(self):
+            spend(2)
+
+    class Front:  # vLLM's LLMEngine
+        def __init__(self):
+            self.engine_core, self.output_processor = SimpleNamespace(engine_core=Core()), Processor()
+
+        def step(self):
+            spend(1)
+            self.engine_core.engine_core.step_fn()
+            self.output_processor.process_outputs()
 
     class Engine:
+        llm = SimpleNamespace(llm_engine=Front())
+
         def generate(self, prompts, max_new_tokens, **kw):
-            clock.t += 0.5 + next(jitter) + 0.02 * max_new_tokens
+            clock.t += 0.5 + next(jitter)
+            for _ in range(max_new_tokens):  # 20 ms a step
+                self.llm.llm_engine.step()
             return [Sample(i, p, [1] * max_new_tokens, [0.0] * max_new_tokens, "length") for i, p in enumerate(prompts)]
 
     clock = Clock()
@@ -145,7 +192,13 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
     assert row["decode_step_ms"] == pytest.approx(1e3 * (0.5 + 0.02 * 64) / 64, abs=1e-3)  # (rounded to us)
     assert row["decode_step_marginal_ms"] == pytest.approx(20.0, abs=1e-3) and row["gen_tokens"] == 4 * 64
     assert row["decode_windows_s"] == {"64": [1.78, 1.78, 1.78], "32": [1.14, 1.44, 0.84]}
-    assert profiled == [0.52, 2.3]  # the first full window alone, for ncu
+    assert profiled == pytest.approx([0.52, 2.3])  # the first full window alone, for ncu
+    assert row["host_ms_per_step"] == {"step": 20.0, "engine_core_step": 17.0, "schedule": 1.0, "execute_model": 3.0,
+                                       "sample_tokens": 1.0, "update_from_output": 2.0, "process_outputs": 2.0,
+                                       "engine_core_wait": 10.0}
+    core = Engine.llm.llm_engine.engine_core.engine_core
+    assert core.step_fn == core.step and not {"schedule", "update_from_output"} & set(vars(core.scheduler))
+    assert "step" not in vars(Engine.llm.llm_engine) and "process_outputs" not in vars(Engine.llm.llm_engine.output_processor)
     assert "marginal" in (tmp_path / "decode_llama3.1-8b_fp8kv_4x16_64.txt").read_text().splitlines()[0]
     for bad in ("0", "two"):
         with pytest.raises(SystemExit) as e:
