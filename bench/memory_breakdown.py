@@ -40,18 +40,12 @@ def breakdown(snapshot: dict, device: int, base_allocated: int, root: str, top: 
     """The allocated peak of `snapshot`'s recorded history on `device` and what was live there (GiB).
     base_allocated: torch.cuda.memory_allocated when the recording started (what the history does not show)."""
     trace = snapshot["device_traces"][device]
-    live, total, peak, peak_at = {}, 0, 0, -1
+    total, peak, peak_at = 0, 0, -1
     for i, e in enumerate(trace):
-        if e["action"] == "alloc":
-            live[e["addr"]] = e
-            total += e["size"]
-        elif e["action"] == "free_completed":
-            live.pop(e["addr"], None)
-            total -= e["size"]
+        total += e["size"] if e["action"] == "alloc" else -e["size"] if e["action"] == "free_completed" else 0
         if total > peak:
             peak, peak_at = total, i
-    at_peak, streams = defaultdict(int), defaultdict(int)
-    alive = {}
+    at_peak, streams, alive = defaultdict(int), defaultdict(int), {}
     for e in trace[:peak_at + 1]:  # replayed again up to the peak: the allocations live there
         if e["action"] == "alloc":
             alive[e["addr"]] = e
