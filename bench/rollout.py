@@ -439,7 +439,7 @@ def run_row(model_name: str, w: Workload, args, base: dict, *label: str) -> dict
 
 KERNEL_KINDS = (  # decode profile: kernel name pattern -> kind (first match wins)
     ("attention", r"flash|fmha|attn|attention|paged|kernel_mha|xqa"),  # kernel_mha: FlashInfer's XQA decode
-    ("gemm", r"gemm|cutlass|xmma|nvjet|matmul|_mm_|scaled_mm|w8a8"),
+    ("gemm", r"gemm|cutlass|xmma|nvjet|matmul|_mm_|scaled_mm|w8a8|marlin"),  # marlin: weight-only FP8
     ("act_quant", r"quant|fp8"),
     ("norm/rope", r"norm|rotary|rope"),
     ("sampling", r"sampl|softmax|topk|top_k|argmax|gumbel|exponential"),

@@ -244,6 +244,7 @@ def test_decode_profile_kernel_kinds():
         "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<...>>(...)": "gemm",
         "nvjet_tst_128x64_64x8_2x1_v_bz_TNT": "gemm",
         "_w8a8_triton_block_scaled_mm": "gemm",
+        "void marlin::Marlin<__nv_bfloat16, (vllm::ScalarTypeId)..., 256, 1, 8, 8, true, false, 8, false>(...)": "gemm",
         "void vllm::per_token_group_quant_8bit_kernel<c10::BFloat16, c10::Float8_e4m3fn>(...)": "act_quant",
         "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0": "other",
         "void vllm::fused_add_rms_norm_kernel<c10::BFloat16, 8>(...)": "norm/rope",
