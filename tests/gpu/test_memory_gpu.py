@@ -1,6 +1,7 @@
 """bench/memory_breakdown.py on CUDA's own allocator history (skipped without CUDA): the snapshot's fields
 and frame order are what the replay reads."""
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ def make_activation() -> torch.Tensor:
 def test_breakdown_of_a_recorded_history():
     from bench.memory_breakdown import breakdown
 
+    gc.collect()  # earlier tests' tensors freed, their pending frees completed: none lands inside the history
     torch.cuda.synchronize()
+    torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python")
     try:
