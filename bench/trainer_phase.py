@@ -145,7 +145,7 @@ def main():
         metrics = {}
         last = step == args.steps - 1
         prof = start_profile(d.device) if args.profile and last else None
-        watch = args.memory and last and d.device.type == "cuda"
+        watch = args.memory and last  # (off CUDA --memory is refused above)
         if watch:
             torch.cuda.reset_peak_memory_stats(d.device)
             before = torch.cuda.memory_allocated(d.device)
