@@ -11,7 +11,10 @@ them; activations are per rank), GiB = 2^30 bytes:
                   released while vLLM runs); over N > 1 ranks P x 1 / N (each rank's FP8 shard, which FSDP2
                   all-gathers instead of the bf16 weight; fp8/fast/gather.py)
     reference     the KL reference model (loss.kl_coef > 0): a copy of the weights
-    gathered      N > 1: FSDP2's all-gathered bf16 unit and the prefetched next one, 2 x 2 x max(layer, V x h)
+    gathered      N > 1: FSDP2's all-gathered bf16 units, 3 x 2 x max(layer, V x h): the all-gather stream's
+                  cache held 3 of Qwen3-8B's largest (V x h) at the 2-rank trainer peak
+    reduce-scatter  N > 1: 4 x max(layer, V x h), the fp32 gradient of the largest unit before its reduce-scatter;
+                  the sharded gradients live in the reduce-scatter stream's cache, which other streams cannot reuse
     activations   per micro-batch token (micro_batch_size x (prompt + response) tokens, bf16):
                     2 h per layer (gradient checkpointing keeps each layer's input; without it,
                       the layer term below for every layer)
@@ -29,7 +32,8 @@ them; activations are per rank), GiB = 2^30 bytes:
                   the rollout phase at 8B shape, in step 0 only, on 1 and on 2 ranks; which allocation
                   holds it is not pinned down)
 
-    trainer phase = weights + grads + optimizer + fp8 cache + reference + gathered + activations + runtime
+    trainer phase = weights + grads + optimizer + fp8 cache + reference + gathered + reduce-scatter + activations
+                    + runtime
                     (+ the vLLM share without rollout.sleep_mode)
     rollout phase = weights + optimizer + reference + runtime + vLLM share
     peak          = max(trainer phase, rollout phase + first refit)
@@ -44,9 +48,14 @@ first refit: llama31_8b_fp8 on 1 H200 125.9 GiB (model 124.8), on 2 H200s 100.7 
 and qwen3_8b_fp8_kv on 2 H100s at vLLM 0.4, 69.2 and 73.2 (71.9 both), qwen3_8b_fp8_kv with micro-batches of
 4 x 4096 tokens through the fused head 74.8 (71.9). On 2 ranks the trainer phase is under-counted: measured
 69.4 / 67.8 GiB (qwen3_8b_bf16 / qwen3_8b_fp8_kv, micro-batch 2) and 71.2 (qwen3_8b_fp8_kv, 4 rows, fused
-head) on 2 H100s, where the model gives 60.4 / 62.1 and 61.8; which allocations of the FSDP2 step make the
-6-9 GiB is not measured, so no term stands for them (`bench/trainer_phase.py --memory` on 2 GPUs breaks a
-step's peak down by allocation site, stream and what lies outside torch's allocator).
+head) on 2 H100s, where the model without the reduce-scatter term and with 2 gathered units gave 60.4 / 62.1
+and 61.8. `bench/trainer_phase.py --memory` on 2 H200s (the 80 GB line: vLLM 0.4, micro-batch 4, fused head)
+placed the gap in the allocator's per-stream caches: at the step's end the reduce-scatter stream reserved
+18.0 GiB (the 15.3 GiB of sharded fp32 gradients and 2.8 more) and the all-gather stream 3.5 GiB (BF16; FP8:
+7.3, 3.2 of it the FP8 weight shards quantized there), hence the two terms above. With them the model gives
+65.5 / 65.3 GiB for qwen3_8b_bf16 / qwen3_8b_fp8_kv there, against device peaks of 65.6 / 70.4: FP8 is still
+under-counted by 5 GiB, as its micro-batch left as much live at the peak as BF16's (9.5 GiB on the default
+stream), where the activations term halves the FP8 layers'.
 
 The run is refused before its first step only when the tensors that must exist, without
 activations or runtime, exceed the device's memory (weights + grads + optimizer states while
@@ -98,6 +107,7 @@ class Estimate:
     fp8_cache: float
     reference: float
     gathered: float
+    reduce_scatter: float
     activations: float
     tokens: int                # per micro-batch
     vllm_share: float
@@ -117,8 +127,8 @@ class Estimate:
 
     @property
     def trainer_peak(self) -> float:
-        return (self.trainer_static + self.fp8_cache + self.reference + self.gathered + self.activations
-                + RUNTIME_GIB)
+        return (self.trainer_static + self.fp8_cache + self.reference + self.gathered + self.reduce_scatter
+                + self.activations + RUNTIME_GIB)
 
     @property
     def rollout_peak(self) -> float:
@@ -152,7 +162,7 @@ def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> E
         world=n, device=device_gib, weights=weights / GIB, grads=weights / GIB, optimizer=p * state_bytes / n / GIB,
         fp8_cache=(p * 2 if n == 1 else p / n) / GIB if cfg.fp8.train and cfg.fp8.cache_weights else 0.0,
         reference=weights / GIB if cfg.loss.kl_coef > 0 else 0.0,
-        gathered=2 * 2 * unit / GIB if n > 1 else 0.0,
+        gathered=3 * 2 * unit / GIB if n > 1 else 0.0, reduce_scatter=4 * unit / GIB if n > 1 else 0.0,
         activations=tokens * per_token / GIB, tokens=tokens,
         vllm_share=share, vllm_weights=vllm_weights, kv_cache=kv_cache, kv_tokens=int(kv_cache * GIB / kv_per_token),
         sleep=r.sleep_mode, first_refit=2 * p / GIB if share else 0.0)
@@ -165,7 +175,7 @@ def describe(e: Estimate) -> str:
              f"  weights {e.weights:.1f}, grads {e.grads:.1f}, optimizer states {e.optimizer:.1f}"
              + (f", fp8 cache {e.fp8_cache:.1f}" if e.fp8_cache else "")
              + (f", reference {e.reference:.1f}" if e.reference else "")
-             + (f", fsdp gathered {e.gathered:.1f}" if e.gathered else ""),
+             + (f", fsdp gathered {e.gathered:.1f}, reduce-scatter {e.reduce_scatter:.1f}" if e.gathered else ""),
              (f"  activations {e.activations:.1f} per micro-batch of {e.tokens} tokens"
               f" ({e.activations * GIB / e.tokens / 2**20:.2f} MiB per token), runtime {RUNTIME_GIB:.0f}")]
     if e.vllm_share:

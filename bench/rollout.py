@@ -406,9 +406,13 @@ def run_worker(args) -> int:
                 continue
             prompts = random_prompts(w, hf_cfg.vocab_size, args.seed + k)
             preempted, t0 = getattr(engine, "preemptions", None), time.perf_counter()
-            samples = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=w.gen_len,
-                                      seed=args.seed + 1000 * (k + 1))
+            with timed_host(engine) as totals:  # whether the GPU or vLLM's host loop bounds the generation
+                samples = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=w.gen_len,
+                                          seed=args.seed + 1000 * (k + 1))
             dt = time.perf_counter() - t0
+            row["host_ms_per_step"] = host_ms_per_step(totals)
+            if "error" not in totals:
+                row["engine_steps"] = totals["step"][1]
             if preempted is not None:  # sequences vLLM recomputed for KV-cache room
                 row["preemptions"] = engine.preemptions - preempted
             lens = [len(s.token_ids) for s in samples]
@@ -419,7 +423,8 @@ def run_worker(args) -> int:
             if not row["fixed_length"] and not engine.cfg.rollout.ignore_eos_median:  # (drawn lengths: not fixed)
                 say(f"WARNING {w.name}: {len(samples)} samples, lengths {min(lens)}..{max(lens)} (ignore_eos?)")
             say(f"{w.name}: {gen:,} tokens in {dt:.1f} s = {gen / dt:,.0f} out tok/s "
-                f"(KV fits {row['seqs_fit']} of these sequences)")
+                f"(KV fits {row['seqs_fit']} of these sequences); {row.get('engine_steps', '?')} engine steps, host ms "
+                f"per step {row['host_ms_per_step']}")
             emit(args.result_file, row)
         return 0
     except Exception as e:  # recorded for the parent; the traceback goes to the log
@@ -558,9 +563,26 @@ def timed_calls(parts: dict[str, tuple[object, str]]):
                 setattr(obj, attr, fn)
 
 
-def host_ms_per_step(totals: dict[str, list], steps: int) -> dict[str, float]:
-    """timed_calls' totals as ms per decode step, plus engine_core_wait: the engine core's step less its timed
-    parts, mostly the wait for the GPU's sampled tokens (with async scheduling, one step behind the launch)."""
+@contextlib.contextmanager
+def timed_host(engine):
+    """timed_calls over host_parts(engine.llm); yields {"error": ...} instead where the engine is not vLLM 0.26's
+    in-process LLM (another vLLM's internals, or a stand-in)."""
+    try:
+        parts = host_parts(engine.llm)
+    except AttributeError as e:
+        yield {"error": f"not timed: {e}"}
+        return
+    with timed_calls(parts) as totals:
+        yield totals
+
+
+def host_ms_per_step(totals: dict[str, list], steps: int | None = None) -> dict[str, float]:
+    """timed_calls' totals as ms per decode step (steps: default the front end's step calls), plus engine_core_wait:
+    the engine core's step less its timed parts, mostly the wait for the GPU's sampled tokens (with async
+    scheduling, one step behind the launch)."""
+    if "error" in totals:
+        return dict(totals)
+    steps = steps or max(totals["step"][1], 1)
     ms = {name: 1e3 * sec / steps for name, (sec, _) in totals.items()}
     parts = ("schedule", "execute_model", "sample_tokens", "update_from_output")
     ms["engine_core_wait"] = ms["engine_core_step"] - sum(ms[p] for p in parts)
@@ -608,12 +630,9 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
            "decode_windows_s": {str(steps): [round(t, 4) for t in ts] for steps, ts in windows.items()}}
     if n >= 2:
         row["decode_step_marginal_ms"] = round(1e3 * (dt - statistics.median(windows[n // 2])) / (n - n // 2), 3)
-    try:  # one more full window with vLLM's host work timed: what the GPU may wait on
-        with timed_calls(host_parts(engine.llm)) as totals:
-            engine.generate(prompts, max_new_tokens=n, **gen)
-        row["host_ms_per_step"] = host_ms_per_step(totals, n)
-    except AttributeError as e:  # another vLLM's internals
-        row["host_ms_per_step"] = {"error": f"not timed: {e}"}
+    with timed_host(engine) as totals:  # one more full window with vLLM's host work timed: what the GPU may wait on
+        engine.generate(prompts, max_new_tokens=n, **gen)
+    row["host_ms_per_step"] = host_ms_per_step(totals, n)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)

@@ -196,6 +196,11 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
     assert row["host_ms_per_step"] == {"step": 20.0, "engine_core_step": 17.0, "schedule": 1.0, "execute_model": 3.0,
                                        "sample_tokens": 1.0, "update_from_output": 2.0, "process_outputs": 2.0,
                                        "engine_core_wait": 10.0}
+    # a whole generation: per front-end step call (the engine's steps), whatever the tokens per sample
+    with br.timed_host(Engine()) as totals:
+        for _ in range(8):
+            Engine.llm.llm_engine.step()
+    assert totals["step"][1] == 8 and br.host_ms_per_step(totals) == row["host_ms_per_step"]
     core = Engine.llm.llm_engine.engine_core.engine_core
     assert core.step_fn == core.step and not {"schedule", "update_from_output"} & set(vars(core.scheduler))
     assert "step" not in vars(Engine.llm.llm_engine) and "process_outputs" not in vars(Engine.llm.llm_engine.output_processor)
@@ -388,6 +393,7 @@ def test_worker_records(tmp_path):
         assert r["gen_tokens"] == r["prompts"] * r["gen_len"] and r["out_tok_s"] > 0
         assert r["gpu_memory_utilization"] == 0.8 and r["max_model_len"] == 72 and r["kv_bytes_per_token"] == 73728
         assert len(r["refit_all_s"]) == 3
+        assert r["host_ms_per_step"]["error"].startswith("not timed: ") and "engine_steps" not in r  # no vLLM here
     assert br.run_worker(_worker_args(tmp_path, "bf16", "--capacity-only")) == 0
     (cap,) = runner.read_records(tmp_path / "bf16.jsonl")
     assert cap["workload"] == "qwen3-8b capacity" and cap["enforce_eager"] and "out_tok_s" not in cap

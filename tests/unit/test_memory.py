@@ -75,10 +75,21 @@ def test_refused_only_when_the_tensors_alone_exceed_the_device():
         assert memory.check(memory.estimate(shape, cfg(name, "rollout.gpu_memory_utilization=0.4",
                                                        "train.micro_batch_size=2"), 2, H100)) is None, name
         # the README's 80 GB launch line: micro-batches of 4 through the fused LM head fit below 92% too (the model's
-        # trainer phase; measured 71.2 GiB for qwen3_8b_fp8_kv, which the model under-counts on 2 ranks: memory.py)
+        # trainer phase; measured 71.2 GiB for qwen3_8b_fp8_kv, which the model under-counts in FP8: memory.py)
         four = memory.estimate(shape, cfg(name, "rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=4",
                                           "train.fused_head=true"), 2, H100)
-        assert memory.check(four) is None and 59 < four.trainer_peak < 62.5 and four.peak < 72, (name, four)
+        assert memory.check(four) is None and 62 < four.trainer_peak < 66 and four.peak < 72.5, (name, four)
+
+
+@pytest.mark.parametrize("name,measured,under", [("qwen3_8b_bf16", 65.61, 0.0), ("qwen3_8b_fp8_kv", 70.39, 5.2)])
+def test_two_rank_trainer_peak_against_the_device_peak(name, measured, under):
+    """The 80 GB line on 2 H200s (bench/trainer_phase.py --memory, docs/results.md): the device peak of the trainer
+    phase per rank against the model's, whose FSDP2 terms (3 gathered units, the reduce-scatter stream's fp32 unit)
+    are those of the allocator's per-stream caches there. FP8 stays under by ~5 GiB (memory.py says why)."""
+    e = memory.estimate(QWEN3_8B, cfg(name, "rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=4",
+                                      "train.fused_head=true"), 2, H200)
+    assert e.gathered == pytest.approx(3 * 2 * 151936 * 4096 / 2**30) and e.reduce_scatter == pytest.approx(2 / 3 * e.gathered)
+    assert abs(e.trainer_peak + under - measured) < 0.03 * measured, e.trainer_peak
 
 
 @pytest.mark.parametrize("name,shape,world,device,overrides,measured", [
