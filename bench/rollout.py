@@ -410,7 +410,7 @@ def run_worker(args) -> int:
                 samples = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=w.gen_len,
                                           seed=args.seed + 1000 * (k + 1))
             dt = time.perf_counter() - t0
-            row["host_ms_per_step"] = host_ms_per_step(totals)
+            row["host_ms_per_step"], row["python_threads"] = host_ms_per_step(totals), other_threads()
             if "error" not in totals:
                 row["engine_steps"] = totals["step"][1]
             if preempted is not None:  # sequences vLLM recomputed for KV-cache room
@@ -564,22 +564,65 @@ def timed_calls(parts: dict[str, tuple[object, str]]):
 
 
 @contextlib.contextmanager
+def gc_timed(totals: dict[str, list]):
+    """Inside: the Python garbage collector's passes timed into totals["gc"] = [seconds, passes] (gc.callbacks):
+    collections run inside whichever host part allocated, so they are an "of which", not a part of their own."""
+    import gc
+
+    total, started = totals.setdefault("gc", [0.0, 0]), []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            total[0] += time.perf_counter() - started.pop()
+            total[1] += 1
+    gc.callbacks.append(on_gc)
+    try:
+        yield totals
+    finally:
+        gc.callbacks.remove(on_gc)
+
+
+@contextlib.contextmanager
 def timed_host(engine):
-    """timed_calls over host_parts(engine.llm); yields {"error": ...} instead where the engine is not vLLM 0.26's
-    in-process LLM (another vLLM's internals, or a stand-in)."""
+    """timed_calls over host_parts(engine.llm), and the garbage collector's passes (gc_timed); yields
+    {"error": ...} instead where the engine is not vLLM 0.26's in-process LLM (another vLLM's internals, or a
+    stand-in)."""
     try:
         parts = host_parts(engine.llm)
     except AttributeError as e:
         yield {"error": f"not timed: {e}"}
         return
-    with timed_calls(parts) as totals:
+    with timed_calls(parts) as totals, gc_timed(totals):
         yield totals
+
+
+def other_threads() -> list[str]:
+    """The names of this process's live Python threads but the main one (any that runs takes the GIL from vLLM's
+    host loop)."""
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t is not threading.main_thread())
+
+
+def host_profile(path: Path, run, top: int = 40) -> None:
+    """cProfile over run() (e.g. one more decode window), the top functions by own time to path."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.runcall(run)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    path.write_text(text.getvalue())
 
 
 def host_ms_per_step(totals: dict[str, list], steps: int | None = None) -> dict[str, float]:
     """timed_calls' totals as ms per decode step (steps: default the front end's step calls), plus engine_core_wait:
     the engine core's step less its timed parts, mostly the wait for the GPU's sampled tokens (with async
-    scheduling, one step behind the launch)."""
+    scheduling, one step behind the launch). "gc", where timed, is inside the parts, not beside them."""
     if "error" in totals:
         return dict(totals)
     steps = steps or max(totals["step"][1], 1)
@@ -632,13 +675,16 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
         row["decode_step_marginal_ms"] = round(1e3 * (dt - statistics.median(windows[n // 2])) / (n - n // 2), 3)
     with timed_host(engine) as totals:  # one more full window with vLLM's host work timed: what the GPU may wait on
         engine.generate(prompts, max_new_tokens=n, **gen)
-    row["host_ms_per_step"] = host_ms_per_step(totals, n)
+    row["host_ms_per_step"], row["python_threads"] = host_ms_per_step(totals, n), other_threads()
+    stem = f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(overrides(args))}"
+    if args.host_profile:  # and one under cProfile: which Python functions the host loop spends its time in
+        host_profile(Path(args.result_file).parent / f"host_profile_{stem[len('decode_'):]}.txt",
+                     lambda: engine.generate(prompts, max_new_tokens=n, **gen))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)
     row["kernel_ms_per_step"], text = kernel_table(prof, n)
     row["kernel_busy_ms_per_step"] = round(cuda_busy_ms(prof) / n, 3)
-    stem = f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(overrides(args))}"
     path = Path(args.result_file).parent / f"{stem}.txt"
     marginal = row.get("decode_step_marginal_ms", float("nan"))
     busy = row["kernel_busy_ms_per_step"]
@@ -749,6 +795,7 @@ def worker_argv(args, model: str, mode: str, result_file: Path, deadline: float 
         argv.append("--capacity-only")
     if args.decode_steps:
         argv += ["--decode-steps", str(args.decode_steps), "--decode-repeats", str(args.decode_repeats)]
+        argv += ["--host-profile"] if args.host_profile else []
     for o in args.set:
         argv += ["--set", o]
     for v in args.vllm:
@@ -846,6 +893,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-pdl", action="store_true",
                    help="FlashInfer's decode kernels (XQA) launched without programmatic dependent launch, "
                         "which flashinfer enables by default on SM90; part of the workload label")
+    p.add_argument("--host-profile", action="store_true",
+                   help="with --decode-steps: one more window under cProfile, the top Python functions by own time "
+                        "to OUT/logs/host_profile_*.txt")
     p.add_argument("--refits", type=int, default=3, help="update_weights calls timed (median reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results); logs in OUT/logs")

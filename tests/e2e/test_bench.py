@@ -193,6 +193,7 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
     assert row["decode_step_marginal_ms"] == pytest.approx(20.0, abs=1e-3) and row["gen_tokens"] == 4 * 64
     assert row["decode_windows_s"] == {"64": [1.78, 1.78, 1.78], "32": [1.14, 1.44, 0.84]}
     assert profiled == pytest.approx([0.52, 2.3])  # the first full window alone, for ncu
+    assert row["host_ms_per_step"].pop("gc") >= 0 and row["python_threads"] == br.other_threads()
     assert row["host_ms_per_step"] == {"step": 20.0, "engine_core_step": 17.0, "schedule": 1.0, "execute_model": 3.0,
                                        "sample_tokens": 1.0, "update_from_output": 2.0, "process_outputs": 2.0,
                                        "engine_core_wait": 10.0}
@@ -200,7 +201,8 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
     with br.timed_host(Engine()) as totals:
         for _ in range(8):
             Engine.llm.llm_engine.step()
-    assert totals["step"][1] == 8 and br.host_ms_per_step(totals) == row["host_ms_per_step"]
+    ms = br.host_ms_per_step(totals)
+    assert totals["step"][1] == 8 and ms.pop("gc") >= 0 and ms == row["host_ms_per_step"]
     core = Engine.llm.llm_engine.engine_core.engine_core
     assert core.step_fn == core.step and not {"schedule", "update_from_output"} & set(vars(core.scheduler))
     assert "step" not in vars(Engine.llm.llm_engine) and "process_outputs" not in vars(Engine.llm.llm_engine.output_processor)
@@ -209,6 +211,27 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
         with pytest.raises(SystemExit) as e:
             br.build_parser().parse_args(["--decode-repeats", bad])
         assert e.value.code == 2 and "--decode-repeats" in capsys.readouterr().err
+
+
+def test_gc_passes_and_the_host_profile(tmp_path):
+    """gc_timed counts the collector's passes inside it (and none after); host_profile writes run()'s Python
+    functions by own time; --host-profile reaches the children."""
+    import gc
+
+    with br.gc_timed({}) as totals:
+        gc.collect()
+    assert totals["gc"][1] == 1 and totals["gc"][0] > 0
+    gc.collect()
+    assert totals["gc"][1] == 1
+
+    def busy():
+        return sorted(str(i) for i in range(20000))
+    br.host_profile(tmp_path / "p.txt", busy)
+    assert "busy" in (tmp_path / "p.txt").read_text() and "tottime" in (tmp_path / "p.txt").read_text()
+    args = br.build_parser().parse_args(["--decode-steps", "8", "--host-profile"])
+    assert "--host-profile" in br.worker_argv(args, "llama3.1-8b", "bf16", tmp_path / "r.jsonl", None)
+    assert "--host-profile" not in br.worker_argv(br.build_parser().parse_args(["--decode-steps", "8"]),
+                                                  "llama3.1-8b", "bf16", tmp_path / "r.jsonl", None)
 
 
 def test_no_pdl_reaches_the_children_the_labels_and_flashinfer(monkeypatch):
