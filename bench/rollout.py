@@ -676,16 +676,16 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     with timed_host(engine) as totals:  # one more full window with vLLM's host work timed: what the GPU may wait on
         engine.generate(prompts, max_new_tokens=n, **gen)
     row["host_ms_per_step"], row["python_threads"] = host_ms_per_step(totals, n), other_threads()
-    stem = f"decode_{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(overrides(args))}"
+    logs = Path(args.result_file).parent
+    tag = f"{model_name}_{base['mode']}_{w.name.replace('->', '_')}{set_tag(overrides(args))}"
     if args.host_profile:  # and one under cProfile: which Python functions the host loop spends its time in
-        host_profile(Path(args.result_file).parent / f"host_profile_{stem[len('decode_'):]}.txt",
-                     lambda: engine.generate(prompts, max_new_tokens=n, **gen))
+        host_profile(logs / f"host_profile_{tag}.txt", lambda: engine.generate(prompts, max_new_tokens=n, **gen))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         engine.generate(prompts, max_new_tokens=n, **gen)
     row["kernel_ms_per_step"], text = kernel_table(prof, n)
     row["kernel_busy_ms_per_step"] = round(cuda_busy_ms(prof) / n, 3)
-    path = Path(args.result_file).parent / f"{stem}.txt"
+    path = logs / f"decode_{tag}.txt"
     marginal = row.get("decode_step_marginal_ms", float("nan"))
     busy = row["kernel_busy_ms_per_step"]
     path.write_text(f"{row['workload']} {base['mode']}: {n} decode steps at batch {w.prompts}, "
