@@ -61,6 +61,8 @@
 #                                      vLLM engine asleep beside them; --memory: what holds memory at the last
 #                                      step's peak, per rank -> trainer_phase_memory.json) -> $OUT/trainer_phase.json
 #                                      (RANKS=2 as pass)
+#   bash scripts/gpu_check.sh host        bench/host_speed.py: one CPU thread's speed at the engine loop's kind of
+#                                      work (Python, hashing, torch dispatch, CUDA launches) -> $OUT/host_speed.json
 #   bash scripts/gpu_check.sh gemm [ARGS]  bench/gemm.py: the trainer's three FP8 GEMMs per projection, cuBLAS vs
 #                                      DeepGEMM's dense GEMM vs BF16 -> $OUT/gemm.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
@@ -195,6 +197,7 @@ case "$1" in
               | tee "$OUT/bench_capacity.log" ;;
   stack)    $PY bench/train.py "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
   step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
+  host)     $PY bench/host_speed.py | tee "$OUT/host_speed.json" ;;
   gemm)     $PY bench/gemm.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_gemm.log" ;;
   pass|phase) script=bench/trainer_$1.py; launch=("$script"); [ "${RANKS:-1}" -gt 1 ] \
               && launch=(-m torch.distributed.run --standalone --nproc_per_node "$RANKS" "$script")

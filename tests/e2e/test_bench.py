@@ -878,3 +878,16 @@ def test_gemm_bench_names_bad_token_counts_and_needs_hopper(tmp_path):
         pytest.skip("an SM90 GPU is here: the benchmark ran")
     assert "needs a Hopper (SM90) GPU" in p.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_host_speed_prints_one_json_line_of_facts_and_times():
+    """bench/host_speed.py: one JSON line with the host's CPU facts and each timing, positive numbers (no
+    figure is pinned: they are the host's)."""
+    p = subprocess.run([sys.executable, str(REPO / "bench/host_speed.py")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (line,) = p.stdout.strip().splitlines()
+    out = json.loads(line)
+    assert out["cpus_allowed"] >= 1 and out["python"] == sys.version.split()[0]
+    for key in ("py_loop_ms", "py_objs_ms", "hash_pickle_ms", "torch_cpu_small_op_us"):
+        assert out[key] > 0, key
+    assert ("cuda_launch_us" in out) == torch.cuda.is_available()

@@ -1,0 +1,120 @@
+"""One host thread's speed at the kind of work vLLM's in-process engine loop does, as one JSON line.
+
+    python bench/host_speed.py          # on the GPU host and on a reference machine; compare the ms
+
+At the configs' rollout the engine's host loop, not the GPU, sets the pace (docs/results.md, "The rollout at
+the shipped workload"), so the rollout's wall time moves with the host CPU's single-thread speed. This
+times what that loop is made of, best of 5:
+  py_loop_ms      1M dict stores (interpreter dispatch)
+  py_objs_ms      200k small objects built and walked (allocation, attribute access)
+  hash_pickle_ms  50k pickle + sha256 of a block-sized tuple (vLLM's prefix-cache block hashes)
+  torch_cpu_small_op_us  one in-place op on a small CPU tensor (PyTorch's dispatch)
+  cuda_launch_us, h2d_copy_us, launch_sync_us   (with CUDA) a kernel launch, a pinned 1 KiB copy, and a
+                  launch followed by a synchronize
+plus the CPU model, its reported clock, the CPUs this process may run on and any cgroup CPU quota.
+"""
+
+import hashlib
+import json
+import os
+import pickle
+import platform
+import sys
+import time
+
+
+def best_ms(fn, reps: int = 5) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return round(min(times) * 1e3, 2)
+
+
+def py_loop():
+    d = {}
+    for i in range(1_000_000):
+        d[i & 1023] = i
+
+
+class _Req:
+    __slots__ = ("a", "b", "c")
+
+    def __init__(self, a):
+        self.a, self.b, self.c = a, [a], {"k": a}
+
+
+def py_objs():
+    return sum(len(r.b) for r in [_Req(i) for i in range(200_000)])
+
+
+def hash_pickle():
+    block = tuple(range(1, 17))
+    for i in range(50_000):
+        hashlib.sha256(pickle.dumps((i, block, None))).digest()
+
+
+def host_facts() -> dict:
+    out = {"python": sys.version.split()[0], "machine": platform.machine(),
+           "cpus_allowed": len(os.sched_getaffinity(0)), "cpu_count": os.cpu_count()}
+    for path in ("/sys/fs/cgroup/cpu.max", "/sys/fs/cgroup/cpu/cpu.cfs_quota_us"):
+        if os.path.exists(path):
+            with open(path) as f:
+                out["cpu_quota"] = f.read().strip()
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+        mhz = [line.split(":", 1)[1].strip() for line in lines if line.startswith("cpu MHz")]
+        out["cpu_model"], out["cpu_mhz"] = models[:1], mhz[:1]
+    return out
+
+
+def torch_times() -> dict:
+    import torch
+
+    out = {"torch_threads": torch.get_num_threads()}
+    a = torch.zeros(256, dtype=torch.int32)
+
+    def small_ops(n=20_000):
+        for _ in range(n):
+            a.add_(1)
+    out["torch_cpu_small_op_us"] = round(best_ms(small_ops) / 20, 2)  # ms per 20k calls -> us per call
+    if not torch.cuda.is_available():
+        return out
+    g, h = torch.zeros(256, device="cuda"), torch.zeros(256, pin_memory=True)
+
+    def launches(n=20_000):
+        for _ in range(n):
+            g.add_(1)
+        torch.cuda.synchronize()
+
+    def copies(n=5_000):
+        for _ in range(n):
+            g.copy_(h, non_blocking=True)
+        torch.cuda.synchronize()
+
+    def synced(n=2_000):
+        for _ in range(n):
+            g.add_(1)
+            torch.cuda.synchronize()
+    out["cuda_launch_us"] = round(best_ms(launches) / 20, 2)
+    out["h2d_copy_us"] = round(best_ms(copies) / 5, 2)
+    out["launch_sync_us"] = round(best_ms(synced) / 2, 2)
+    return out
+
+
+def main() -> int:
+    out = host_facts()
+    out.update(py_loop_ms=best_ms(py_loop), py_objs_ms=best_ms(py_objs), hash_pickle_ms=best_ms(hash_pickle))
+    try:
+        out.update(torch_times())
+    except ImportError:
+        pass
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
