@@ -19,7 +19,8 @@ them; activations are per rank), GiB = 2^30 bytes:
                     2 h per layer (gradient checkpointing keeps each layer's input; without it,
                       the layer term below for every layer)
                   + 5 x (4 h + 3 ffn) x 2 (one layer recomputed in backward; 1 byte for FP8 linears,
-                      which keep FP8 inputs)
+                      which keep FP8 inputs, on one rank; over N > 1 ranks FP8 layers count 2 bytes too, as
+                      measured at the 2-rank peak)
                   + 10 x V (bf16 logits, fp32 log-softmax and its gradient); 3 x V with train.fused_head
                       (it kept 7 bytes x V per token less at 4 x 4128 tokens, V 128k, on an H200)
     runtime       2 GiB (CUDA context, allocator slack, compiled kernels)
@@ -53,9 +54,12 @@ and 61.8. `bench/trainer_phase.py --memory` on 2 H200s (the 80 GB line: vLLM 0.4
 placed the gap in the allocator's per-stream caches: at the step's end the reduce-scatter stream reserved
 18.0 GiB (the 15.3 GiB of sharded fp32 gradients and 2.8 more) and the all-gather stream 3.5 GiB (BF16; FP8:
 7.3, 3.2 of it the FP8 weight shards quantized there), hence the two terms above. With them the model gives
-65.5 / 65.3 GiB for qwen3_8b_bf16 / qwen3_8b_fp8_kv there, against device peaks of 65.6 / 70.4: FP8 is still
-under-counted by 5 GiB, as its micro-batch left as much live at the peak as BF16's (9.5 GiB on the default
-stream), where the activations term halves the FP8 layers'.
+65.5 / 65.3 GiB for qwen3_8b_bf16 / qwen3_8b_fp8_kv there, against device peaks of 65.6 / 70.4. FP8 was still
+under-counted by 5 GiB: its micro-batch left as much live at the peak as BF16's (9.5 GiB on the default stream),
+where the activations term halved the FP8 layers'. Its peak falls inside a layer's backward (2.9 GiB live from
+the FP8 GEMMs), BF16's inside the LM head's; which tensors keep FP8's layer as large as BF16's over FSDP2 is not
+pinned down. So over N > 1 ranks the FP8 layers count BF16's bytes: 69.3 GiB against 70.4 there, and on
+2 H100s 67.7 / 69.3 against 67.8 / 71.2 (micro-batch 2 / 4 rows through the fused head), from 65.6 / 65.3.
 
 The run is refused before its first step only when the tensors that must exist, without
 activations or runtime, exceed the device's memory (weights + grads + optimizer states while
@@ -147,7 +151,7 @@ def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> E
     weights = p * w_bytes / n
     tokens = cfg.micro_batch_tokens
     h, f = shape.hidden, shape.ffn
-    layer = 5 * (4 * h + 3 * f) * (1 if cfg.fp8.train else 2)
+    layer = 5 * (4 * h + 3 * f) * (1 if cfg.fp8.train and n == 1 else 2)  # FP8 inputs: half, on one rank only
     per_token = (2 * h * shape.layers + layer if cfg.model.gradient_checkpointing else layer * shape.layers) \
         + (3 if cfg.train.fused_head else 10) * shape.vocab
     # rollout.mode=async: the engines have GPUs of their own, a trainer rank holds no vLLM share
