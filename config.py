@@ -258,10 +258,10 @@ class FP8Config:
     than BF16). Same FP8 operands; the products are summed in FP8 tensor cores with fp32 scales, as the
     dense linears' cuBLAS GEMMs do, so the CPU emulation no longer follows the experts bit for bit."""
     linear_backend: Literal["auto", "cutlass", "deep_gemm", "triton"] = "cutlass"
-    """vLLM block-FP8 GEMM backend; cutlass starts in ~1 min; deep_gemm JITs for ~4 more minutes on a fresh
-    host and decodes batches of 16-64 1.2-1.3x faster, but leaves the 8B configs' rollout, which vLLM's host loop
-    bounds, where it was (docs/results.md); triton is vLLM's Triton block-FP8 GEMM (2-2.5x slower than cutlass at
-    decode on an H200)."""
+    """vLLM block-FP8 GEMM backend. cutlass starts in ~1 min. deep_gemm JITs for ~4 more minutes on a fresh
+    host; its decode step is 1.17-1.23x faster than cutlass's at batches of 16-64, but the 8B configs' rollout,
+    bound by vLLM's host loop, takes as long (docs/results.md). triton is vLLM's Triton block-FP8 GEMM
+    (2-2.5x slower than cutlass at decode on an H200)."""
     calib_percentile: float = 99.9
     """Percentile over micro-batches of the per-layer amax of q/k/v."""
     calib_margin: float = 1.05
