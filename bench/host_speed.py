@@ -76,32 +76,33 @@ def torch_times() -> dict:
 
     out = {"torch_threads": torch.get_num_threads()}
     a = torch.zeros(256, dtype=torch.int32)
+    n_small, n_launch, n_copy, n_sync = 20_000, 20_000, 5_000, 2_000
 
-    def small_ops(n=20_000):
-        for _ in range(n):
+    def small_ops():
+        for _ in range(n_small):
             a.add_(1)
-    out["torch_cpu_small_op_us"] = round(best_ms(small_ops) / 20, 2)  # ms per 20k calls -> us per call
+    out["torch_cpu_small_op_us"] = round(best_ms(small_ops) * 1e3 / n_small, 2)
     if not torch.cuda.is_available():
         return out
     g, h = torch.zeros(256, device="cuda"), torch.zeros(256, pin_memory=True)
 
-    def launches(n=20_000):
-        for _ in range(n):
+    def launches():
+        for _ in range(n_launch):
             g.add_(1)
         torch.cuda.synchronize()
 
-    def copies(n=5_000):
-        for _ in range(n):
+    def copies():
+        for _ in range(n_copy):
             g.copy_(h, non_blocking=True)
         torch.cuda.synchronize()
 
-    def synced(n=2_000):
-        for _ in range(n):
+    def synced():
+        for _ in range(n_sync):
             g.add_(1)
             torch.cuda.synchronize()
-    out["cuda_launch_us"] = round(best_ms(launches) / 20, 2)
-    out["h2d_copy_us"] = round(best_ms(copies) / 5, 2)
-    out["launch_sync_us"] = round(best_ms(synced) / 2, 2)
+    out["cuda_launch_us"] = round(best_ms(launches) * 1e3 / n_launch, 2)
+    out["h2d_copy_us"] = round(best_ms(copies) * 1e3 / n_copy, 2)
+    out["launch_sync_us"] = round(best_ms(synced) * 1e3 / n_sync, 2)
     return out
 
 
