@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 LLAMA_8B = memory.ModelShape(8_030_261_248, 4096, 32, 128256, 14336, 8, 128)
 QWEN3_8B = memory.ModelShape(8_190_735_360, 4096, 36, 151936, 12288, 8, 128)
 H200, H100 = 139.8, 79.2  # GiB
+LINE = ("rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=4", "train.fused_head=true")  # the 80 GB line
+MB2 = ("rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=2")
 
 
 def cfg(name, *overrides):
@@ -73,17 +75,11 @@ def test_refused_only_when_the_tensors_alone_exceed_the_device():
     qwen = memory.estimate(QWEN3_8B, cfg("qwen3_8b_bf16", "rollout.gpu_memory_utilization=0.4"), 2, H100)
     assert qwen.trainer_peak > 0.92 * H100 > qwen.rollout_peak + qwen.first_refit
     for name, shape in (("llama31_8b_fp8", LLAMA_8B), ("qwen3_8b_bf16", QWEN3_8B), ("qwen3_8b_fp8_kv", QWEN3_8B)):
-        assert memory.check(memory.estimate(shape, cfg(name, "rollout.gpu_memory_utilization=0.4",
-                                                       "train.micro_batch_size=2"), 2, H100)) is None, name
+        assert memory.check(memory.estimate(shape, cfg(name, *MB2), 2, H100)) is None, name
         # the README's 80 GB launch line: micro-batches of 4 through the fused LM head fit below 92% too (the model's
         # trainer phase 69.3 GiB for qwen3_8b_fp8_kv, measured 71.2)
-        four = memory.estimate(shape, cfg(name, "rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=4",
-                                          "train.fused_head=true"), 2, H100)
+        four = memory.estimate(shape, cfg(name, *LINE), 2, H100)
         assert memory.check(four) is None and 62 < four.trainer_peak < 70 and four.peak < 72.5, (name, four)
-
-
-LINE = ("rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=4", "train.fused_head=true")  # the 80 GB line
-MB2 = ("rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=2")
 
 
 @pytest.mark.parametrize("name,device,overrides,measured,under", [
@@ -116,8 +112,7 @@ def test_fp8_layers_are_halved_on_one_rank_only():
     ("llama31_8b_fp8", LLAMA_8B, 1, H200, [], 125.9), ("llama31_8b_fp8", LLAMA_8B, 2, H200, [], 100.7),
     ("qwen3_8b_bf16", QWEN3_8B, 2, H100, ["rollout.gpu_memory_utilization=0.4"], 69.2),
     ("qwen3_8b_fp8_kv", QWEN3_8B, 2, H100, ["rollout.gpu_memory_utilization=0.4"], 73.2),
-    ("qwen3_8b_fp8_kv", QWEN3_8B, 2, H100, ["rollout.gpu_memory_utilization=0.4", "train.micro_batch_size=4",
-                                            "train.fused_head=true"], 74.8)])
+    ("qwen3_8b_fp8_kv", QWEN3_8B, 2, H100, LINE, 74.8)])
 def test_first_refit_step_within_5_percent_of_nvidia_smi(name, shape, world, device, overrides, measured):
     """Step 0's rollout-phase peak per GPU (nvidia-smi, docs/results.md) against rollout phase + first refit."""
     e = memory.estimate(shape, cfg(name, *overrides), world, device)
