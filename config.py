@@ -248,6 +248,13 @@ class FP8Config:
     rank keeps its shard's FP8 bytes (1 byte per parameter / ranks) and FSDP2 all-gathers those instead
     of the bf16 weight (fp8/fast/gather.py; weights whose rows split into whole 128-row blocks per rank;
     off with train.probe, whose BF16 reference needs the bf16 weights)."""
+    fuse_grad_accum: bool = False
+    """Trainer, one GPU: each FP8 weight-gradient GEMM adds its product into the weight's gradient itself
+    (fp8/fast/accum.py; on SM90 DeepGEMM's wgrad kernel accumulates into the fp32 gradient in its epilogue),
+    so autograd's BF16 weight gradient, its cast to the master weights' dtype and the add across
+    micro-batches are gone. The gradients of the FP8 linears then live in one buffer per GEMM, zeroed at
+    each mini-batch; the sum is not rounded to BF16 on the way. Off over FSDP2 ranks (their gradients are
+    reduce-scattered as autograd makes them)."""
     emulate: bool = False
     """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
     the emulation (same numerics, slower than BF16), with a warning unless this is set."""
@@ -273,7 +280,7 @@ class FP8Config:
     def uses_fast(self) -> bool:
         """A speed-only switch is on, so the trainer's FP8 model gets fp8/fast's structure (fp8.fast.apply);
         with all of them off the recipe runs without fp8/fast."""
-        return self.train and (self.fuse_projections or self.cache_weights)
+        return self.train and (self.fuse_projections or self.cache_weights or self.fuse_grad_accum)
 
 
 @dataclass

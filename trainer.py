@@ -175,8 +175,8 @@ def compile_backend(cfg: Config, device: torch.device) -> str:
 def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: bool, logger: RunLogger) -> int:
     """FP8 linears (fp8.train) with fp8/fast's speed-only structure where a switch asks for it,
     compiled layers (train.compile), FSDP2 (world > 1), in that order; returns the token multiple the
-    trainer's FP8 GEMMs want (1 = any). Without fp8.uses_fast (fuse_projections and cache_weights
-    off), fp8/fast is never imported: the recipe runs without it."""
+    trainer's FP8 GEMMs want (1 = any). Without fp8.uses_fast (fuse_projections, cache_weights and
+    fuse_grad_accum off), fp8/fast is never imported: the recipe runs without it."""
     fp8_tokens = 1
     if (cfg.moe.router_replay or cfg.moe.aux_loss_coef) and not routing.is_moe(model):
         raise UserError("moe.router_replay / moe.aux_loss_coef need a mixture-of-experts model (a family with "
@@ -189,6 +189,10 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
             logger.print(f"fp8.cache_weights: off over {d.world} ranks with train.probe (its BF16 reference forward "
                          "needs the BF16 weights, and the cache all-gathers them in FP8)")
             fp8 = dataclasses.replace(fp8, cache_weights=False)
+        if fp8.fuse_grad_accum and d.world > 1:
+            logger.print(f"fp8.fuse_grad_accum: off over {d.world} ranks (FSDP2 reduce-scatters each gradient as "
+                         "autograd makes it)")
+            fp8 = dataclasses.replace(fp8, fuse_grad_accum=False)
         converted, fast_done = fp8_model(model, fp8, d.world)
         logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
         if fp8.uses_fast:
@@ -456,7 +460,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                 tokens=distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1),
                 rows=float(distributed.all_sum(b.loss_mask[idx].amax(1).sum(), d)),  # rows that count
                 response_tokens=distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1) if entropy_coef > 0 else None)
-            optimizer.zero_grad(set_to_none=True)
+            zero_grads(run)
             nonfinite_loss = torch.zeros((), device=d.device)
             for rows, n in micro_plan(run, b, idx):  # rows of like length, cut to n
                 forwards += 1
@@ -493,7 +497,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
             run.scheduler.step()
             metrics["optim/grad_norm"] = float(grad_norm)  # before clipping; after (clip_grads_with_norm_'s factor):
             metrics["optim/grad_norm_clipped"] = float(grad_norm) * min(1.0, max_norm / (float(grad_norm) + 1e-6))
-        optimizer.zero_grad(set_to_none=True)  # free the gradients before the engine wakes (memory)
+        zero_grads(run, keep=False)  # free the gradients before the engine wakes (memory)
         routing.clear(model)
         if loss_sum is not None:  # each rank's terms are already weighted by its share of the global batch
             metrics.update(zip(loss_keys, distributed.all_sum(loss_sum, d).tolist()))
@@ -509,6 +513,15 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         update_guard(top, name if ratio == top else "a tensor of another rank's shard", step, cfg.optim, run.logger)
     if cfg.train.probe:  # did the update raise the positive-advantage samples relative to the negative ones?
         metrics["probe/policy_gain"] = policy_gain(bf16_logprobs(run, b), probe_before, b.advantages, b.mask)
+
+
+def zero_grads(run: Run, keep: bool = True) -> None:
+    """optimizer.zero_grad(set_to_none=True). With fp8.fuse_grad_accum the FP8 linears' gradient buffers are
+    then zeroed and their .grad views put back (keep), or their memory given back (the engine's turn)."""
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.cfg.fp8.train and run.cfg.fp8.fuse_grad_accum:
+        from fp8.fast.accum import release_grad_accumulators, zero_grad_accumulators
+        zero_grad_accumulators(run.model) if keep else release_grad_accumulators(run.model)
 
 
 # ----------------------------------------------------------------------------- engine refit

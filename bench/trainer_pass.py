@@ -22,7 +22,11 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
   <mode> calib   (--calib) the `<mode>` variant with its logprobs calls inside one q/k/v amax capture
                  (fp8.calib_pass=logprobs: what recording costs the logprobs pass; the train pass as `<mode>`)
 Modes: bf16, then fp8 (trainer.fp8_model of the same model; torchao on Hopper),
-then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps).
+then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps),
+then fp8_acc (fp8_cached + fp8.fuse_grad_accum: each FP8 wgrad GEMM adds into the weight's gradient buffer).
+--accumulate: the gradients are kept from one train call to the next, so each call after the first adds
+into them, as the trainer's micro-batches after a mini-batch's first do (without it every call starts
+from no gradients: autograd takes the first one as .grad and adds nothing).
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
 --compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
 only the `<mode>` variant (the others would add graphs); the first calls of a mode compile. --dynamic: each
@@ -55,11 +59,11 @@ from bench.rollout import ALIASES, MODELS, tiny_flow  # noqa: E402
 from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write_results  # noqa: E402
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
-MODES = ("bf16", "fp8", "fp8_cached")  # run in the given order on one model: fp8 converts it, fp8_cached adds caches
+MODES = ("bf16", "fp8", "fp8_cached", "fp8_acc")  # in this order on one model: fp8 converts it, then caches, accumulators
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int, profile: bool = False,
-           calib=None, dynamic: bool = False) -> dict:
+           calib=None, dynamic: bool = False, accumulate: bool = False) -> dict:
     from batch import token_logprobs
 
     def forward(cut: int):  # the batch's columns from `cut` on
@@ -72,7 +76,8 @@ def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, it
 
     def train(cut: int = 0):
         (forward(cut) * mask[:, cut:]).sum().backward()
-        model.zero_grad(set_to_none=True)
+        if not accumulate:
+            model.zero_grad(set_to_none=True)
 
     if dynamic:  # a first call 128 columns shorter: compiled layers take dynamo's length-generic graphs
         logprobs(128)
@@ -113,6 +118,8 @@ def main():
     p.add_argument("--dynamic", action="store_true", help="each variant first runs both passes on rows 128 tokens "
                    "shorter: with --compile the layers then run dynamo's length-generic graphs, as in the trainer, "
                    "whose micro-batches differ in length")
+    p.add_argument("--accumulate", action="store_true", help="keep the gradients between train calls (each adds "
+                   "into them, as the trainer's micro-batches after a mini-batch's first)")
     p.add_argument("--profile", action="store_true", help="CUDA: also each variant's kernels under torch.profiler "
                    "(2 calls per pass): ms per kernel category and the top kernels, as bench/train.py --profile")
     args = p.parse_args()
@@ -120,6 +127,7 @@ def main():
     from config import load_config
     from distributed import compile_layers, memory_metrics
     from fp8.calibrate import QKVCalibrator
+    from fp8.fast.accum import attach_grad_accumulators, zero_grad_accumulators
     from fp8.fast.cache import attach_weight_caches, refresh_weight_caches
     from fp8.linear import is_fp8_linear
     from trainer import fp8_model, prepare_trainer
@@ -173,7 +181,8 @@ def main():
                 torch.cuda.empty_cache()
             model = build()[0]
         prepared = True
-        fp8 = dataclasses.replace(cfg.fp8, train=mode != "bf16", cache_weights=mode == "fp8_cached")
+        fp8 = dataclasses.replace(cfg.fp8, train=mode != "bf16", cache_weights=mode in ("fp8_cached", "fp8_acc"),
+                                  fuse_grad_accum=mode == "fp8_acc")  # (prepare_trainer: off over FSDP2 ranks)
         run_cfg = dataclasses.replace(cfg, fp8=fp8,
                                       train=dataclasses.replace(cfg.train, compile="inductor" if args.compile else "none"))
         prepare_trainer(model, None, run_cfg, d, mixed, argparse.Namespace(print=print if d.main else lambda *a: None))
@@ -183,13 +192,17 @@ def main():
 
     def measure(mode) -> list[dict]:
         torch._dynamo.reset()  # fp8 replaces the linears: a fresh graph
-        if mode in ("fp8", "fp8_cached") and not any(is_fp8_linear(m) for m in model.modules()):
+        model.zero_grad(set_to_none=True)  # the previous mode's (--accumulate)
+        if mode != "bf16" and not any(is_fp8_linear(m) for m in model.modules()):
             # the caches only in fp8_cached: a compiled forward cannot fill them (fp8.cache_weights)
-            fp8 = dataclasses.replace(cfg.fp8, train=True, cache_weights=False)
+            fp8 = dataclasses.replace(cfg.fp8, train=True, cache_weights=False, fuse_grad_accum=False)
             print(f"[trainer_pass] fp8: {len(fp8_model(model, fp8)[0])} linears", flush=True)
-        if mode == "fp8_cached":
-            print(f"[trainer_pass] fp8_cached: {attach_weight_caches(model)} weight caches", flush=True)
+        if mode in ("fp8_cached", "fp8_acc"):  # (attach_weight_caches adds none where they are)
+            print(f"[trainer_pass] {mode}: {attach_weight_caches(model)} weight caches", flush=True)
             refresh_weight_caches(model)  # before a compiled forward, which cannot fill them
+        if mode == "fp8_acc":
+            print(f"[trainer_pass] fp8_acc: {attach_grad_accumulators(model)} gradient buffers", flush=True)
+            zero_grad_accumulators(model)
         variants = [("unpadded", False, "unpadded")] if mode == "bf16" else []
         variants += [("padded", True, "masked"), ("padded", False, ""), ("padded", False, "unfused head")]
         if args.compile:
@@ -204,7 +217,7 @@ def main():
         fused = "unfused" not in label
         r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
              **passes(model, *batches[batch], masked, fused, args.iters, args.profile and device.type == "cuda",
-                      QKVCalibrator(model) if "calib" in label else None, args.dynamic),
+                      QKVCalibrator(model) if "calib" in label else None, args.dynamic, args.accumulate),
              **memory_metrics(device)}
         with torch.no_grad():
             r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()

@@ -67,8 +67,8 @@ class _BlockFP8MM(torch.autograd.Function):
     fused group's members, fp8/fast). `kernels` quantizes and multiplies:
       weight_fwd(weights) / weight_dgrad(weights): the weight operand of the forward / dgrad GEMM;
       fwd(x2, w_op, save) -> (y, saved): q1x128(x) @ q128x128(W).T, and what wgrad needs of x;
-      bwd(g2, w_op, saved, need_x, need_w) -> (grad_x, grad_w): q1x128(g) @ q128x128(W) and
-      q128x1(g).T @ q128x1(x).
+      bwd(g2, w_op, saved, need_x, need_w, acc=None) -> (grad_x, grad_w): q1x128(g) @ q128x128(W) and
+      q128x1(g).T @ q128x1(x); with acc (fp8.fuse_grad_accum) grad_w is added into it and None returned.
     Saved: what fwd returns and the members' weights (not their concatenation); the weight is
     re-quantized in backward, as torchao does.
     """
@@ -164,12 +164,27 @@ class EmulatedKernels:
         # that is `t.to(t.dtype)` (it returns t itself), all its gradients come out zero
         return y if y.dtype == x2.dtype else y.to(x2.dtype), (x2,) if save else ()
 
-    def bwd(self, g2: Tensor, w_op: tuple[Tensor] | None, saved: tuple[Tensor, ...], need_x: bool, need_w: bool):
+    def bwd(self, g2: Tensor, w_op: tuple[Tensor] | None, saved: tuple[Tensor, ...], need_x: bool, need_w: bool,
+            acc: Tensor | None = None):
         grad_x = _fake_quant_op(g2, "1x128", "torchao") @ w_op[0] if need_x else None
         grad_w = None
         if need_w:
             grad_w = _fake_quant_op(g2, "128x1", "torchao").t() @ _fake_quant_op(saved[0], "128x1", "torchao")
-        return grad_x, grad_w
+        return grad_x, accumulate(grad_w, acc)
+
+
+def accumulate(grad_w: Tensor | None, acc: Tensor | None) -> Tensor | None:
+    """The weight gradient to return: grad_w, or None once added into acc (fp8.fuse_grad_accum's buffer)."""
+    if acc is None or grad_w is None:
+        return grad_w
+    add_into(acc, grad_w)
+    return None
+
+
+@torch.library.custom_op("fp8_grpo::add_into", mutates_args=("acc",))
+def add_into(acc: Tensor, grad: Tensor) -> None:
+    """acc += grad (any dtypes, one kernel); a torch.library op, so a compiled backward keeps the mutation."""
+    acc.add_(grad)
 
 
 class EmulatedFP8Linear(nn.Linear):

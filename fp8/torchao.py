@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fp8.linear import block_fp8_mm, cat_weights
+from fp8.linear import accumulate, block_fp8_mm, cat_weights
 from fp8.quant import BLOCK
 
 
@@ -62,10 +62,10 @@ class TorchaoKernels:
         return self.gemm(*self.lhs(x2, BLOCK), w_op), (x2,) if save else ()
 
     def bwd(self, g2: Tensor, w_op: tuple[Tensor, Tensor] | None, saved: tuple[Tensor, ...], need_x: bool,
-            need_w: bool):
+            need_w: bool, acc: Tensor | None = None):
         grad_x = self.gemm_dgrad(*self.lhs(g2, BLOCK), w_op) if need_x else None
         grad_w = self.gemm_wgrad(*self.transposed_lhs(g2, BLOCK), *self.rhs(saved[0], BLOCK)) if need_w else None
-        return grad_x, grad_w
+        return grad_x, accumulate(grad_w, acc)
 
     def gemm(self, xq: Tensor, xs: Tensor, w_op: tuple[Tensor, Tensor]) -> Tensor:
         """y [M, N] = x @ W.T from x's 1x128 operand and W's weight_fwd operand."""

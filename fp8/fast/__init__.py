@@ -14,6 +14,8 @@ fast kernels, then adds what the switches ask for:
 * fp8.cache_weights: each GEMM's quantized weight kept until the optimizer changes it (cache.py);
   the trainer registers its optimizer hook with cache.refresh_weight_caches_on_step. Over FSDP2
   ranks (`world` > 1) each rank keeps its shard's instead, and FSDP2 all-gathers FP8 (gather.py).
+* fp8.fuse_grad_accum (one rank): each GEMM's weight gradient added into one gradient buffer by the
+  GEMM itself (accum.py); the trainer zeroes and releases the buffers.
 
 Module names, Parameters and numerics are those of the recipe (tests/unit/test_fp8_linear.py).
 """
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from fp8.fast.accum import attach_grad_accumulators
 from fp8.fast.cache import attach_weight_caches
 from fp8.fast.dual import DualQuantKernels
 from fp8.fast.gather import gather_fp8_weights
@@ -40,7 +43,7 @@ if TYPE_CHECKING:
 def apply(model: nn.Module, cfg: FP8Config, world: int = 1) -> list[str]:
     """Add the speed-only structure to an FP8-converted `model` in place (idempotent): fast kernels,
     then cfg.fuse_projections, cfg.fuse_swiglu, cfg.cache_weights (over `world` FSDP2 ranks: before
-    fully_shard). Returns what it did, for the log."""
+    fully_shard), cfg.fuse_grad_accum (one rank only). Returns what it did, for the log."""
     for m in model.modules():
         if is_fp8_linear(m) and type(m.kernels) is TorchaoKernels:
             m.kernels = _dual_quant_kernels()
@@ -56,6 +59,8 @@ def apply(model: nn.Module, cfg: FP8Config, world: int = 1) -> list[str]:
                     "quantized once per optimizer step")
     elif cfg.cache_weights:
         done.append(f"{attach_weight_caches(model)} FP8 weights cached between optimizer steps")
+    if cfg.fuse_grad_accum and world == 1:  # the outermost kernels: after the caches
+        done.append(f"{attach_grad_accumulators(model)} weight gradients added into .grad by their GEMM")
     return done
 
 

@@ -22,23 +22,41 @@ from fp8.linear import is_fp8_linear
 
 
 class KernelsWrapper:
-    """Kernels of one FP8 GEMM that make its weight operands their own way (weight_fwd, weight_dgrad) and
-    leave the rest to the kernels they wrap."""
+    """Kernels of one FP8 GEMM that do one part their own way (the weight operands: WeightCache, the weight
+    gradient: accum.GradAccumulator) and leave the rest to the kernels they wrap."""
 
     def __init__(self, kernels):
         self.kernels = kernels
 
+    def weight_fwd(self, weights):
+        return self.kernels.weight_fwd(weights)
+
+    def weight_dgrad(self, weights):
+        return self.kernels.weight_dgrad(weights)
+
     def fwd(self, x2, w_op, save=False):
         return self.kernels.fwd(x2, w_op, save)
 
-    def bwd(self, g2, w_op, saved, need_x, need_w):
-        return self.kernels.bwd(g2, w_op, saved, need_x, need_w)
+    def bwd(self, g2, w_op, saved, need_x, need_w, acc=None):
+        return self.kernels.bwd(g2, w_op, saved, need_x, need_w, acc)
 
     def fwd_swiglu(self, gu, w_op, save=False):
         return self.kernels.fwd_swiglu(gu, w_op, save)
 
-    def bwd_swiglu(self, grad_h, gu, w_op, saved, need_x, need_w):
-        return self.kernels.bwd_swiglu(grad_h, gu, w_op, saved, need_x, need_w)
+    def bwd_swiglu(self, grad_h, gu, w_op, saved, need_x, need_w, acc=None):
+        return self.kernels.bwd_swiglu(grad_h, gu, w_op, saved, need_x, need_w, acc)
+
+
+def kernels_of(model: nn.Module, cls: type) -> list:
+    """The `cls` kernels objects of `model`'s FP8 GEMMs, each once, found along each linear's wrappers."""
+    found = {}
+    for m in model.modules():
+        k = m.kernels if is_fp8_linear(m) else None
+        while k is not None and not isinstance(k, cls):
+            k = k.kernels if isinstance(k, KernelsWrapper) else None
+        if k is not None:
+            found[id(k)] = k
+    return list(found.values())
 
 
 class WeightCache(KernelsWrapper):
@@ -109,8 +127,7 @@ def attach_weight_caches(model: nn.Module) -> int:
 
 def weight_caches(model: nn.Module) -> list[WeightCache]:
     """The WeightCaches of `model`, each once."""
-    return list({id(m.kernels): m.kernels for m in model.modules()
-                 if is_fp8_linear(m) and isinstance(m.kernels, WeightCache)}.values())
+    return kernels_of(model, WeightCache)
 
 
 def refresh_weight_caches(model: nn.Module) -> int:

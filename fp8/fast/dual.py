@@ -9,8 +9,12 @@ h = silu(gate) * up (and the gradient of [gate | up]) inside the quantization (f
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import Tensor
 
+from fp8.linear import accumulate
 from fp8.quant import BLOCK
 from fp8.torchao import TorchaoKernels
 
@@ -38,19 +42,42 @@ class DualQuantKernels(TorchaoKernels):
         return self.gemm(hq, hs, w_op), tuple(h128x1)
 
     def bwd(self, g2: Tensor, w_op: tuple[Tensor, Tensor] | None, saved: tuple[Tensor, ...], need_x: bool,
-            need_w: bool):
+            need_w: bool, acc: Tensor | None = None):
         g = self.dual(g2) if need_w else self.lhs(g2, BLOCK) if need_x else ()
-        return self._gemms_bwd(g, w_op, saved, need_x, need_w)
+        return self._gemms_bwd(g, w_op, saved, need_x, need_w, acc)
 
     def bwd_swiglu(self, grad_h: Tensor, gu: Tensor, w_op: tuple[Tensor, Tensor] | None, saved: tuple[Tensor, ...],
-                   need_x: bool, need_w: bool):
+                   need_x: bool, need_w: bool, acc: Tensor | None = None):
         """bwd(swiglu_backward(grad_h, gu), ...), with the gradient made inside the quantization kernel."""
-        return self._gemms_bwd(self.swiglu_bwd_dual(grad_h, gu), w_op, saved, need_x, need_w)
+        return self._gemms_bwd(self.swiglu_bwd_dual(grad_h, gu), w_op, saved, need_x, need_w, acc)
 
-    def _gemms_bwd(self, g: tuple[Tensor, ...], w_op, saved: tuple[Tensor, ...], need_x: bool, need_w: bool):
+    def _gemms_bwd(self, g: tuple[Tensor, ...], w_op, saved: tuple[Tensor, ...], need_x: bool, need_w: bool,
+                   acc: Tensor | None = None):
         grad_x = grad_w = None
-        if need_w:  # g.T [N, M] (quant_dual's qt, 1x128 groups along M) and x [M, K] (128x1 groups)
-            grad_w = self.gemm_wgrad(g[2], g[3].t(), saved[0].t(), saved[1])
+        # g.T [N, M] (quant_dual's qt, 1x128 groups along M) and x [M, K] (128x1 groups)
+        if need_w and acc is not None and acc.is_cuda and acc.dtype == torch.float32 and deep_gemm_wgrad():
+            wgrad_into(acc, g[2], g[3].t(), saved[0], saved[1].t())  # fp8.fuse_grad_accum, in the GEMM's epilogue
+        elif need_w:
+            grad_w = accumulate(self.gemm_wgrad(g[2], g[3].t(), saved[0].t(), saved[1]), acc)
         if need_x:
             grad_x = self.gemm_dgrad(g[0], g[1], w_op)
         return grad_x, grad_w
+
+
+@functools.cache
+def deep_gemm_wgrad() -> bool:
+    """DeepGEMM imports (fp8/moe.py: the installed package, else vLLM's vendored copy), for wgrad_into."""
+    from fp8.moe import import_deep_gemm
+
+    return bool(import_deep_gemm())
+
+
+@torch.library.custom_op("fp8_grpo::wgrad_into", mutates_args=("acc",))
+def wgrad_into(acc: Tensor, gqt: Tensor, gs: Tensor, xqt: Tensor, xs: Tensor) -> None:
+    """acc [N, K] fp32 += g.T @ x in DeepGEMM's SM90 1D1D kernel, which adds into acc in its epilogue: g.T as
+    FP8 [N, M] with 1x128 scales along M [N, M/128] (M-major), x.T as FP8 [K, M] with scales [K, M/128], the
+    operands of torchao's wgrad GEMM. M (tokens) is a runtime argument: one kernel per weight shape."""
+    import deep_gemm
+
+    deep_gemm.fp8_gemm_nt((gqt, gs), (xqt, xs), acc, c=acc, recipe=(1, 1, 128), compiled_dims="mn",
+                          disable_ue8m0_cast=True)

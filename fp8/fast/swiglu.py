@@ -38,8 +38,9 @@ class SwiGLUEmulatedKernels(EmulatedKernels):
     def fwd_swiglu(self, gu: Tensor, w_op, save: bool = False):
         return self.fwd(swiglu(gu), w_op, save)
 
-    def bwd_swiglu(self, grad_h: Tensor, gu: Tensor, w_op, saved: tuple[Tensor, ...], need_x: bool, need_w: bool):
-        return self.bwd(swiglu_backward(grad_h, gu), w_op, saved, need_x, need_w)
+    def bwd_swiglu(self, grad_h: Tensor, gu: Tensor, w_op, saved: tuple[Tensor, ...], need_x: bool, need_w: bool,
+                   acc: Tensor | None = None):
+        return self.bwd(swiglu_backward(grad_h, gu), w_op, saved, need_x, need_w, acc)
 
 
 class _BlockFP8SwiGLU(torch.autograd.Function):

@@ -494,3 +494,52 @@ def test_fp8_all_gather_under_fsdp2_computes_the_same_logprobs(tmp_path):
     runs = {r["mode"]: r for r in json.loads((tmp_path / "trainer_pass.json").read_text())["runs"]}
     print({m: (r["logp_sum"], r["logprobs_ms"], r["train_ms"]) for m, r in runs.items()})
     assert runs["fp8_cached fsdp2"]["logp_sum"] == runs["fp8 fsdp2"]["logp_sum"]
+
+
+@pytest.mark.parametrize("backend", [None, "inductor"], ids=["eager", "compiled"])
+def test_grad_accumulation_in_the_wgrad_gemm(backend):
+    """fp8.fuse_grad_accum on fp32 master weights under bf16 autocast, as the 8B configs train: over two
+    micro-batches of different lengths (checkpointed, compiled or not) the FP8 linears' gradients are
+    autograd's within the BF16 rounding autograd's path adds (DeepGEMM's wgrad adds its fp32 product into
+    the buffer; without DeepGEMM, cuBLAS's BF16 one), and every other gradient and the logprobs are
+    bitwise equal (dgrad is the same kernel); the buffers are those the .grad attributes view."""
+    from batch import token_logprobs
+    from distributed import compile_layers
+    from fp8.fast.accum import grad_accumulators, zero_grad_accumulators
+    from fp8.fast.dual import deep_gemm_wgrad
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    batches = [torch.randint(0, 512, (2, n), device="cuda", generator=gen) for n in (192, 320)]
+    runs = []
+    for fused in (False, True):
+        model = small_llama().float()
+        convert_fast(model, FP8Config(cache_weights=True, fuse_grad_accum=fused))
+        refresh_weight_caches_on_step(model, torch.optim.SGD(model.parameters(), lr=0.0))
+        model.gradient_checkpointing_enable()
+        if backend:
+            torch._dynamo.reset()
+            compile_layers(model, backend)
+        model.train()
+        if fused:
+            assert zero_grad_accumulators(model) == 8  # 2 layers x (qkv, o, gate_up, down)
+        logps = []
+        for ids in batches:
+            with torch.autocast("cuda", torch.bfloat16):
+                logp = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
+            (logp * torch.linspace(-1, 1, ids.shape[1], device="cuda")).sum().backward()
+            logps.append(logp.detach())
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        if fused:
+            views = {a.acc.untyped_storage().data_ptr() for a in grad_accumulators(model)}
+            fp8_names = {n for n, p in model.named_parameters() if p.grad.untyped_storage().data_ptr() in views}
+        runs.append((logps, grads))
+    torch._dynamo.reset()
+    (ref_logps, ref_grads), (logps, grads) = runs
+    assert all(torch.equal(a, b) for a, b in zip(logps, ref_logps))
+    assert len(fp8_names) == 14, sorted(fp8_names)  # 2 layers x 7 linears
+    errs = {n: rel(grads[n], ref_grads[n]) for n in sorted(fp8_names)}
+    others = [n for n in ref_grads if n not in fp8_names and not torch.equal(grads[n], ref_grads[n])]
+    print(f"\nfuse_grad_accum ({'DeepGEMM' if deep_gemm_wgrad() else 'cuBLAS + add'}, compile={backend}): "
+          f"FP8 weight gradients rel {max(errs.values()):.2e} max over {len(errs)}; other gradients differ: {others}")
+    assert not others, others
+    assert max(errs.values()) < 4e-3, errs  # BF16 rounding of autograd's per-micro-batch products: ~1e-3

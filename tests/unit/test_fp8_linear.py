@@ -4,6 +4,7 @@ GEMMs), bf16_reference, that an all-FP8 model still trains, and that every speed
 fp8.fast (fused projections, fused SwiGLU, weight cache; eager, compiled, checkpointed) computes what
 the recipe does."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -545,6 +546,12 @@ def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need, dua
         want = emu.bwd(go, emu.weight_dgrad((w,)), saved_emu, need_x, need_w)
         for a, b in zip(got, want):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b.bfloat16()))
+        # fp8.fuse_grad_accum: the weight gradient added into a buffer instead (off the GPU: the cuBLAS
+        # product, here the reference GEMM's BF16 one, added), None returned for it
+        acc = torch.full((n, k), 0.5)
+        grad_x, grad_w = kernels.bwd(go, kernels.weight_dgrad((w,)), saved, need_x, need_w, acc)
+        assert grad_w is None and (grad_x is None) == (got[0] is None) and (grad_x is None or torch.equal(grad_x, got[0]))
+        assert torch.equal(acc, 0.5 + got[1].float()) if need_w else torch.equal(acc, torch.full((n, k), 0.5))
     if not dual:
         return
     # fuse_swiglu's entry points: x taken as gu = [gate | up], the GEMM's input is swiglu(gu) and its
@@ -620,6 +627,76 @@ def test_weight_cache_released_for_the_rollout_refills_the_same_operands(compile
     logps, params = _cache_run(cache=True, compiled=compiled, release=True)
     assert all(torch.equal(a, b) for a, b in zip(logps, ref_logps))
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+def _accum_run(fp8: FP8Config, compile_backend: str | None = None, steps: int = 2):
+    """_cache_run's loop with AdamW, as trainer.train_phase runs it: each step zero_grad (and with
+    fp8.fuse_grad_accum its buffers zeroed), 2 micro-batches, clip, step; then the gradients released, as
+    before the engine wakes. Returns each step's logprobs, gradients (before the step) and the final weights."""
+    from batch import token_logprobs
+    from distributed import compile_layers
+    from fp8.fast.accum import grad_accumulators, release_grad_accumulators, zero_grad_accumulators
+
+    model = tiny_llama(layers=2)
+    convert_fast(model, fp8)
+    model.gradient_checkpointing_enable()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if fp8.cache_weights:
+        from fp8.fast.cache import refresh_weight_caches_on_step
+        refresh_weight_caches_on_step(model, opt)
+    if compile_backend:
+        torch._dynamo.reset()
+        compile_layers(model, compile_backend)
+    model.train()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 64, (2, 32), generator=g) for _ in range(2)]
+    logps, grads = [], []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        zero_grad_accumulators(model)
+        for ids in batches:
+            logp = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
+            (logp * torch.linspace(-1, 1, 32)).sum().backward()
+            logps.append(logp.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        release_grad_accumulators(model)
+        assert all(a.acc.untyped_storage().nbytes() == 0 for a in grad_accumulators(model))
+    torch._dynamo.reset()
+    return logps, grads, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("fp8,backend", [
+    (FP8Config(fuse_projections=False, fuse_swiglu=False), None),   # one _BlockFP8MM per linear
+    (FP8Config(), None),                                             # fused q/k/v, gate/up, SwiGLU MLP
+    (FP8Config(cache_weights=True), None),                           # + the weight cache
+    (FP8Config(cache_weights=True), "aot_eager"),                    # + train.compile
+    (FP8Config(cache_weights=True), "inductor"),
+], ids=["linear", "fused", "cache_weights", "compiled", "inductor"])
+def test_grad_accumulation_in_the_wgrad_gives_autograd_s_sums(fp8, backend):
+    """fp8.fuse_grad_accum: each FP8 GEMM adds its weight gradient into one buffer the members' .grad view
+    (the emulation: its fp32 product, as autograd would add it), under activation checkpointing and
+    compiled layers (a compiled backward must keep the buffer's mutation): the same gradients, logprobs and
+    AdamW updates, bit for bit, as autograd's accumulation over micro-batches; zeroed per optimizer step,
+    the buffers' memory given back between steps and reused."""
+    from fp8.fast.accum import GradAccumulator
+
+    if backend == "inductor" and sys.platform != "linux":
+        pytest.skip("inductor's CPU backend")
+    ref = _accum_run(fp8, backend)
+    fused = dataclasses.replace(fp8, fuse_grad_accum=True)
+    model = tiny_llama(layers=2)
+    convert_fast(model, fused)
+    kinds = {type(m.kernels) for m in model.modules() if fp8_linear.is_fp8_linear(m)}
+    assert kinds == {GradAccumulator}, kinds
+    logps, grads, params = _accum_run(fused, backend)
+    assert all(torch.equal(a, b) for a, b in zip(logps, ref[0]))
+    for got, want in zip(grads, ref[1]):
+        for name, gw in want.items():
+            assert torch.equal(got[name], gw), name
+    assert all(torch.equal(a, b) for a, b in zip(params, ref[2]))
 
 
 def _checkpointed_grads(fp8: FP8Config, checkpointing: bool, compile_backend: str | None):
