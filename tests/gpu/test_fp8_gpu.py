@@ -543,3 +543,47 @@ def test_grad_accumulation_in_the_wgrad_gemm(backend):
           f"FP8 weight gradients rel {max(errs.values()):.2e} max over {len(errs)}; other gradients differ: {others}")
     assert not others, others
     assert max(errs.values()) < 4e-3, errs  # BF16 rounding of autograd's per-micro-batch products: ~1e-3
+
+
+def test_deep_gemm_wgrad_adds_into_the_buffer_with_one_kernel_for_every_length():
+    """fp8/fast/dual.py's wgrad_into (DeepGEMM's SM90 1D1D kernel, fp32 C = D): acc += g.T @ x from
+    quant_dual's operands equals cuBLAS's wgrad (torchao's kernel, BF16 out) within its BF16 rounding, twice
+    in a row adds twice; micro-batches of other lengths (the contraction dim, a runtime argument with
+    compiled_dims="mn") compile no new kernel into DeepGEMM's JIT cache."""
+    import os
+    from pathlib import Path
+
+    from fp8.fast.dual import DualQuantKernels, deep_gemm_wgrad, wgrad_into
+
+    if not deep_gemm_wgrad():
+        pytest.skip("neither deep_gemm nor vllm.third_party.deep_gemm imports")
+    cache = Path(os.environ.get("DG_JIT_CACHE_DIR") or Path.home() / ".deep_gemm")
+    ao, n, k = DualQuantKernels(), 1536, 1024
+
+    def operands(m: int, seed: int):
+        gen = torch.Generator("cuda").manual_seed(seed)
+        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+        g = torch.randn(m, n, device="cuda", generator=gen).bfloat16()
+        return ao.dual(g), ao.dual(x)
+
+    def entries() -> int:
+        return sum(1 for _ in cache.rglob("*")) if cache.exists() else 0
+
+    (gq, gs, gqt, gst), (xq, xs, xqt, xst) = operands(1024, 0)
+    ref = ao.gemm_wgrad(gqt, gst.t(), xqt.t(), xst).float()
+    acc = torch.zeros(n, k, device="cuda")
+    wgrad_into(acc, gqt, gst.t(), xqt, xst.t())
+    err = rel(acc, ref)
+    wgrad_into(acc, gqt, gst.t(), xqt, xst.t())
+    err2 = rel(acc, 2 * ref)
+    before = entries()
+    for m in (384, 1664, 2944, 4096):
+        (_, _, gqt, gst), (_, _, xqt, xst) = operands(m, m)
+        out = torch.zeros(n, k, device="cuda")
+        wgrad_into(out, gqt, gst.t(), xqt, xst.t())
+        assert rel(out, ao.gemm_wgrad(gqt, gst.t(), xqt.t(), xst).float()) < 4e-3, m
+    torch.cuda.synchronize()
+    print(f"\nwgrad_into vs cuBLAS wgrad: rel {err:.2e}, twice {err2:.2e}; JIT cache {cache}: {before} -> {entries()} "
+          "entries over 4 more lengths")
+    assert err < 4e-3 and err2 < 4e-3
+    assert entries() == before
