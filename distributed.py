@@ -188,6 +188,15 @@ def compiled_graphs(d: Dist) -> int:
     return int(all_sum(torch.tensor(int(counters["stats"]["unique_graphs"]), device=d.device), d))
 
 
+def graph_breaks() -> int:
+    """Graph breaks dynamo has met so far in this process, logged per step as compile/graph_breaks when there
+    are any: a break inside a compiled layer runs the code around it eagerly between smaller graphs, which is
+    slower and can pick other kernels (SDPA's backend among them)."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
 def shard(model: nn.Module, d: Dist, bf16_compute: bool) -> nn.Module:
     """FSDP2 in place: fully_shard each decoder layer, then the root (embeddings, norm, lm_head).
 

@@ -622,7 +622,7 @@ def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
     rewards, correct, lengths, truncated = (distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu()
                                             for x in (b.rewards, b.correct, b.mask.sum(1), truncated))
     tokens = float(distributed.all_sum(b.attention_mask.sum(), d))
-    graphs = distributed.compiled_graphs(d)
+    graphs, breaks = distributed.compiled_graphs(d), distributed.graph_breaks()
     memory = distributed.memory_metrics(d.device)  # mem/peak_gib: since the rollout's (mem/rollout_peak_gib)
     if memory:
         memory["mem/trainer_peak_gib"] = memory["mem/peak_gib"]
@@ -637,4 +637,4 @@ def step_metrics(run: Run, b: StepBatch, t_step: float, metrics: dict) -> dict:
         "time/other": elapsed - sum(v for k, v in metrics.items() if k in PHASE_TIMES),
         "perf/tokens_per_s": tokens / elapsed,
         **gc_timer().take(), "perf/gc_frozen": gc.get_freeze_count(), **reward_stats(), **memory,
-        **({"compile/graphs": graphs} if graphs else {})}
+        **({"compile/graphs": graphs} if graphs else {}), **({"compile/graph_breaks": breaks} if breaks else {})}

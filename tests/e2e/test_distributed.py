@@ -242,6 +242,7 @@ def test_compiled_fp8_layers_under_fsdp2_with_recompute(tmp_path):
     assert len(by_step(compiled, "optim/grad_norm")) == 3
     graphs = by_step(compiled, "compile/graphs")  # the layer's variants, compiled as they first appear (5, 5, 9 here)
     assert len(graphs) == 3 and graphs == sorted(graphs) and graphs[0] > 0 and not by_step(eager, "compile/graphs")
+    assert not by_step(compiled, "compile/graph_breaks")  # the FP8 linears traced into the layers' graphs
     for key in ("reward/mean", "loss/policy", "optim/grad_norm"):
         assert by_step(compiled, key) == pytest.approx(by_step(eager, key), rel=1e-5, abs=1e-9), key
 

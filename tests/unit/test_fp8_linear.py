@@ -699,6 +699,25 @@ def test_grad_accumulation_in_the_wgrad_gives_autograd_s_sums(fp8, backend):
     assert all(torch.equal(a, b) for a, b in zip(params, ref[2]))
 
 
+def test_the_deep_gemm_check_in_the_traced_backward_breaks_no_graph():
+    """The accumulating wgrad's DeepGEMM check runs inside the FP8 linear's backward, which dynamo traces with
+    the layer: it is a constant there. Traced, its import broke the graph at every FP8 linear (on CUDA)."""
+    import torch._dynamo
+    from fp8.fast.dual import deep_gemm_wgrad
+
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2 if deep_gemm_wgrad() else g * 3
+
+    explain = torch._dynamo.explain(lambda x: Twice.apply(x).sum())(torch.ones(2, requires_grad=True))
+    assert (explain.graph_count, explain.graph_break_count) == (1, 0), explain.break_reasons
+
+
 def _checkpointed_grads(fp8: FP8Config, checkpointing: bool, compile_backend: str | None):
     """Logprobs and gradients of a 2-layer FP8 Llama over two micro-batches, as the trainer's train pass
     computes them (token_logprobs, backward per micro-batch), with or without activation checkpointing."""
