@@ -67,6 +67,17 @@ def resolve_attn_implementation(name: str) -> str:
     return "flash_attention_2" if has_fa else "sdpa"
 
 
+def pin_sdpa_backends() -> None:
+    """PyTorch's attention (SDPA) without cuDNN's kernel, for the whole process, as vLLM leaves it: importing
+    vLLM's CUDA platform module (vllm/platforms/cuda.py) turns cuDNN's SDPA off. The engine's start and some
+    FP8 kernels' first imports do that somewhere in a run: a compiled layer bakes in the backend it was traced
+    with, and an eager checkpointed layer whose recompute comes after the switch gets another kernel than its
+    forward saved for (CheckpointError). Off from the trainer's start, the switch changes nothing.
+    (cuDNN's kernel ran ~1.75x FlashAttention-2's in the trainer's passes on an H200, docs/results.md; not
+    yet measured in a step.)"""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device):
     dtype = getattr(torch, cfg.dtype)
     attn = resolve_attn_implementation(cfg.attn_implementation)

@@ -132,7 +132,7 @@ def main():
     from fp8.linear import is_fp8_linear
     from trainer import fp8_model, prepare_trainer
     from fp8.quant import BLOCK
-    from modeling import load_model_and_tokenizer
+    from modeling import load_model_and_tokenizer, pin_sdpa_backends
     from rollout import Sample
     from batch import amp, collate, length_multiple, token_logprobs
 
@@ -142,6 +142,7 @@ def main():
     cfg = load_config(args.config, [*shape, *args.set, "train.device=auto"])
     d = distributed.init(cfg)  # torchrun with > 1 rank: joins the process group (FSDP2)
     device = d.device
+    pin_sdpa_backends()  # the trainer's attention kernel (prepare_trainer's), whatever this process imports
     rows = args.rows or cfg.train.micro_batch_size
     n_resp = args.response or cfg.rollout.max_new_tokens
     def build():

@@ -84,3 +84,24 @@ def test_a_model_dir_on_the_meta_device_has_the_structure_and_no_weights(tmp_pat
     meta, _ = load_model_and_tokenizer(ModelConfig(name_or_path=str(tmp_path)), torch.device("meta"))
     assert {n: p.shape for n, p in meta.named_parameters()} == {n: p.shape for n, p in tiny.named_parameters()}
     assert all(p.is_meta for p in meta.parameters()) and type(meta) is type(tiny)
+
+
+def test_the_trainer_pins_sdpa_without_cudnn_before_its_first_forward():
+    """prepare_trainer turns cuDNN's SDPA off for the process, as vLLM's CUDA platform import does: an import
+    later in the run (the engine, an FP8 kernel's first use) then changes no attention kernel, not even between
+    an eager checkpointed layer's forward and its recompute."""
+    import argparse
+    from pathlib import Path
+
+    import trainer
+    from config import load_config
+
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"), ["train.compile=none"])
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        trainer.prepare_trainer(tiny("llama"), None, cfg, distributed.Dist(0, 1, torch.device("cpu"), 1), False,
+                                argparse.Namespace(print=lambda *a: None))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
