@@ -24,9 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from fp8.fast.cache import KernelsWrapper, kernels_of
-from fp8.fast.fused import FusedLinear
-from fp8.linear import is_fp8_linear
+from fp8.fast.cache import KernelsWrapper, kernels_of, wrap_kernels
 
 
 class GradAccumulator(KernelsWrapper):
@@ -66,15 +64,7 @@ class GradAccumulator(KernelsWrapper):
 def attach_grad_accumulators(model: nn.Module) -> int:
     """fp8.fuse_grad_accum: one GradAccumulator per FP8 GEMM of `model` (a fused group's members share one),
     the outermost kernels. Returns their count."""
-    n = 0
-    for m in model.modules():
-        if is_fp8_linear(m) and not isinstance(m.kernels, GradAccumulator):
-            members = m.group.members if isinstance(m, FusedLinear) else [m]
-            accumulator = GradAccumulator(m.kernels, [x.weight for x in members])
-            for x in members:
-                x.kernels = accumulator
-            n += 1
-    return n
+    return wrap_kernels(model, GradAccumulator)
 
 
 def grad_accumulators(model: nn.Module) -> list[GradAccumulator]:

@@ -112,17 +112,23 @@ class WeightCache(KernelsWrapper):
         self.refresh()
 
 
-def attach_weight_caches(model: nn.Module) -> int:
-    """fp8.cache_weights: one WeightCache per FP8 GEMM of `model` (a fused group's members share one)."""
+def wrap_kernels(model: nn.Module, cls: type) -> int:
+    """One cls(kernels, weights) per FP8 GEMM of `model` (a fused group's members share one), wrapping the
+    kernels the GEMM had: the outermost. GEMMs already wrapped by a cls keep theirs. Returns the count added."""
     n = 0
     for m in model.modules():
-        if is_fp8_linear(m) and not isinstance(m.kernels, WeightCache):
+        if is_fp8_linear(m) and not isinstance(m.kernels, cls):
             members = m.group.members if isinstance(m, FusedLinear) else [m]
-            cache = WeightCache(m.kernels, [x.weight for x in members])
+            wrapper = cls(m.kernels, [x.weight for x in members])
             for x in members:
-                x.kernels = cache
+                x.kernels = wrapper
             n += 1
     return n
+
+
+def attach_weight_caches(model: nn.Module) -> int:
+    """fp8.cache_weights: one WeightCache per FP8 GEMM of `model` (a fused group's members share one)."""
+    return wrap_kernels(model, WeightCache)
 
 
 def weight_caches(model: nn.Module) -> list[WeightCache]:
