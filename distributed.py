@@ -190,8 +190,8 @@ def compiled_graphs(d: Dist) -> int:
 
 def graph_breaks() -> int:
     """Graph breaks dynamo has met so far in this process, logged per step as compile/graph_breaks when there
-    are any: a break inside a compiled layer runs the code around it eagerly between smaller graphs, which is
-    slower and can pick other kernels (SDPA's backend among them)."""
+    are any: a break inside a compiled layer runs the code around it eagerly between smaller graphs, with the
+    GPU idle between them."""
     from torch._dynamo.utils import counters
 
     return sum(counters["graph_break"].values())

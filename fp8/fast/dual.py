@@ -9,8 +9,6 @@ h = silu(gate) * up (and the gradient of [gate | up]) inside the quantization (f
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
@@ -66,15 +64,10 @@ class DualQuantKernels(TorchaoKernels):
 
 @torch.compiler.assume_constant_result
 def deep_gemm_wgrad() -> bool:
-    """DeepGEMM imports (fp8/moe.py: the installed package, else vLLM's vendored copy), for wgrad_into.
-    A constant to torch.compile: traced, the import inside would break the graph at the FP8 linear's
-    autograd.Function, which then runs eagerly in pieces of the layer's graph (on an H200 that made SDPA
-    pick FlashAttention-2 over cuDNN and left the GPU idle between the pieces: the train phase 7% slower)."""
-    return _deep_gemm_imports()
-
-
-@functools.cache
-def _deep_gemm_imports() -> bool:
+    """DeepGEMM imports (fp8/moe.py: the installed package, else vLLM's vendored copy; cached there), for
+    wgrad_into. A constant to torch.compile: traced, the import inside would break the graph at the FP8
+    linear's autograd.Function, which would then run eagerly between pieces of the layer's graph (the GPU
+    idle between them)."""
     from fp8.moe import import_deep_gemm
 
     return bool(import_deep_gemm())
