@@ -74,6 +74,9 @@ class ModelConfig:
     (optimizer.py has the arithmetic)."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """'auto' = flash_attention_2 when flash-attn is installed, else PyTorch SDPA."""
+    cudnn_sdpa: bool = True
+    """PyTorch SDPA may pick cuDNN's attention kernel on the GPU (modeling.pin_sdpa_backends); false: its
+    FlashAttention-2 kernel, as vLLM's CUDA platform import leaves the process."""
     gradient_checkpointing: bool = False
 
 

@@ -67,15 +67,18 @@ def resolve_attn_implementation(name: str) -> str:
     return "flash_attention_2" if has_fa else "sdpa"
 
 
-def pin_sdpa_backends() -> None:
-    """PyTorch's attention (SDPA) without cuDNN's kernel, for the whole process, as vLLM leaves it: importing
-    vLLM's CUDA platform module (vllm/platforms/cuda.py) turns cuDNN's SDPA off. The engine's start and some
-    FP8 kernels' first imports do that somewhere in a run: a compiled layer bakes in the backend it was traced
-    with, and an eager checkpointed layer whose recompute comes after the switch gets another kernel than its
-    forward saved for (CheckpointError). Off from the trainer's start, the switch changes nothing.
-    (cuDNN's kernel ran ~1.75x FlashAttention-2's in the trainer's passes on an H200, docs/results.md; not
-    yet measured in a step.)"""
-    torch.backends.cuda.enable_cudnn_sdp(False)
+def pin_sdpa_backends(cudnn: bool = True) -> None:
+    """PyTorch's attention (SDPA) with (or without) cuDNN's kernel, fixed for the whole process before the
+    trainer's first forward. The first import of vLLM's CUDA platform module (vllm/platforms/cuda.py) turns
+    cuDNN's SDPA off for the process, and the engine's start or an FP8 kernel's first import (DeepGEMM, through
+    vLLM) does that somewhere in a run: a compiled layer keeps the kernel it was traced with, and an eager
+    checkpointed layer whose recompute comes after the switch gets another kernel than its forward saved for
+    (CheckpointError). So that module is imported here first, on the GPU where vLLM is installed, and then
+    the switch is set. vLLM's own attention does not go through SDPA. cuDNN's kernel ran ~1.75x
+    FlashAttention-2's in the trainer's passes on an H200 (docs/results.md)."""
+    if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
+        import vllm.platforms.cuda  # noqa: F401  (its one-time switch, now rather than mid-run)
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
 def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device):

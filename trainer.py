@@ -179,7 +179,7 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
     trainer's FP8 GEMMs want (1 = any). Without fp8.uses_fast (fuse_projections, cache_weights and
     fuse_grad_accum off), fp8/fast is never imported: the recipe runs without it."""
     fp8_tokens = 1
-    modeling.pin_sdpa_backends()  # before any forward or compile: no later import flips the kernel
+    modeling.pin_sdpa_backends(cfg.model.cudnn_sdpa)  # before any forward or compile: no import flips it later
     if (cfg.moe.router_replay or cfg.moe.aux_loss_coef) and not routing.is_moe(model):
         raise UserError("moe.router_replay / moe.aux_loss_coef need a mixture-of-experts model (a family with "
                         "experts, e.g. model.tiny.arch=qwen3_moe); set moe.router_replay=false moe.aux_loss_coef=0")

@@ -86,22 +86,25 @@ def test_a_model_dir_on_the_meta_device_has_the_structure_and_no_weights(tmp_pat
     assert all(p.is_meta for p in meta.parameters()) and type(meta) is type(tiny)
 
 
-def test_the_trainer_pins_sdpa_without_cudnn_before_its_first_forward():
-    """prepare_trainer turns cuDNN's SDPA off for the process, as vLLM's CUDA platform import does: an import
-    later in the run (the engine, an FP8 kernel's first use) then changes no attention kernel, not even between
-    an eager checkpointed layer's forward and its recompute."""
+@pytest.mark.parametrize("cudnn", [True, False])
+def test_the_trainer_pins_sdpas_cudnn_switch_before_its_first_forward(cudnn):
+    """prepare_trainer sets cuDNN's SDPA switch as model.cudnn_sdpa says, for the process, whatever it was:
+    vLLM's CUDA platform import (which turns it off) is done before that on the GPU, so an import later in
+    the run (the engine, an FP8 kernel's first use) changes no attention kernel, not even between an eager
+    checkpointed layer's forward and its recompute."""
     import argparse
     from pathlib import Path
 
     import trainer
     from config import load_config
 
-    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"), ["train.compile=none"])
+    cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"),
+                      ["train.compile=none", f"model.cudnn_sdpa={str(cudnn).lower()}"])
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    torch.backends.cuda.enable_cudnn_sdp(True)
+    torch.backends.cuda.enable_cudnn_sdp(not cudnn)
     try:
         trainer.prepare_trainer(tiny("llama"), None, cfg, distributed.Dist(0, 1, torch.device("cpu"), 1), False,
                                 argparse.Namespace(print=lambda *a: None))
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
