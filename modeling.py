@@ -75,10 +75,17 @@ def pin_sdpa_backends(cudnn: bool = True) -> None:
     checkpointed layer whose recompute comes after the switch gets another kernel than its forward saved for
     (CheckpointError). So that module is imported here first, on the GPU where vLLM is installed, and then
     the switch is set. vLLM's own attention does not go through SDPA. cuDNN's kernel ran ~1.75x
-    FlashAttention-2's in the trainer's passes on an H200 (docs/results.md)."""
+    FlashAttention-2's in the trainer's passes on an H200 (docs/results.md).
+    torch.compile picks the kernel while it traces, and its caches (inductor's and AOTAutograd's, on disk
+    across runs) do not key on the switch: the switch goes into their key tag, else a run would reuse
+    graphs compiled with the other kernel."""
     if torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None:
         import vllm.platforms.cuda  # noqa: F401  (its one-time switch, now rather than mid-run)
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    torch.compiler.config.cache_key_tag = f"{_CACHE_KEY_TAG}cudnn_sdp={int(cudnn)}"
+
+
+_CACHE_KEY_TAG = torch.compiler.config.cache_key_tag  # the user's (TORCH_COMPILE_CACHE_KEY_TAG)
 
 
 def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device):

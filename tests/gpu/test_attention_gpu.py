@@ -2,8 +2,10 @@
 
 With model.cudnn_sdpa (the default) the trainer's SDPA calls run cuDNN's kernel, eager with checkpointed
 layers and compiled, as the 8B configs train; vLLM's CUDA platform import, which turns cuDNN's SDPA off the
-first time it runs, comes before the pin and cannot switch the kernel later; the logprobs and gradients
-match FlashAttention-2's (model.cudnn_sdpa=false) within BF16 rounding.
+first time it runs, comes before the pin and cannot switch the kernel later; a compiled run after one with
+the other kernel traces its own graphs (the switch is in torch.compile's cache key; without it the cuDNN run
+reused FlashAttention-2's graphs); the logprobs and gradients match FlashAttention-2's
+(model.cudnn_sdpa=false) within BF16 rounding.
 
     python -m pytest tests/gpu/test_attention_gpu.py -q -s     # -s prints the differences
 """
@@ -22,6 +24,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("backend", [None, "inductor"], ids=["eager", "compiled"])
 def test_the_trainers_sdpa_runs_the_pinned_kernel(backend):
+    from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -49,6 +52,7 @@ def test_the_trainers_sdpa_runs_the_pinned_kernel(backend):
                 torch._dynamo.reset()
                 compile_layers(model, backend)
             model.train()
+            counters.clear()
             logps = []
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for ids in batches:  # checkpointed: backward recomputes each layer's attention
@@ -61,6 +65,7 @@ def test_the_trainers_sdpa_runs_the_pinned_kernel(backend):
             attention = sorted(n for n in names if "scaled_dot_product" in n or "cudnn" in n.lower()
                                or "flash_fwd" in n or "flash_bwd" in n)
             runs[cudnn] = (logps, {n: p.grad for n, p in model.named_parameters()}, attention)
+            print(f"\ncudnn={cudnn} compile={backend}: caches {dict(counters['aot_autograd'])} {dict(counters['inductor'])}")
     finally:
         torch._dynamo.reset()
         torch.backends.cuda.enable_cudnn_sdp(before)

@@ -88,7 +88,8 @@ def test_a_model_dir_on_the_meta_device_has_the_structure_and_no_weights(tmp_pat
 
 @pytest.mark.parametrize("cudnn", [True, False])
 def test_the_trainer_pins_sdpas_cudnn_switch_before_its_first_forward(cudnn):
-    """prepare_trainer sets cuDNN's SDPA switch as model.cudnn_sdpa says, for the process, whatever it was:
+    """prepare_trainer sets cuDNN's SDPA switch as model.cudnn_sdpa says, for the process, whatever it was,
+    and tags torch.compile's cache keys with it:
     vLLM's CUDA platform import (which turns it off) is done before that on the GPU, so an import later in
     the run (the engine, an FP8 kernel's first use) changes no attention kernel, not even between an eager
     checkpointed layer's forward and its recompute."""
@@ -100,11 +101,14 @@ def test_the_trainer_pins_sdpas_cudnn_switch_before_its_first_forward(cudnn):
 
     cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"),
                       ["train.compile=none", f"model.cudnn_sdpa={str(cudnn).lower()}"])
-    before = torch.backends.cuda.cudnn_sdp_enabled()
+    before, tag = torch.backends.cuda.cudnn_sdp_enabled(), torch.compiler.config.cache_key_tag
     torch.backends.cuda.enable_cudnn_sdp(not cudnn)
     try:
         trainer.prepare_trainer(tiny("llama"), None, cfg, distributed.Dist(0, 1, torch.device("cpu"), 1), False,
                                 argparse.Namespace(print=lambda *a: None))
         assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
+        # torch.compile's caches key on the switch: no graph traced with the other kernel is reused
+        assert torch.compiler.config.cache_key_tag.endswith(f"cudnn_sdp={int(cudnn)}")
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+        torch.compiler.config.cache_key_tag = tag
