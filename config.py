@@ -74,9 +74,11 @@ class ModelConfig:
     (optimizer.py has the arithmetic)."""
     attn_implementation: Literal["auto", "sdpa", "eager", "flash_attention_2"] = "auto"
     """'auto' = flash_attention_2 when flash-attn is installed, else PyTorch SDPA."""
-    cudnn_sdpa: bool = True
-    """PyTorch SDPA may pick cuDNN's attention kernel on the GPU (modeling.pin_sdpa_backends); false: its
-    FlashAttention-2 kernel, as vLLM's CUDA platform import leaves the process."""
+    cudnn_sdpa: bool = False
+    """true: PyTorch SDPA may pick cuDNN's attention kernel in the trainer on the GPU; false: its
+    FlashAttention-2 kernel, as vLLM's CUDA platform import leaves the process (modeling.pin_sdpa_backends).
+    cuDNN's ran ~1.75x faster per call at the 8B configs' shapes, with numerics and the learning gate checked
+    (docs/results.md); off until a shipped pair measures the step with it."""
     gradient_checkpointing: bool = False
 
 

@@ -67,7 +67,7 @@ def resolve_attn_implementation(name: str) -> str:
     return "flash_attention_2" if has_fa else "sdpa"
 
 
-def pin_sdpa_backends(cudnn: bool = True) -> None:
+def pin_sdpa_backends(cudnn: bool) -> None:
     """PyTorch's attention (SDPA) with (or without) cuDNN's kernel, fixed for the whole process before the
     trainer's first forward. The first import of vLLM's CUDA platform module (vllm/platforms/cuda.py) turns
     cuDNN's SDPA off for the process, and the engine's start or an FP8 kernel's first import (DeepGEMM, through

@@ -1,6 +1,6 @@
 """The trainer's attention kernel on a CUDA GPU (modeling.pin_sdpa_backends); skipped without CUDA.
 
-With model.cudnn_sdpa (the default) the trainer's SDPA calls run cuDNN's kernel, eager with checkpointed
+With model.cudnn_sdpa=true the trainer's SDPA calls run cuDNN's kernel, eager with checkpointed
 layers and compiled, as the 8B configs train; vLLM's CUDA platform import, which turns cuDNN's SDPA off the
 first time it runs, comes before the pin and cannot switch the kernel later; a compiled run after one with
 the other kernel traces its own graphs (the switch is in torch.compile's cache key; without it the cuDNN run

@@ -510,7 +510,7 @@ def test_grad_accumulation_in_the_wgrad_gemm(backend):
     from modeling import pin_sdpa_backends
     from torch._dynamo.utils import counters
 
-    pin_sdpa_backends()  # as prepare_trainer: the first DeepGEMM import cannot switch SDPA's kernel mid-backward
+    pin_sdpa_backends(False)  # as prepare_trainer: the first DeepGEMM import cannot switch SDPA's kernel mid-backward
     gen = torch.Generator("cuda").manual_seed(0)
     batches = [torch.randint(0, 512, (2, n), device="cuda", generator=gen) for n in (192, 320)]
     runs = []
