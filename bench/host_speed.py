@@ -67,7 +67,7 @@ def host_facts() -> dict:
             lines = f.read().splitlines()
         models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
         mhz = [line.split(":", 1)[1].strip() for line in lines if line.startswith("cpu MHz")]
-        out["cpu_model"], out["cpu_mhz"] = models[:1], mhz[:1]
+        out["cpu_model"], out["cpu_mhz"] = (models or [""])[0], (mhz or [""])[0]
     return out
 
 

@@ -324,7 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default="/tmp/flagship")
     p.add_argument("--runs", default="/tmp/flagship_runs")
-    p.add_argument("--timeout", type=float, default=420, help="seconds per config")
+    p.add_argument("--timeout", type=float, help="seconds per config (default 420; --shipped 560: its 8B runs take "
+                   "~480-510 s on one H200 with engine start and step 0's compile)")
     p.add_argument("--time-limit", type=float, default=0.0, help="seconds for all runs (0 = none; see above)")
     p.add_argument("--data", help="DIR with train.jsonl + test.jsonl in the config's fields (see above)")
     p.add_argument("--moe-layers", type=int, default=MOE_LAYERS, help="decoder layers of the Qwen3-30B-A3B shape")
@@ -386,7 +387,7 @@ def main():
         """One run on a free GPU slot (None: this process's GPUs); its row."""
         slot = slots.pop(0)
         try:
-            timeout = run_timeout(name, args.timeout, args.time_limit, t_start)
+            timeout = run_timeout(name, args.timeout or (560 if args.shipped else 420), args.time_limit, t_start)
             if timeout is None:
                 return {"config": name, "ok": False, "rc": "not started (--time-limit)"}
             run_short = shipped_run(config, args.prompts) if args.shipped else short_run
