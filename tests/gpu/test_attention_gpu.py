@@ -65,7 +65,8 @@ def test_the_trainers_sdpa_runs_the_pinned_kernel(backend):
             attention = sorted(n for n in names if "scaled_dot_product" in n or "cudnn" in n.lower()
                                or "flash_fwd" in n or "flash_bwd" in n)
             runs[cudnn] = (logps, {n: p.grad for n, p in model.named_parameters()}, attention)
-            print(f"\ncudnn={cudnn} compile={backend}: caches {dict(counters['aot_autograd'])} {dict(counters['inductor'])}")
+            print(f"\ncudnn={cudnn} compile={backend}: caches {dict(counters['aot_autograd'])} "
+                  f"{dict(counters['inductor'])}")
     finally:
         torch._dynamo.reset()
         torch.backends.cuda.enable_cudnn_sdp(before)
@@ -77,6 +78,7 @@ def test_the_trainers_sdpa_runs_the_pinned_kernel(backend):
     logp_err = max(rel(a, b) for a, b in zip(cu_logps, fa_logps))
     grad_err = {n: rel(cu_grads[n], fa_grads[n]) for n in fa_grads}
     worst = max(grad_err, key=grad_err.get)
-    print(f"  cuDNN vs FlashAttention-2: logprobs rel {logp_err:.2e}, gradients rel max {grad_err[worst]:.2e} ({worst})")
+    print(f"  cuDNN vs FlashAttention-2: logprobs rel {logp_err:.2e}, gradients rel max {grad_err[worst]:.2e} "
+          f"({worst})")
     assert logp_err < 1e-2  # BF16 attention, another accumulation order: ~1e-3; a wrong mask is O(1)
     assert grad_err[worst] < 5e-2, grad_err

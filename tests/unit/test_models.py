@@ -89,10 +89,9 @@ def test_a_model_dir_on_the_meta_device_has_the_structure_and_no_weights(tmp_pat
 @pytest.mark.parametrize("cudnn", [True, False])
 def test_the_trainer_pins_sdpas_cudnn_switch_before_its_first_forward(cudnn):
     """prepare_trainer sets cuDNN's SDPA switch as model.cudnn_sdpa says, for the process, whatever it was,
-    and tags torch.compile's cache keys with it:
-    vLLM's CUDA platform import (which turns it off) is done before that on the GPU, so an import later in
-    the run (the engine, an FP8 kernel's first use) changes no attention kernel, not even between an eager
-    checkpointed layer's forward and its recompute."""
+    and tags torch.compile's cache keys with it. vLLM's CUDA platform import (which turns it off) comes
+    before that on the GPU, so an import later in the run (the engine, an FP8 kernel's first use) changes no
+    attention kernel, not even between an eager checkpointed layer's forward and its recompute."""
     import argparse
     from pathlib import Path
 
