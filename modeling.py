@@ -67,6 +67,9 @@ def resolve_attn_implementation(name: str) -> str:
     return "flash_attention_2" if has_fa else "sdpa"
 
 
+_CACHE_KEY_TAG = torch.compiler.config.cache_key_tag  # the user's (TORCH_COMPILE_CACHE_KEY_TAG)
+
+
 def pin_sdpa_backends(cudnn: bool) -> None:
     """PyTorch's attention (SDPA) with (or without) cuDNN's kernel, fixed for the whole process before the
     trainer's first forward. The first import of vLLM's CUDA platform module (vllm/platforms/cuda.py) turns
@@ -83,9 +86,6 @@ def pin_sdpa_backends(cudnn: bool) -> None:
         import vllm.platforms.cuda  # noqa: F401  (its one-time switch, now rather than mid-run)
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
     torch.compiler.config.cache_key_tag = f"{_CACHE_KEY_TAG}cudnn_sdp={int(cudnn)}"
-
-
-_CACHE_KEY_TAG = torch.compiler.config.cache_key_tag  # the user's (TORCH_COMPILE_CACHE_KEY_TAG)
 
 
 def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device):

@@ -142,7 +142,7 @@ def main():
     cfg = load_config(args.config, [*shape, *args.set, "train.device=auto"])
     d = distributed.init(cfg)  # torchrun with > 1 rank: joins the process group (FSDP2)
     device = d.device
-    pin_sdpa_backends(cfg.model.cudnn_sdpa)  # the trainer's attention kernel (prepare_trainer's), whatever this process imports
+    pin_sdpa_backends(cfg.model.cudnn_sdpa)  # prepare_trainer's attention kernel (one GPU: measure() skips it)
     rows = args.rows or cfg.train.micro_batch_size
     n_resp = args.response or cfg.rollout.max_new_tokens
     def build():

@@ -15,11 +15,9 @@ import importlib.util
 import pytest
 import torch
 
+from test_fp8_gpu import rel
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 @pytest.mark.parametrize("backend", [None, "inductor"], ids=["eager", "compiled"])
