@@ -65,6 +65,8 @@
 #                                      work (Python, hashing, torch dispatch, CUDA launches) -> $OUT/host_speed.json
 #   bash scripts/gpu_check.sh gemm [ARGS]  bench/gemm.py: the trainer's three FP8 GEMMs per projection, cuBLAS vs
 #                                      DeepGEMM's dense GEMM vs BF16 -> $OUT/gemm.json
+#   bash scripts/gpu_check.sh attention [ARGS]  bench/attention.py: the trainer's SDPA at a shipped step's micro-batch
+#                                      lengths, FlashAttention-2 vs cuDNN, cached and first call -> $OUT/attention.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
 #                                      configurations -> $OUT/quant.json (quant_swiglu.json)
 #   bash scripts/gpu_check.sh ckpt [ARGS]  bench/checkpoint.py: save/load time and peak host RSS of the
@@ -199,6 +201,7 @@ case "$1" in
   step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
   host)     $PY bench/host_speed.py | tee "$OUT/host_speed.json" ;;
   gemm)     $PY bench/gemm.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_gemm.log" ;;
+  attention) $PY bench/attention.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_attention.log" ;;
   pass|phase) script=bench/trainer_$1.py; launch=("$script"); [ "${RANKS:-1}" -gt 1 ] \
               && launch=(-m torch.distributed.run --standalone --nproc_per_node "$RANKS" "$script")
             $PY "${launch[@]}" --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' | tee "$OUT/trainer_$1.log" ;;
@@ -261,5 +264,5 @@ case "$1" in
          tar --exclude=triton_autotune.tgz -czf "$OUT/$2.tgz" -C "$BG_DIR" "$2"
          if [ -f "$dir/rc" ]; then echo "$2: finished, rc=$(cat "$dir/rc")"; rm -rf "$dir"
          else echo "$2: still running at COLLECT_LIMIT; its files so far in $OUT/$2.tgz; collect it again"; fi ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|queue|collect|rollout|capacity|stack|step|gemm|pass|phase|quant|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|queue|collect|rollout|capacity|stack|step|gemm|pass|phase|attention|quant|ckpt" >&2; exit 2 ;;
 esac
