@@ -77,8 +77,9 @@ class ModelConfig:
     cudnn_sdpa: bool = False
     """true: PyTorch SDPA may pick cuDNN's attention kernel in the trainer on the GPU; false: its
     FlashAttention-2 kernel, as vLLM's CUDA platform import leaves the process (modeling.pin_sdpa_backends).
-    cuDNN's ran ~1.75x faster per call at the 8B configs' shapes, with numerics and the learning gate checked
-    (docs/results.md); off until a shipped pair measures the step with it."""
+    cuDNN's runs the 8B configs' attention in ~0.6x the time once its plan for a shape is cached, but builds one
+    (~0.2 s) for every new micro-batch length: the shipped steps gained nothing from it (docs/results.md), so
+    it stays off; numerics and the learning gate are checked with it on."""
     gradient_checkpointing: bool = False
 
 

@@ -77,8 +77,9 @@ def pin_sdpa_backends(cudnn: bool) -> None:
     vLLM) does that somewhere in a run: a compiled layer keeps the kernel it was traced with, and an eager
     checkpointed layer whose recompute comes after the switch gets another kernel than its forward saved for
     (CheckpointError). So that module is imported here first, on the GPU where vLLM is installed, and then
-    the switch is set. vLLM's own attention does not go through SDPA. cuDNN's kernel ran ~1.75x
-    FlashAttention-2's in the trainer's passes on an H200 (docs/results.md).
+    the switch is set. vLLM's own attention does not go through SDPA. cuDNN's kernel runs ~1.6-1.75x
+    FlashAttention-2's per call once its plan for a shape is cached, but builds one for each new length: the
+    shipped steps gained nothing from it (docs/results.md).
     torch.compile picks the kernel while it traces, and its caches (inductor's and AOTAutograd's, on disk
     across runs) do not key on the switch: the switch goes into their key tag, else a run would reuse
     graphs compiled with the other kernel."""

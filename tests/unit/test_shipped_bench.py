@@ -208,3 +208,24 @@ def test_plot_shipped_draws_the_last_pair_of_each_config_and_gpu(tmp_path):
     bad = subprocess.run([sys.executable, script, "--results", str(tmp_path / "missing.json")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --results") and len(bad.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("config,multiple", [("llama31_8b_fp8", 32), ("llama31_8b_bf16", 8)])
+def test_attention_bench_cuts_a_step_as_the_8b_trainer_does(config, multiple):
+    """bench/attention.py's --multiple for each 8B config is the trainer's on a GPU (FP8 GEMMs' 128 tokens over
+    4 rows; Inductor's 8), and a step's lengths are one per micro-batch, longest first, each a multiple."""
+    import torch
+
+    from bench.attention import step_lengths
+    from fp8.quant import BLOCK
+    from trainer import length_multiples
+
+    cfg = load_config(REPO / f"configs/{config}.yaml")
+    tokens = BLOCK if cfg.fp8.train else 1
+    rows = 16 * cfg.rollout.n
+    assert length_multiples(cfg, tokens, rows, torch.device("cuda")) == (multiple, 8)
+    lengths = step_lengths(16, cfg.rollout.n, 128, cfg.rollout.max_new_tokens, cfg.train.micro_batch_size,
+                           multiple, seed=0)
+    assert len(lengths) == rows // cfg.train.micro_batch_size
+    assert lengths == sorted(lengths, reverse=True) and all(n % multiple == 0 for n in lengths)
+    assert 128 + 1 <= lengths[-1] and lengths[0] < 128 + cfg.rollout.max_new_tokens + multiple
