@@ -109,8 +109,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(RESULTS))
     args = p.parse_args()
-    if args.multiple < 1 or args.steps < 1:
-        fail(f"--multiple {args.multiple} / --steps {args.steps}: give positive integers")
+    for key in ("multiple", "steps", "prompts", "rows"):
+        if getattr(args, key) < 1:
+            fail(f"--{key} {getattr(args, key)}: give a positive integer")
     if not torch.cuda.is_available():
         fail("bench/attention.py times CUDA kernels: run it on a GPU host")
     torch.backends.cuda.enable_cudnn_sdp(True)  # vLLM's import (none here) would turn it off; sdpa_kernel picks

@@ -905,3 +905,16 @@ def test_host_speed_prints_one_json_line_of_facts_and_times():
     for key in ("py_loop_ms", "py_objs_ms", "hash_pickle_ms", "torch_cpu_small_op_us"):
         assert out[key] > 0, key
     assert ("cuda_launch_us" in out) == torch.cuda.is_available()
+
+
+def test_attention_bench_names_bad_counts_and_needs_a_gpu(tmp_path):
+    """bench/attention.py: a count below 1 is a usage error naming the flag (exit 2); without CUDA it stops
+    with what it needs; nothing written either way."""
+    bench = [sys.executable, str(REPO / "bench/attention.py"), "--out", str(tmp_path)]
+    p = subprocess.run([*bench, "--multiple", "0"], capture_output=True, text=True)
+    assert p.returncode == 2 and "error: --multiple 0: give a positive integer" in p.stderr
+    p = subprocess.run([*bench, "--steps", "1", "--prompts", "1"], capture_output=True, text=True, timeout=600)
+    if not p.returncode:
+        pytest.skip("a GPU is here: the benchmark ran")
+    assert p.returncode == 2 and "run it on a GPU host" in p.stderr
+    assert not list(tmp_path.iterdir())
