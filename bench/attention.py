@@ -114,7 +114,7 @@ def main() -> None:
             fail(f"--{key} {getattr(args, key)}: give a positive integer")
     if not torch.cuda.is_available():
         fail("bench/attention.py times CUDA kernels: run it on a GPU host")
-    torch.backends.cuda.enable_cudnn_sdp(True)  # vLLM's import (none here) would turn it off; sdpa_kernel picks
+    torch.backends.cuda.enable_cudnn_sdp(True)  # on, whatever imported before; sdpa_kernel then picks each kernel
     steps = [step_lengths(args.prompts, args.n, args.prompt, args.cap, args.rows, args.multiple, args.seed + s)
              for s in range(args.steps)]
     runs = [dict(r, multiple=args.multiple) for kernel in KERNELS
