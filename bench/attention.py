@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.rollout import SHIPPED_LENGTHS  # noqa: E402
-from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
+from bench.runner import RESULTS, cuda_time_ms, fail, markdown_table, write_results  # noqa: E402
 
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -41,11 +41,6 @@ def step_lengths(prompts: int, n: int, prompt: int, cap: int, rows: int, multipl
     total = torch.tensor([prompt + x for x in drawn_lengths(prompts * n, median, sigma, cap, seed)])
     mask = (torch.arange(int(total.max()) + multiple)[None] < total[:, None]).long()
     return [length for _, length in by_length(mask, torch.arange(len(total)), rows, multiple)]
-
-
-def fail(why: str) -> None:
-    print(f"error: {why}", file=sys.stderr)
-    sys.exit(2)
 
 
 def first_ms(fn) -> float:

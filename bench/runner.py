@@ -155,6 +155,12 @@ def emit(path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def fail(why: str) -> None:
+    """A benchmark's bad input: one line `error: ...` on stderr, exit 2."""
+    print(f"error: {why}", file=sys.stderr)
+    sys.exit(2)
+
+
 def say(msg: str) -> None:
     """Child side: a progress line the parent streams (run_jobs' `stream` marker)."""
     print(f"[bench] {msg}", flush=True)

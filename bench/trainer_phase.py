@@ -40,14 +40,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.rollout import ALIASES, MODELS, SHIPPED_LENGTHS, optimizer_steps, tiny_flow  # noqa: E402
-from bench.runner import RESULTS, write_results  # noqa: E402
+from bench.runner import RESULTS, fail, write_results  # noqa: E402
 
 MEDIAN, SIGMA = SHIPPED_LENGTHS
-
-
-def fail(why: str) -> None:
-    print(f"error: {why}", file=sys.stderr)
-    sys.exit(2)
 
 
 def synthetic_round(cfg, prompts: int, prompt_len: int, vocab: int, seed: int):
