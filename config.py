@@ -177,6 +177,12 @@ class RolloutConfig:
     larger than the KV cache holds makes vLLM preempt and recompute sequences: at the 8B configs'
     2048 samples, 1024 cost BF16 8k preemptions and a fifth of its rollout speed, and 256 ran FP8 KV
     1.43x faster than BF16 at 1024 (H200, docs/results.md, capping the decode batch)."""
+    kv_cache_gib: float = 0.0
+    """vLLM's KV cache in GiB (its kv_cache_memory_bytes); 0 = what gpu_memory_utilization leaves. A fixed
+    size skips vLLM's free-memory profile at start, so engines started side by side on one GPU (several
+    runs, or a neighbour allocating) cannot fail its "memory changed during profiling" check; weights +
+    activations + this must fit. vLLM still refuses to start unless gpu_memory_utilization x the card is
+    free at that moment, so beside neighbours set that share to what this engine needs, not more."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism over consecutive torchrun ranks (a group of this many ranks holds one
     engine, sharded; for a model whose weights + KV do not fit one GPU's share). The group generates
@@ -627,6 +633,7 @@ def validate(cfg: Config) -> None:
         ("rollout.block_size", r.block_size, r.block_size >= 0 and r.block_size % 16 == 0,
          "0 (vLLM's default) or a multiple of 16"),
         ("rollout.max_num_seqs", r.max_num_seqs, r.max_num_seqs >= 0, ">= 0 (0 = vLLM's default)"),
+        ("rollout.kv_cache_gib", r.kv_cache_gib, r.kv_cache_gib >= 0, ">= 0 (0 = sized by gpu_memory_utilization)"),
         ("rollout.tensor_parallel_size", r.tensor_parallel_size, r.tensor_parallel_size >= 1, ">= 1"),
         ("rollout.engine_ranks", r.engine_ranks, r.engine_ranks >= 1, ">= 1"),
         ("rollout.max_staleness", r.max_staleness, r.max_staleness in (0, 1),

@@ -1,8 +1,9 @@
 """VLLMEngine: vLLM in-process, colocated with the trainer (the GPU engine of rollout.py).
 
 Everything vLLM-specific is imported lazily: importing this module (CPU CI, the tests of this module)
-never imports vLLM. Internals used below are those of vLLM 0.26.0 (requirements.txt pins it);
-each such use says so.
+never imports vLLM. The engine uses vLLM's public API (vllm.LLM, SamplingParams, sleep / wake_up, the
+layerwise reload_weights); every internal it needs beyond that lives in engines/vllm_internals.py, which
+checks them before the engine starts. Behaviours described below are those of vLLM 0.26.0 (requirements.txt).
 """
 
 import contextlib
@@ -17,21 +18,12 @@ import torch
 import torch.nn as nn
 
 from config import Config, UserError
+from engines import vllm_internals as internals
 from fp8.plan import LAYER_RE  # `layers.<i>.` in module names
 from fp8.quant import BLOCK
 from rollout import Sample
 
 _KV_SCALE_RE = re.compile(r"\b(q|k|v|kv)_scale$")  # after the layer index: ...self_attn[.k_proj].k_scale
-
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM 0.26's layerwise reload
-
-
-def quiet_rotary_reload(record: logging.LogRecord) -> bool:
-    """Logging filter: drops vLLM 0.26's "RotaryEmbedding: Failed to load weights", logged at every
-    refit. A rotary embedding has no tensor in the HF state dict, and vLLM puts the layer's own
-    cos/sin cache back; tests/gpu/test_vllm_engine.py checks the refit engine's logprobs against
-    the trainer. Every other record passes."""
-    return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
 
 
 def vllm_env(cfg: Config) -> dict[str, str]:
@@ -43,7 +35,7 @@ def vllm_env(cfg: Config) -> dict[str, str]:
     if cfg.rollout.tensor_parallel_size > 1:  # torch symmetric-memory all-reduce (vLLM's default) needs NVLink
         # multicast: on a host without it the first TP forward dies with an illegal address (docs/log.md)
         env["VLLM_ALLREDUCE_USE_SYMM_MEM"] = os.environ.get("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
-    if cfg.fp8.kv_cache and cfg.fp8.kv_attention == "xqa":  # engines/xqa.py: vLLM offers XQA decode only
+    if cfg.fp8.kv_cache and cfg.fp8.kv_attention == "xqa":  # vllm_internals.patch_xqa_scales: vLLM offers XQA only
         # if NVIDIA's artifact server answers, or with this flag (XQA itself is JIT-built from source)
         env["VLLM_HAS_FLASHINFER_CUBIN"] = "1"
     backend = cfg.fp8.linear_backend
@@ -77,6 +69,8 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
         kw["block_size"] = r.block_size
     if r.max_num_seqs:
         kw["max_num_seqs"] = r.max_num_seqs
+    if r.kv_cache_gib:  # a fixed KV cache: no free-memory profile that a neighbour's allocations can upset
+        kw["kv_cache_memory_bytes"] = int(r.kv_cache_gib * 2**30)
     if moe:  # routing.py: router replay and moe/routing_mismatch read Sample.routed_experts
         kw["enable_return_routed_experts"] = True
     if f.rollout:
@@ -87,13 +81,12 @@ def vllm_engine_kwargs(cfg: Config, model_dir: str, world_size: int = 1, quant_c
         if f.linear_backend != "auto":
             kw["linear_backend"] = f.linear_backend  # KernelConfig.linear_backend filters the kernel list
     if f.kv_cache:
-        kw["kv_cache_dtype"] = "fp8"
-        kw["calculate_kv_scales"] = False  # scales come from set_kv_scales, never from a batch
+        kw["kv_cache_dtype"] = "fp8"  # scales come from set_kv_scales (vLLM's calculate_kv_scales is off by default)
         # FA3 reads q/k/v descales from device tensors at launch, so set_kv_scales' in-place
         # updates reach it (also inside CUDA graphs); FlashInfer bakes host floats unless patched (xqa).
         kw["attention_config"] = {"fa3": {"backend": "FLASH_ATTN", "flash_attn_version": 3},
                                   "triton": {"backend": "TRITON_ATTN"},
-                                  "xqa": {"backend": "FLASHINFER"}}[f.kv_attention]  # engines/xqa.py
+                                  "xqa": {"backend": "FLASHINFER"}}[f.kv_attention]  # patch_xqa_scales
     if world_size > 1:  # torchrun: vLLM lays ranks out as external DP x TP (parallel_state.py); each group
         # of tensor_parallel_size consecutive ranks is one engine, the groups generate independently
         kw["distributed_executor_backend"] = "external_launcher"
@@ -176,24 +169,6 @@ def own_rendezvous(world_size: int):
         yield
 
 
-def count_preemptions(llm, on_preempt) -> bool:
-    """Call on_preempt() each time vLLM preempts a sequence: its KV cache is full, the sequence goes back
-    to the queue and is recomputed later (a batch larger than the cache). vLLM 0.26's in-process
-    scheduler (llm_engine.engine_core.engine_core.scheduler._preempt_request); False where it is not there."""
-    try:
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        preempt = scheduler._preempt_request
-    except AttributeError:
-        return False
-
-    def counted(*args, **kwargs):
-        on_preempt()
-        return preempt(*args, **kwargs)
-
-    scheduler._preempt_request = counted
-    return True
-
-
 def kv_scale_entry(name: str) -> tuple[int, str] | None:
     """(layer, 'q'|'k'|'v'|'kv') for a checkpoint-style kv-scale name, e.g.
     model.layers.3.self_attn.k_scale or model.layers.3.self_attn.k_proj.k_scale ('kv': the
@@ -258,25 +233,26 @@ class VLLMEngine:
                             "host with `pip install vllm==0.26.0` (requirements.txt), or set "
                             "rollout.engine=hf") from None
 
-        logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload)
+        internals.check_installed(cfg)  # every vLLM internal this config relies on, before minutes of start-up
         if cfg.fp8.kv_cache and cfg.fp8.kv_attention == "xqa":
-            from engines import xqa
-
-            if why := xqa.check_available():
+            if why := internals.xqa_unavailable():
                 raise UserError(f"fp8.kv_attention=xqa: {why}")
-            xqa.patch_flashinfer_scales()
+            internals.patch_xqa_scales()
         t0 = time.perf_counter()
         # the trainer's Triton autotuning stays in its fixed dir; a one-rank engine under torchrun starts
         with kept_env("TRITON_CACHE_DIR"), own_rendezvous(world_size):
             self.llm = vllm.LLM(**self.engine_kwargs)
         self.startup_s = time.perf_counter() - t0
         self.preemptions = 0  # sequences preempted for KV-cache room, over the engine's life (None: not counted)
-        if not count_preemptions(self.llm, self._preempted):
+        if not internals.count_preemptions(self.llm, self._preempted):
             self.preemptions = None
-        # vLLM 0.26 runs dense decoders on Model Runner V2 (config/vllm.py use_v2_model_runner), whose
-        # Gumbel sampler seeds every request from (seed, position) in one kernel; unseeded requests
-        # draw a seed from numpy's global RNG. V1 samples seeded requests row by row in Python.
-        self.v2_runner = bool(self.llm.llm_engine.model_executor.driver_worker.worker.use_v2_model_runner)
+        # Model Runner V2's Gumbel sampler seeds every request from (seed, position) in one kernel; unseeded
+        # requests draw a seed from numpy's global RNG. V1 samples seeded requests row by row in Python.
+        self.v2_runner = internals.uses_v2_runner(self.llm)
+        # A tied head shares the embedding's storage, so the reload's "ParallelLMHead: Failed to load weights"
+        # (the head has no tensor of its own in the stream) is noise for it, and only for it.
+        self.tied_head = internals.head_is_embedding(self._model())
+        internals.install_reload_filter(self.tied_head)
         # Seeded calls: the trainer gives each engine its own range. Unseeded calls: one stream per engine
         # (the ranks of a TP group must draw the same seeds: they run the same requests in lockstep).
         self._engine_id = int(os.environ.get("RANK", "0")) // cfg.rollout.tensor_parallel_size
@@ -300,24 +276,16 @@ class VLLMEngine:
     def _preempted(self) -> None:
         self.preemptions += 1
 
-    # ------------------------------------------------------------------ vLLM internals (0.26)
+    # ------------------------------------------------------------------ the engine's model
 
     def _model(self) -> nn.Module:
-        # vLLM 0.26 in-process: LLMEngine.model_executor (UniProcExecutor / ExecutorWithExternalLauncher)
-        # .driver_worker (WorkerWrapperBase) .worker (gpu_worker.Worker) .get_model() unwraps CUDA graphs.
-        return self.llm.llm_engine.model_executor.driver_worker.worker.get_model()
+        return internals.model(self.llm)
 
     def _attention_layers(self) -> dict[int, nn.Module]:
-        """{decoder layer index: vLLM Attention module} (model.layers.{i}.self_attn.attn); the
-        modules outlive reloads (only their tensors are replaced), so this is computed once."""
+        """{decoder layer index: vLLM Attention module}; the modules outlive reloads (only their
+        tensors are replaced), so this is computed once."""
         if getattr(self, "_attn", None) is None:
-            from vllm.model_executor.layers.attention import Attention  # vLLM 0.26 location
-
-            self._attn = {}
-            for name, mod in self._model().named_modules():
-                m = LAYER_RE.search(name)
-                if isinstance(mod, Attention) and m:
-                    self._attn[int(m.group(1))] = mod
+            self._attn = internals.attention_layers(self._model())
         return self._attn
 
     def _wake(self, tags=("weights", "kv_cache")) -> None:
@@ -400,23 +368,14 @@ class VLLMEngine:
         xqa = self.cfg.fp8.kv_attention == "xqa"
         for i, (q, k, v) in self.kv_scales.items():
             a = attn[i]
-            if xqa:  # XQA decode casts q to e4m3 unscaled (engines/xqa.py): prefill must do the same
+            if xqa:  # XQA decode casts q to e4m3 unscaled (vllm_internals): prefill must do the same
                 if q > 1.0 and not self._warned_q_range:
                     logging.getLogger(__name__).warning(
                         f"fp8.kv_attention=xqa: layer {i}'s calibrated q scale is {q:.3g}, so its q exceeds e4m3's "
                         "448, which XQA's unscaled cast cannot represent; use fp8.kv_attention=fa3")
                     self._warned_q_range = True
                 q = 1.0
-            # vLLM 0.26 Attention: _q/_k/_v_scale are 0-d fp32 device buffers. FA3 reads them at launch
-            # (flash_attn.py: q/k/v_descale = layer._x_scale.expand(...)), reshape_and_cache_flash divides
-            # k/v by them and Attention.forward's QuantFP8 quantizes q with _q_scale: fill_ in place keeps
-            # CUDA graphs valid. The host mirrors are read by other backends (FlashInfer, ROCm): keep in sync.
-            a._q_scale.fill_(q)
-            a._k_scale.fill_(k)
-            a._v_scale.fill_(v)
-            a._q_scale_float, a._k_scale_float, a._v_scale_float = q, k, v
-            a._k_scale_cpu.fill_(k)
-            a._v_scale_cpu.fill_(v)
+            internals.write_kv_scales(a, q, k, v)
 
     @torch.no_grad()
     def generate(self, prompt_ids, n, temperature, top_p, max_new_tokens, seed=None) -> list[Sample]:
@@ -521,5 +480,4 @@ class VLLMEngine:
     def internal_kv_scales(self) -> dict[int, tuple[float, float, float]]:
         """{layer: (q, k, v)} read back from vLLM's attention scale tensors."""
         self._wake(("weights",))
-        return {i: (a._q_scale.item(), a._k_scale.item(), a._v_scale.item())
-                for i, a in sorted(self._attention_layers().items())}
+        return {i: internals.read_kv_scales(a) for i, a in sorted(self._attention_layers().items())}

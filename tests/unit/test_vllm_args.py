@@ -17,8 +17,8 @@ import torch
 
 from config import load_config
 from fp8.export import vllm_quantization_config
-from engines.vllm import (RELOAD_LOGGER, VLLMEngine, count_preemptions, drawn_lengths, kept_env, kv_scale_entry,
-                          quiet_rotary_reload, vllm_engine_kwargs, vllm_env, vllm_requests)
+from engines.vllm import (VLLMEngine, drawn_lengths, kept_env, kv_scale_entry, vllm_engine_kwargs, vllm_env,
+                          vllm_requests)
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = {  # name -> config overrides (the three rollout recipes of configs/, and the engine options)
@@ -66,7 +66,7 @@ def test_env_pins_scales_inprocess_and_backend():
         assert env.get("VLLM_USE_DEEP_GEMM") == deep_gemm
         assert "VLLM_HAS_FLASHINFER_CUBIN" not in env
     # fp8.kv_attention=xqa: without it vLLM probes NVIDIA's artifact server and, offline, decodes with
-    # FlashInfer's native kernel, whose float scales CUDA graphs freeze (engines/xqa.py)
+    # FlashInfer's native kernel, whose float scales CUDA graphs freeze (vllm_internals.patch_xqa_scales)
     assert vllm_env(cfg_for("fp8kv_xqa"))["VLLM_HAS_FLASHINFER_CUBIN"] == "1"
     assert "VLLM_HAS_FLASHINFER_CUBIN" not in vllm_env(cfg_for("fp8", "fp8.kv_attention=xqa"))  # no FP8 KV
 
@@ -90,7 +90,7 @@ def test_kwargs_shape_per_mode():
     assert kwargs("bf16", architecture="X")["hf_overrides"] == {"architectures": ["X"]}
     assert fp8["hf_overrides"]["quantization_config"] is QC
     assert fp8["quantization"] == "fp8" and fp8["linear_backend"] == "cutlass" and "kv_cache_dtype" not in fp8
-    assert fp8kv["kv_cache_dtype"] == "fp8" and fp8kv["calculate_kv_scales"] is False
+    assert fp8kv["kv_cache_dtype"] == "fp8" and "calculate_kv_scales" not in fp8kv  # removed in vLLM 0.28
     assert fp8kv["attention_config"] == {"backend": "FLASH_ATTN", "flash_attn_version": 3}
     assert fp8kv_triton["attention_config"] == {"backend": "TRITON_ATTN"} and fp8kv_triton["block_size"] == 32
     assert fp8kv_xqa["attention_config"] == {"backend": "FLASHINFER"} and fp8kv_xqa["kv_cache_dtype"] == "fp8"
@@ -98,6 +98,8 @@ def test_kwargs_shape_per_mode():
     assert kwargs("bf16", "rollout.max_model_len=100")["max_model_len"] == 100
     assert "max_num_seqs" not in bf16 and kwargs("fp8kv", "rollout.max_num_seqs=512")["max_num_seqs"] == 512
     assert "linear_backend" not in kwargs("fp8", "fp8.linear_backend=auto")
+    assert "kv_cache_memory_bytes" not in bf16  # 0: sized by gpu_memory_utilization
+    assert kwargs("bf16", "rollout.kv_cache_gib=1.5")["kv_cache_memory_bytes"] == 3 * 2**29
     with pytest.raises(ValueError, match="needs quant_config"):
         vllm_engine_kwargs(cfg_for("fp8"), "/m")
     dp = kwargs("fp8kv", world_size=4)
@@ -284,41 +286,3 @@ def test_kept_env_restores_what_the_body_overwrote(monkeypatch, before):
             os.environ["TRITON_CACHE_DIR"] = "/root/.cache/vllm/torch_compile_cache/x/triton_cache"
             raise RuntimeError("engine start failed")
     assert os.environ.get("TRITON_CACHE_DIR") == before
-
-
-def test_rotary_reload_warning_filtered_and_nothing_else():
-    """The filter sits on the logger vLLM's layerwise reload logs to, drops only its per-refit
-    RotaryEmbedding line, and lets the same warning about any other layer through."""
-    _vllm()
-    layerwise = importlib.import_module("vllm.model_executor.model_loader.reload.layerwise")
-    assert layerwise.logger.name == RELOAD_LOGGER
-    seen = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: seen.append(record.getMessage())
-    log = logging.getLogger(RELOAD_LOGGER)
-    log.addFilter(quiet_rotary_reload)
-    log.addHandler(handler)
-    try:
-        log.warning("%s: Failed to load weights", "RotaryEmbedding")
-        log.warning("%s: Failed to load weights", "QKVParallelLinear")
-    finally:
-        log.removeFilter(quiet_rotary_reload)
-        log.removeHandler(handler)
-    assert seen == ["QKVParallelLinear: Failed to load weights"]
-
-
-def test_preemptions_are_counted_through_the_scheduler():
-    """count_preemptions wraps vLLM 0.26's in-process scheduler._preempt_request: each preemption is
-    counted and still happens; an engine without that path is left alone (False)."""
-    from types import SimpleNamespace
-
-    done = []
-    scheduler = SimpleNamespace(_preempt_request=lambda request, timestamp: done.append((request, timestamp)))
-    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(engine_core=SimpleNamespace(
-        scheduler=scheduler))))
-    count = []
-    assert count_preemptions(llm, lambda: count.append(1))
-    scheduler._preempt_request("r1", 1.0)
-    scheduler._preempt_request("r2", timestamp=2.0)
-    assert len(count) == 2 and done == [("r1", 1.0), ("r2", 2.0)]
-    assert not count_preemptions(SimpleNamespace(llm_engine=SimpleNamespace()), lambda: None)

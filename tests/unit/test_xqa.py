@@ -1,4 +1,4 @@
-"""fp8.kv_attention=xqa (engines/xqa.py) on the CPU: vLLM 0.26's real FlashInferImpl.forward drives its
+"""fp8.kv_attention=xqa (engines/vllm_internals.py, patch_xqa_scales) on the CPU: vLLM 0.26's real FlashInferImpl.forward drives its
 XQA decode call, recorded against flashinfer's installed signature. Unpatched, vLLM passes the scales
 as floats (frozen under CUDA graphs, v never updated); patched, as the layer's own device tensors, so
 the engine's in-place recalibration reaches the kernel. The GPU kernel itself: bench/decode_attention.py."""
@@ -26,7 +26,7 @@ def _fib():
 
 def test_xqa_decode_reads_the_layers_scale_tensors(monkeypatch):
     fib, sig = _fib()
-    from engines import xqa
+    from engines import vllm_internals
 
     calls = []
 
@@ -66,8 +66,8 @@ def test_xqa_decode_reads_the_layers_scale_tensors(monkeypatch):
         return kw["bmm1_scale"], kw["bmm2_scale"]
 
     assert step() == (pytest.approx(2.0 * D ** -0.5), 3.0)  # vLLM's own: host floats
-    xqa.patch_flashinfer_scales()
-    xqa.patch_flashinfer_scales()  # idempotent: one wrapper, not two
+    vllm_internals.patch_xqa_scales()
+    vllm_internals.patch_xqa_scales()  # idempotent: one wrapper, not two
     for k, v in [(2.0, 3.0), (4.0, 0.25)]:
         layer._k_scale.fill_(k)  # as set_kv_scales does; the float mirrors stay stale on purpose
         layer._v_scale.fill_(v)
