@@ -282,7 +282,9 @@ def engine_capacity(engine) -> dict:
            "kv_cache_size_tokens": cc.kv_cache_size_tokens, "kv_max_concurrency": cc.kv_cache_max_concurrency,
            "kv_cache_dtype": str(cc.cache_dtype), "max_model_len": int(mc.max_model_len),
            "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens}
-    worker = engine.llm.llm_engine.model_executor.driver_worker.worker
+    from engines import vllm_internals
+
+    worker = vllm_internals.worker(engine.llm)
     kv_bytes = getattr(worker, "available_kv_cache_memory_bytes", None)
     out["kv_cache_bytes"] = int(kv_bytes) if kv_bytes is not None else None
     for key, value in [("kv_cache_gib", kv_bytes),
@@ -526,8 +528,9 @@ def host_parts(llm) -> dict[str, tuple[object, str]]:
     (LLM.generate's loop calls it), the engine core's step inside it, and in that the scheduler, the model
     runner's input preparation and graph launch (execute_model), the sampler's launch (sample_tokens) and the
     scheduler's bookkeeping of the outputs; then the front end's output processing (process_outputs)."""
-    front = llm.llm_engine
-    core = front.engine_core.engine_core
+    from engines import vllm_internals
+
+    front, core = llm.llm_engine, vllm_internals.engine_core(llm)
     return {"step": (front, "step"), "engine_core_step": (core, "step_fn"), "schedule": (core.scheduler, "schedule"),
             "execute_model": (core.model_executor, "execute_model"),
             "sample_tokens": (core.model_executor, "sample_tokens"),

@@ -84,12 +84,13 @@ def write_run(run_dir: Path, cfg, tok, seed: int):
 def served_engine(cfg, llm):
     """engines.vllm.VLLMEngine's generate / read-back methods over an LLM that loaded the export itself
     (no dummy weights, no refit)."""
+    from engines import vllm_internals
     from engines.vllm import VLLMEngine
 
     class Served(VLLMEngine):
         def __init__(self):
             self.cfg, self.llm, self.sleep_mode = cfg, llm, False
-            self.v2_runner = bool(llm.llm_engine.model_executor.driver_worker.worker.use_v2_model_runner)
+            self.v2_runner = vllm_internals.uses_v2_runner(llm)
             self._seeds, self._asleep, self._weights_loaded, self.kv_scales = random.Random(0), set(), True, {}
 
     return Served()
