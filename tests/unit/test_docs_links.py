@@ -5,7 +5,7 @@ A link resolves when its file (or folder) exists relative to the page, and its `
 slug of a heading in the target page (or the page itself, for `#anchor` alone). Slugs are GitHub's: the
 heading's text lowercased, punctuation other than '-' and '_' dropped, each space a '-', and a repeated
 heading suffixed -1, -2, ... Links inside code (fenced blocks, `inline`) are not links; http(s) and
-mailto links are not checked.
+mailto links are not checked; a link out of the repo is broken.
 """
 
 import re
@@ -67,8 +67,10 @@ def broken_links(page: Path) -> list[str]:
             path, _, anchor = target.partition("#")
             dest = (page.parent / path).resolve() if path else page
             where = f"{page.relative_to(ROOT)}:{n}: ({target})"
-            if not dest.exists():
-                broken.append(f"{where} no such file {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+            if not dest.is_relative_to(ROOT):
+                broken.append(f"{where} points outside the repo")
+            elif not dest.exists():
+                broken.append(f"{where} no such file {dest.relative_to(ROOT)}")
             elif anchor:
                 if dest.suffix != ".md" or dest.is_dir():
                     broken.append(f"{where} an anchor into a file that is not Markdown")
