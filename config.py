@@ -353,6 +353,13 @@ class TrainConfig:
     reasoning-RL lengths (mean ~1,600 of 4,096 tokens), so fewer FSDP2 collectives per step. Measured on
     one H200 at 8B (docs/results.md): FP8 trainer time unchanged, BF16's 5-6% less, peak memory 8-29 GiB
     higher (the token bound is the same), so the configs leave it off."""
+    old_logp: Literal["trainer", "rollout"] = "trainer"
+    """Where the PPO ratio's behaviour logprobs (old_logp) come from. trainer: a no-grad forward of the
+    weights that sampled (textbook PPO; the IS correction then weighs the engine/trainer mismatch).
+    rollout: the engine's own logprobs, and that forward is skipped: the "bypass" form of decoupled PPO
+    (verl), where the clipped ratio exp(logp - rollout_logp) takes the mismatch in and the IS weight is 1.
+    mismatch/* and the q/k/v amax (fp8.calib_pass=logprobs) then come from the first mini-batch's
+    training forward; policy/entropy is not measured, so loss.entropy_target needs trainer."""
     fused_head: bool = False
     """The policy forward's LM head and log-softmax fused (batch._HeadLogprobs): no [tokens, vocab]
     tensor is kept for backward (at 4 x 4128 tokens and Llama's 128k vocabulary 11.8-13.8 GiB less
@@ -651,6 +658,8 @@ def validate(cfg: Config) -> None:
          "> 0 (0 zeroes every importance weight, so every update; loss.is_correction=none turns IS off)"),
         ("loss.kl_coef", lo.kl_coef, lo.kl_coef >= 0, ">= 0"),
         ("loss.entropy_coef", lo.entropy_coef, lo.entropy_coef >= 0, ">= 0 (a negative bonus drives entropy down)"),
+        ("train.old_logp", t.old_logp, t.old_logp == "trainer" or lo.entropy_target is None,
+         "trainer with loss.entropy_target (its entropy is measured in the old_logp forward)"),
         ("loss.entropy_target", lo.entropy_target, lo.entropy_target is None or lo.entropy_target > 0,
          "> 0 nats, or null (a fixed loss.entropy_coef)"),
         ("loss.entropy_coef_step", lo.entropy_coef_step, lo.entropy_coef_step > 0, "> 0"),

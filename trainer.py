@@ -45,7 +45,7 @@ from losses import collapse
 from losses.advantages import group_advantages
 from losses.grpo import LossInputs, MiniBatchTotals, micro_batch_loss
 from losses.mismatch import mismatch_metrics
-from observe import RunLogger, gc_timer, save_step_batch, update_guard
+from observe import RunLogger, gc_timer, mismatch_guard, save_step_batch, update_guard
 from probe import WeightChange, policy_gain, probe_rewards
 from rewards import REWARDS, format_reward, reward_stats
 
@@ -394,9 +394,18 @@ def micro_plan(run: Run, b: StepBatch, rows: torch.Tensor | None = None) -> list
 
 def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
     """b.old_logp (and b.ref_logp) from no-grad passes; policy/entropy and mismatch/* over all ranks.
-    fp8.calib_pass=logprobs: this forward's q/k/v amax gives the next rollout's scales."""
+    fp8.calib_pass=logprobs: this forward's q/k/v amax gives the next rollout's scales.
+    train.old_logp=rollout: old_logp is the engine's, and only the KL reference pass runs (train_phase
+    measures the mismatch and the amax in its first mini-batch)."""
     cfg, d = run.cfg, run.d
     t0 = time.perf_counter()
+    if cfg.train.old_logp == "rollout":
+        b.old_logp = b.rollout_logp
+        if run.ref_model is not None:
+            b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
+                                      cfg.train.micro_batch_size, mixed=run.mixed, plan=micro_plan(run, b))
+        metrics["time/logprobs"] = time.perf_counter() - t0
+        return
     capture = run.calibrator.capture() if run.calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
         else contextlib.nullcontext()
     stats = routing.RoutingStats()  # MoE: the trainer's top-k vs the engine's, over response tokens
@@ -456,7 +465,12 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         loss_keys, loss_sum = [], None
         skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
         forwards = 0  # micro-batches this rank trained (perf/micro_batches: packing shows here)
-        for mini_slice in micro_batches(B, mini):
+        bypass = cfg.train.old_logp == "rollout"  # the first mini-batch's forward stands in for the old_logp pass
+        first_logp = torch.zeros_like(b.rollout_logp) if bypass else None
+        first_capture = contextlib.ExitStack()  # and with fp8.calib_pass=logprobs its q/k/v amax, the next scales
+        if bypass and run.calibrator is not None and cfg.fp8.calib_pass == "logprobs":
+            first_capture.enter_context(run.calibrator.capture())
+        for m, mini_slice in enumerate(micro_batches(B, mini)):
             idx = order[mini_slice]
             totals = MiniBatchTotals(  # over every rank's share of the mini-batch
                 tokens=distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1),
@@ -473,6 +487,8 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                     logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
                                           entropy=entropy_coef > 0, fused=cfg.train.fused_head)
                 logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
+                if bypass and m == 0:  # no optimizer step yet: these are the behaviour weights' logprobs
+                    first_logp[j] = logp.detach()
                 aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j]) \
                     if routed is not None and cfg.moe.aux_loss_coef > 0 else None  # MoE, over the real tokens
                 out = micro_batch_loss(LossInputs(
@@ -483,6 +499,11 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
                 nonfinite_loss += (~torch.isfinite(out.loss.detach())).float()
                 terms = torch.stack(list(out.metrics.values())).double() * (out.weight.detach().double() / n_mini)
                 loss_keys, loss_sum = list(out.metrics), terms if loss_sum is None else loss_sum + terms
+            first_capture.close()  # before any optimizer step
+            if bypass and m == 0:
+                metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
+                    *(distributed.gather_rows(x[idx], d) for x in (first_logp, b.rollout_logp, b.mask))).items()})
+                mismatch_guard(metrics, step, cfg.train, run.logger)
             max_norm = math.inf if cfg.optim.max_grad_norm is None else cfg.optim.max_grad_norm  # null: no clip
             grad_norm = distributed.clip_grad_norm(model.parameters(), max_norm)
             if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees

@@ -84,6 +84,28 @@ def test_calib_pass_logprobs_equals_separate_pass_when_weights_do_not_move(tmp_p
         assert sep["fp8/k_scale_mean"] > 0
 
 
+def test_old_logp_from_the_rollout_skips_the_pass_and_measures_in_the_first_mini_batch(tmp_path):
+    """train.old_logp=rollout: no old_logp forward, so the IS weight is 1 everywhere; mismatch/* and the
+    q/k/v amax (fp8.calib_pass=logprobs) come from the first mini-batch's training forward. With weights
+    that never move (lr=1e-30, as above) and one mini-batch, they match what the skipped forward gives,
+    up to the batch shapes' float rounding."""
+    common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=2",
+              "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "fp8.kv_cache=true",
+              "optim.lr=1e-30", "fp8.calib_pass=logprobs", "rollout.prompts_per_step=4"]
+    runs = {}
+    for source in ("trainer", "rollout"):
+        p = run([*common, f"train.run_name={source}", f"train.old_logp={source}"], cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[source] = read_metrics(tmp_path / source)
+    for old, new in zip(runs["trainer"], runs["rollout"]):
+        for k in ("fp8/q_scale_mean", "fp8/k_scale_mean", "fp8/v_scale_mean"):
+            assert new[k] == pytest.approx(old[k], rel=1e-3), k
+        assert new["mismatch/token_mult_prob_error"] == pytest.approx(old["mismatch/token_mult_prob_error"], abs=1e-4)
+        assert old["mismatch/token_mult_prob_error"] > 1.0005  # the FP8 KV emulation's mismatch is there to see
+        assert new["is/weight_mean"] == 1.0 and new["is/truncated_frac"] == 0.0 and old["is/weight_mean"] != 1.0
+        assert "policy/entropy" in old and "policy/entropy" not in new
+
+
 @pytest.mark.parametrize("rollout", [True, False])
 def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path, rollout):
     p = run(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "train.run_name=prof", f"train.out_dir={tmp_path}",

@@ -54,6 +54,8 @@ def test_int_and_exponent_strings_accepted_for_float():
     (["rollout.max_num_seqs=-1"], r"rollout.max_num_seqs=-1: must be >= 0 \(0 = vLLM's default\)"),
     (["rollout.block_size=24"], r"rollout.block_size=24: must be 0 \(vLLM's default\) or a multiple of 16"),
     (["rollout.ignore_eos_median=1400"], r"rollout.ignore_eos_median=1400: must be 0, or >= 1 with rollout.ignore_eos"),
+    (["rollout.kv_cache_gib=-1"], r"rollout.kv_cache_gib=-1.0: must be >= 0"),
+    (["train.old_logp=rollout", "loss.entropy_target=0.5"], r"train.old_logp='rollout': must be trainer with loss"),
     (["noequals"], r"must look like section.key=value"),
 ])
 def test_errors_name_the_key(override, message):
