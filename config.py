@@ -77,9 +77,10 @@ class ModelConfig:
     cudnn_sdpa: bool = False
     """true: PyTorch SDPA may pick cuDNN's attention kernel in the trainer on the GPU; false: its
     FlashAttention-2 kernel, as vLLM's CUDA platform import leaves the process (modeling.pin_sdpa_backends).
-    cuDNN's runs the 8B configs' attention in ~0.6x the time once its plan for a shape is cached, but builds one
-    (~0.2 s) for every new micro-batch length: the shipped steps gained nothing from it (docs/results.md), so
-    it stays off; numerics and the learning gate are checked with it on."""
+    cuDNN's kernel is faster once its plan for a shape is cached, but builds a plan for every new micro-batch
+    length, so the shipped steps gained nothing from it and it stays off
+    (docs/results.md#cudnn-attention-in-the-shipped-steps-no-gain-a-plan-for-every-new-length-2026-11-29-nvidia-h200-141-gb);
+    numerics and the learning gate are checked with it on."""
     gradient_checkpointing: bool = False
 
 
@@ -174,9 +175,9 @@ class RolloutConfig:
     """vLLM's KV-cache page in tokens, a multiple of 16; 0 = vLLM's default (16)."""
     max_num_seqs: int = 0
     """vLLM's cap on sequences decoding at once; 0 = vLLM's default (1024 on 80-141 GB cards). A batch
-    larger than the KV cache holds makes vLLM preempt and recompute sequences: at the 8B configs'
-    2048 samples, 1024 cost BF16 8k preemptions and a fifth of its rollout speed, and 256 ran FP8 KV
-    1.43x faster than BF16 at 1024 (H200, docs/results.md, capping the decode batch)."""
+    larger than the KV cache holds makes vLLM preempt and recompute sequences, so the 8B configs, with
+    2048 samples per step, cap it below vLLM's default
+    (docs/results.md#capping-the-decode-batch-rolloutmax_num_seqs-2026-11-26-4-x-nvidia-h200)."""
     kv_cache_gib: float = 0.0
     """vLLM's KV cache in GiB (its kv_cache_memory_bytes); 0 = what gpu_memory_utilization leaves. A fixed
     size skips vLLM's free-memory profile at start, so engines started side by side on one GPU (several
@@ -196,8 +197,8 @@ class RolloutConfig:
     holds a whole GPU, so set rollout.gpu_memory_utilization for that). The importance
     weight already uses the engine's own logprobs, so the one-step-old policy is corrected like any
     engine/trainer mismatch (loss.is_correction); rollout/staleness logs the lag. That covers a small
-    policy step, not a large one: on tiny_cpu the lag cost nothing at lr 3e-4 and 0.20 of final
-    accuracy at lr 1e-3 (docs/results.md, asynchronous rollouts on CPU)."""
+    policy step, not a large one: on tiny_cpu the lag cost nothing at lr 3e-4 but lost final
+    accuracy at lr 1e-3 (docs/results.md#asynchronous-rollouts-on-cpu-2026-11-27-2-core-dev-machine)."""
     engine_ranks: int = 1
     """rollout.mode=async: how many of the torchrun ranks (the last ones) run engines; each serves the
     trainer ranks r with r % engine_ranks == its index."""
@@ -210,8 +211,8 @@ class RolloutConfig:
     """HF engine on CPU: intra-op threads while it generates (the trainer keeps torch's setting);
     0 = torch's setting. Decoding runs hundreds of small ops per token (a few rows each), where
     OpenMP's fork/join costs more than a second core gains, and on a host shared with other work a
-    descheduled thread stalls every op by a time slice: 8 samples x 96 tokens of a 135M Llama took
-    86.5 s with 2 threads and 12.6 s with 1 on 2 shared cores (docs/log.md, bench/hf_engine.py)."""
+    descheduled thread stalls every op by a time slice
+    (docs/results.md#the-hf-engine-on-cpu-one-intra-op-thread-2026-11-26-2-core-dev-machine)."""
     seed: int = 0
 
 
@@ -226,13 +227,15 @@ class FP8Config:
     kv_attention: Literal["fa3", "triton", "xqa"] = "fa3"
     """Engine attention over the FP8 KV cache. fa3: FlashAttention 3 in FP8 (q and P quantized too).
     triton: vLLM's Triton attention (q/k/v scales read from device tensors, so per-step
-    recalibration reaches it inside CUDA graphs), 1.8x slower attention than fa3 at decode (H200,
-    docs/results.md). Not BF16 math: in vLLM 0.26's source its CUDA path also takes q in FP8
-    (supports_quant_query_input), computes q.K^T on the FP8 tiles and casts P to FP8 for P.V.
+    recalibration reaches it inside CUDA graphs), slower than fa3 at decode
+    (docs/results.md#the-decode-step-by-kernel-kind). Not BF16 math: in vLLM 0.26's source its CUDA
+    path also takes q in FP8 (supports_quant_query_input), computes q.K^T on the FP8 tiles and casts P
+    to FP8 for P.V.
     xqa: vLLM's FlashInfer backend, decode by FlashInfer's XQA kernel with the scales read from device
-    tensors (engines/xqa.py; SM90 only, q scale fixed at 1). As a kernel 1.76x FA3's BF16 decode at
-    batch 128, context 4096 (fa3's FP8 kernel: 1.20x); in qwen3_8b_fp8_kv's rollout 1.08x fa3's at
-    the same mismatch, and the learning gate passes with it (H200, docs/results.md)."""
+    tensors (engines/xqa.py; SM90 only, q scale fixed at 1). It reads the FP8 cache faster than fa3's
+    FP8 kernel at the same mismatch, and the learning gate passes with it
+    (docs/results.md#fp8-decode-attention-kernels-with-scales-on-the-device-2026-11-26-nvidia-h200,
+    docs/results.md#qwen3-with-xqa-decode-at-16-prompts-2026-11-27-4-x-nvidia-h200-141-gb-one-config-per-gpu)."""
     recalibrate: bool = True
     """Recompute q/k/v scales from the trainer's attention inputs after every step."""
     calib_pass: Literal["separate", "logprobs"] = "separate"
@@ -277,10 +280,12 @@ class FP8Config:
     than BF16). Same FP8 operands; the products are summed in FP8 tensor cores with fp32 scales, as the
     dense linears' cuBLAS GEMMs do, so the CPU emulation no longer follows the experts bit for bit."""
     linear_backend: Literal["auto", "cutlass", "deep_gemm", "triton"] = "cutlass"
-    """vLLM block-FP8 GEMM backend. cutlass starts in ~1 min. deep_gemm JITs for ~4 more minutes on a fresh
-    host; its decode step is 1.17-1.23x faster than cutlass's at batches of 16-64, but the 8B configs' rollout,
-    bound by vLLM's host loop, takes as long (docs/results.md). triton is vLLM's Triton block-FP8 GEMM
-    (2-2.5x slower than cutlass at decode on an H200)."""
+    """vLLM block-FP8 GEMM backend. cutlass: the configs' choice. deep_gemm JIT-compiles its kernels
+    with nvcc at the first engine start on a host (minutes; cached on disk); its decode step is faster at
+    small batches, but the 8B configs' rollout, bound by vLLM's host loop, takes as long
+    (docs/results.md#deepgemm-linears-in-the-configs-rollout-and-the-hosts-cpu-2026-11-28-2-x-nvidia-h200-141-gb-two-hosts).
+    triton: vLLM's Triton block-FP8 GEMM, slower than cutlass at decode
+    (docs/results.md#the-decode-step-by-kernel-kind)."""
     calib_percentile: float = 99.9
     """Percentile over micro-batches of the per-layer amax of q/k/v."""
     calib_margin: float = 1.05
@@ -317,8 +322,9 @@ class OptimConfig:
     """adamw: torch.optim.AdamW (states in the parameter dtype: 8 bytes per fp32 parameter).
     adamw8bit_rms: torchao's AdamW8bit storing sqrt(v) instead of v (optimizer.py), states quantized
     block-wise to 8 bits (2 bytes per parameter): fp32 master weights of an 8B model next to vLLM on
-    one 141 GB GPU, updates within ~1.5 x lr. adamw8bit: torchao.optim.AdamW8bit as is; its v decodes
-    to 0 for entries small next to their block's largest, and their updates reach 10-10,000 x lr."""
+    one 141 GB GPU, updates within Adam's bound. adamw8bit: torchao.optim.AdamW8bit as is; its v decodes
+    to 0 for entries small next to their block's largest, and their updates reach thousands of x lr
+    (docs/results.md#the-8b-configs-under-adamw8bit_rms-2026-11-26-nvidia-h200-141-gb)."""
     update_ratio_warn: float = 2.0
     """Warn when optim/update_ratio_max (the largest |dw| / lr of the step's fp32 weights; Adam's
     bound is ~1) exceeds this."""
@@ -350,9 +356,10 @@ class TrainConfig:
     """Micro-batches cut by tokens instead of rows: rows of like length packed while rows x padded length
     stays within micro_batch_size x the longest row (rollout.max_model_len, else data.max_prompt_tokens +
     rollout.max_new_tokens), in both trainer passes (batch.by_length): ~2x fewer micro-batches at
-    reasoning-RL lengths (mean ~1,600 of 4,096 tokens), so fewer FSDP2 collectives per step. Measured on
-    one H200 at 8B (docs/results.md): FP8 trainer time unchanged, BF16's 5-6% less, peak memory 8-29 GiB
-    higher (the token bound is the same), so the configs leave it off."""
+    reasoning-RL lengths (mean ~1,600 of 4,096 tokens), so fewer FSDP2 collectives per step. On one GPU
+    at 8B it did not speed up the FP8 trainer and raised peak memory (the token bound is the same), so
+    the configs leave it off
+    (docs/results.md#packed-micro-batches-the-llama-pair-at-16-prompts-2026-11-27-2-x-nvidia-h200-141-gb-one-host)."""
     old_logp: Literal["trainer", "rollout"] = "trainer"
     """Where the PPO ratio's behaviour logprobs (old_logp) come from. trainer: a no-grad forward of the
     weights that sampled (textbook PPO; the IS correction then weighs the engine/trainer mismatch).
@@ -362,10 +369,10 @@ class TrainConfig:
     training forward; policy/entropy is not measured, so loss.entropy_target needs trainer."""
     fused_head: bool = False
     """The policy forward's LM head and log-softmax fused (batch._HeadLogprobs): no [tokens, vocab]
-    tensor is kept for backward (at 4 x 4128 tokens and Llama's 128k vocabulary 11.8-13.8 GiB less
-    peak memory), but backward recomputes the logits (a train pass 10-13% slower at that shape on an
-    H200; docs/results.md, "The fused LM head"). For cards where the micro-batch does not fit
-    otherwise. The no-grad passes always run it fused: there it is faster."""
+    tensor is kept for backward (7 bytes per token and vocabulary entry: ~14 GiB at 4 x 4128 tokens and
+    Llama's 128k vocabulary), but backward recomputes the logits, so the train pass is slower
+    (docs/results.md#the-fused-lm-head-memory-for-time-2026-11-26-2-x-nvidia-h200). For cards where the
+    micro-batch does not fit otherwise. The no-grad passes always run it fused: there it is faster."""
     device: str = "auto"
     seed: int = 0
     val_every: int = 10

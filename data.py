@@ -19,7 +19,7 @@ Rows with an empty question or answer (or an answer in which `answer_regex` / `a
 nothing) are dropped and counted; duplicate questions are dropped (first kept) before the
 validation hold-out.
 
-Shipped configs for real math data: configs/gsm8k.yaml, configs/math.yaml (README: "Real math data").
+Shipped configs for real math data: configs/gsm8k.yaml, configs/math.yaml (docs/models_data.md#real-math-data).
 Example `data:` settings (field layouts from the dataset cards, not loaded here: no hub access):
 
   GSM8K        source: hf, path: openai/gsm8k, hf_config: main, val_split: test,
