@@ -32,7 +32,8 @@ import routing
 from config import Config, FP8Config
 from fp8.calibrate import install
 from fp8.export import KV_SCALE_NAMES, SCALE_SUFFIX, kv_scale_names
-from fp8.linear import EmulatedFP8Linear, convert_planned
+from fp8.convert import convert_planned
+from fp8.linear import EmulatedFP8Linear
 from fp8.moe import BlockFP8Experts, expert_names
 from fp8.plan import clean_name, fp8_plan, log_summary
 from fp8.quant import BLOCK, E4M3, dequantize_blockwise, fake_quant_per_tensor

@@ -260,7 +260,7 @@ class VLLMEngine:
 
         logging.getLogger(RELOAD_LOGGER).addFilter(quiet_rotary_reload)
         if cfg.fp8.kv_cache and cfg.fp8.kv_attention == "xqa":
-            from engines import xqa
+            import engines.xqa as xqa
 
             if why := xqa.check_available():
                 raise UserError(f"fp8.kv_attention=xqa: {why}")
