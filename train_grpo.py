@@ -37,7 +37,7 @@ from checkpoint import remove_unstarted_run
 from config import to_dict
 from data import PromptSampler, load_data
 from errors import UserError
-from fp8.calibrate import QKVCalibrator
+from fp8.calibrate import make_calibrator
 from optimizer import build_optimizer
 from probe import WeightChange
 
@@ -81,8 +81,7 @@ def train(args) -> Path:
         make_engine(cfg, model, tokenizer, device, model_dir)  # async: the engine ranks' proxy (engines/remote.py)
     ref_model = trainer.reference_model(model, cfg)
     fp8_tokens = trainer.prepare_trainer(model, ref_model, cfg, d, mixed, logger)  # FP8 (+ fp8/fast), compile, FSDP2
-    calibrator = QKVCalibrator(model, cfg.fp8.calib_percentile, cfg.fp8.calib_margin) \
-        if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
+    calibrator = make_calibrator(model, cfg.fp8)  # q/k/v scales for the engine's FP8 KV cache
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     run = trainer.Run(cfg=cfg, d=d, run_dir=run_dir, logger=logger, model=model, ref_model=ref_model,
                       tokenizer=tokenizer, engine=engine, model_dir=model_dir, calibrator=calibrator,

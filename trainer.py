@@ -38,7 +38,7 @@ from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoi
 from config import Config, to_dict
 from data import reward_last_number
 from errors import UserError
-from fp8.calibrate import QKVCalibrator, token_mask
+from fp8.calibrate import QKVCalibrator, kv_scales_from_state, kv_scales_state, send_kv_scales, token_mask
 from fp8.export import export_weights
 from fp8.linear import bf16_reference
 from losses import collapse
@@ -63,7 +63,7 @@ class Run:
     tokenizer: object
     engine: object                          # rollout.Engine
     model_dir: str | Path                   # what the engine loaded (tokenizer dir of saved batches)
-    calibrator: QKVCalibrator | None        # fp8.kv_cache and fp8.recalibrate
+    calibrator: QKVCalibrator | None        # fp8.calibrate.make_calibrator: fp8.kv_cache and fp8.recalibrate
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: object                         # data.PromptSampler
@@ -209,7 +209,7 @@ def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
     run.scheduler.load_state_dict(meta["scheduler"])
     run.sampler.load_state_dict(meta["sampler"])
     set_rng_state(meta["rng"])
-    state = State(meta["step"], meta["kv_scales"], meta.get("bad_steps", 0), entropy_control(run.cfg))
+    state = State(meta["step"], kv_scales_from_state(meta), meta.get("bad_steps", 0), entropy_control(run.cfg))
     if state.entropy_control is not None and meta.get("entropy_coef") is not None:
         state.entropy_control.coef = meta["entropy_coef"]
     logger.truncate(state.start_step)  # steps the interrupted run logged past the checkpoint are redone
@@ -222,7 +222,7 @@ def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
 def save(run: Run, state: State, step: int) -> None:
     """Checkpoint after `step` steps; collective: each rank writes its own shards (checkpoint.py)."""
     meta = {"scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(), "step": step,
-            "kv_scales": state.kv_scales, "bad_steps": state.bad_steps,
+            **kv_scales_state(state.kv_scales), "bad_steps": state.bad_steps,
             "entropy_coef": None if state.entropy_control is None else state.entropy_control.coef}
     t0 = time.perf_counter()
     path = save_checkpoint(run.run_dir / "checkpoints", step, meta, run.model, run.optimizer, run.d,
@@ -511,8 +511,7 @@ def refit(run: Run, state: State) -> float:
     t0 = time.perf_counter()
     with torch.profiler.record_function("refit"):
         run.engine.update_weights(export_weights(run.model, run.cfg.fp8, fp8=run.cfg.fp8.rollout))
-        if run.cfg.fp8.kv_cache and state.kv_scales is not None:
-            run.engine.set_kv_scales(state.kv_scales)
+        send_kv_scales(run.engine, run.cfg.fp8, state.kv_scales)
     return time.perf_counter() - t0
 
 
