@@ -6,6 +6,7 @@
     prompt = render_prompt(batch[0]["question"], tokenizer, cfg.data)
     kept, n_dropped = filter_long_prompts(train, tokenizer, cfg.data)   # adds "prompt"
     for w in data_warnings(kept, n_dropped, cfg.data): print("WARNING", w)
+    train, val = load_data(cfg, tokenizer, logger)           # all of the above, tokenized ("prompt_ids")
 
 Sources (`data.source`):
   synthetic  seeded arithmetic ("3+4=" -> "7") that the char-level tiny tokenizer can spell;
@@ -60,10 +61,14 @@ import os
 import random
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from config import DataConfig
+from config import Config, DataConfig
 from errors import UserError
 from rewards import last_boxed
+
+if TYPE_CHECKING:
+    from observe import RunLogger
 
 log = logging.getLogger(__name__)
 
@@ -437,6 +442,30 @@ def data_warnings(examples: list[dict], n_dropped: int, cfg: DataConfig) -> list
                    f"worked solutions (e.g. {bad[0][:70]!r}); the reward compares the model's final answer with "
                    f"the whole field, so almost nothing scores; {fix}")
     return out
+
+
+def prepare_prompts(examples, tokenizer, cfg: Config):
+    """Render + tokenize; prompts longer than data.max_prompt_tokens are dropped (counted)."""
+    kept, dropped = filter_long_prompts(examples, tokenizer, cfg.data)
+    if cfg.model.name_or_path == "tiny":
+        from modeling import check_char_vocab
+        check_char_vocab(cfg.model.tiny.vocab, [ex["prompt"] for ex in kept])
+    special = not uses_chat_template(tokenizer, cfg.data)  # chat templates write their own BOS
+    ids = tokenizer([ex["prompt"] for ex in kept], add_special_tokens=special)["input_ids"] if kept else []
+    return [{**ex, "prompt_ids": i} for ex, i in zip(kept, ids)], dropped
+
+
+def load_data(cfg: Config, tokenizer, logger: RunLogger) -> tuple[list[dict], list[dict]]:
+    """(train, val) prompts, tokenized; what was dropped or looks wrong is printed."""
+    train_set, val_set = load_splits(cfg.data)
+    train_set, dropped = prepare_prompts(train_set, tokenizer, cfg)
+    val_set, _ = prepare_prompts(val_set, tokenizer, cfg)
+    if cfg.train.val_every and not val_set:
+        raise UserError("the validation split is empty; set data.val_size / data.val_split, or train.val_every=0")
+    logger.print(f"data: {len(train_set)} train prompts ({dropped} dropped as overlong), {len(val_set)} val")
+    for warning in data_warnings(train_set, dropped, cfg.data):
+        logger.print(f"WARNING data: {warning}")
+    return train_set, val_set
 
 
 # ---------------------------------------------------------------------------------------- sampler

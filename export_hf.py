@@ -114,11 +114,12 @@ def write_export(model, tokenizer, cfg, state, out: Path, fp8: bool, dtype: torc
             model.to(dtype)
         model.save_pretrained(out, safe_serialization=True)
     else:
+        from fp8.calibrate import kv_scales_from_state
         from fp8.export import export_weights, vllm_quantization_config
         from fp8.quant import E4M3
 
         dtype = dtype or torch.bfloat16
-        kv_scales = state.get("kv_scales")  # set only by runs with fp8.kv_cache + recalibrate
+        kv_scales = kv_scales_from_state(state)  # set only by runs with fp8.kv_cache + recalibrate
         tensors = {}
         for name, t in export_weights(model, cfg.fp8, fp8=True, kv_scales=kv_scales):
             keep = t.dtype == E4M3 or name.endswith((".weight_scale_inv", "_scale"))  # fp8 bytes, fp32 scales

@@ -1,11 +1,12 @@
-"""Rollout engines behind one small interface.
+"""Rollout: the engine interface, the samples it returns, and the seeds it samples with.
 
-    engine = make_engine(cfg, model, tokenizer, device)
+    engine = engines.make_engine(cfg, model, tokenizer, device)
     samples = engine.generate(prompt_ids, n=8, temperature=1.0, top_p=1.0, max_new_tokens=64)
     engine.update_weights(export_weights(model, cfg.fp8, fp8=cfg.fp8.rollout))   # after each step
     engine.set_kv_scales({layer: (q_scale, k_scale, v_scale)})                  # FP8 KV cache
 
-The engines (`rollout.engine`), each in its own module under engines/:
+The engines (`rollout.engine`), each in its own module under engines/, import this module and
+never the reverse:
 
 * `engines.hf.HFEngine` (CPU / debug reference): a separate copy of the model that receives
   weights through the same export stream vLLM gets, with the same FP8 numerics emulated: W8A8
@@ -62,18 +63,7 @@ class Engine(Protocol):
     def wake(self) -> None: ...
 
 
-def make_engine(cfg: Config, model, tokenizer, device, model_dir=None, d=None) -> Engine:
-    """The engine cfg.rollout.engine names; model_dir: the config dir vLLM loads (None: the model's).
-    rollout.mode=async: on a trainer rank, the proxy of the engine ranks (engines/remote.py; d: its Dist);
-    on an engine rank, the named engine."""
-    if cfg.rollout.mode == "async" and d.engine < 0:
-        from engines.remote import RemoteEngine
-
-        return RemoteEngine(cfg, d)
-    if cfg.rollout.engine == "hf":
-        from engines.hf import HFEngine
-
-        return HFEngine(cfg, model, tokenizer, device)
-    from engines.vllm import VLLMEngine
-
-    return VLLMEngine(cfg, model, tokenizer, device, model_dir)
+def step_seed(cfg: Config, step: int, r: int = 0) -> int:
+    """The seed of round r of `step`'s first sample: sample j of global prompt i gets step_seed + i*n + j,
+    disjoint across steps and ranks (a resample round r >= 1 adds r * 2**40, past every step's range)."""
+    return (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * cfg.rollout.n + (r << 40)

@@ -35,9 +35,9 @@ import observe
 import trainer
 from checkpoint import remove_unstarted_run
 from config import to_dict
-from data import PromptSampler
+from data import PromptSampler, load_data
 from errors import UserError
-from fp8.calibrate import QKVCalibrator
+from fp8.calibrate import make_calibrator
 from optimizer import build_optimizer
 from probe import WeightChange
 
@@ -67,20 +67,21 @@ def train(args) -> Path:
     mixed = device.type == "cuda" and cfg.model.dtype == "float32"  # fp32 master weights, bf16 compute
 
     # ---- model, data, engine, trainer
+    from engines import make_engine
+    from engines.remote import RemoteEngine
     from modeling import load_model_and_tokenizer, save_config_dir
-    from rollout import make_engine
     model, tokenizer = load_model_and_tokenizer(cfg.model, device)
     memory.startup_report(cfg, model, d, log=logger.print)  # per-rank estimate; refuses what cannot fit
-    train_set, val_set = trainer.load_data(cfg, tokenizer, logger)
+    train_set, val_set = load_data(cfg, tokenizer, logger)
     # The engine gets its own copy of the weights (HF) or its own process memory (vLLM)
     # before the trainer's linears become FP8: it only ever sees weights through export.
     model_dir = save_config_dir(model, tokenizer, run_dir / "engine_model") \
         if cfg.model.name_or_path == "tiny" else cfg.model.name_or_path
-    engine = make_engine(cfg, model, tokenizer, device, model_dir, d)
+    engine = RemoteEngine(cfg, d) if cfg.rollout.mode == "async" else \
+        make_engine(cfg, model, tokenizer, device, model_dir)  # async: the engine ranks' proxy (engines/remote.py)
     ref_model = trainer.reference_model(model, cfg)
     fp8_tokens = trainer.prepare_trainer(model, ref_model, cfg, d, mixed, logger)  # FP8 (+ fp8/fast), compile, FSDP2
-    calibrator = QKVCalibrator(model, cfg.fp8.calib_percentile, cfg.fp8.calib_margin) \
-        if cfg.fp8.kv_cache and cfg.fp8.recalibrate else None
+    calibrator = make_calibrator(model, cfg.fp8)  # q/k/v scales for the engine's FP8 KV cache
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     run = trainer.Run(cfg=cfg, d=d, run_dir=run_dir, logger=logger, model=model, ref_model=ref_model,
                       tokenizer=tokenizer, engine=engine, model_dir=model_dir, calibrator=calibrator,

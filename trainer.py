@@ -36,9 +36,9 @@ import routing
 from batch import StepBatch, amp, by_length, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
 from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
 from config import Config, to_dict
-from data import data_warnings, load_splits, reward_last_number
+from data import reward_last_number
 from errors import UserError
-from fp8.calibrate import QKVCalibrator, token_mask
+from fp8.calibrate import QKVCalibrator, kv_scales_from_state, kv_scales_state, send_kv_scales, token_mask
 from fp8.export import export_weights
 from fp8.linear import bf16_reference
 from losses import collapse
@@ -48,6 +48,7 @@ from losses.mismatch import mismatch_metrics
 from observe import RunLogger, gc_timer, mismatch_guard, save_step_batch, update_guard
 from probe import WeightChange, policy_gain, probe_rewards
 from rewards import REWARDS, format_reward, reward_stats
+from rollout import Sample, step_seed
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -62,7 +63,7 @@ class Run:
     tokenizer: object
     engine: object                          # rollout.Engine
     model_dir: str | Path                   # what the engine loaded (tokenizer dir of saved batches)
-    calibrator: QKVCalibrator | None        # fp8.kv_cache and fp8.recalibrate
+    calibrator: QKVCalibrator | None        # fp8.calibrate.make_calibrator: fp8.kv_cache and fp8.recalibrate
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: object                         # data.PromptSampler
@@ -123,42 +124,16 @@ def make_run_dir(cfg: Config, config_path: str | None, d: distributed.Dist) -> P
     return Path(made)
 
 
-def prepare_prompts(examples, tokenizer, cfg: Config):
-    """Render + tokenize; prompts longer than data.max_prompt_tokens are dropped (counted)."""
-    from data import filter_long_prompts, uses_chat_template
-
-    kept, dropped = filter_long_prompts(examples, tokenizer, cfg.data)
-    if cfg.model.name_or_path == "tiny":
-        from modeling import check_char_vocab
-        check_char_vocab(cfg.model.tiny.vocab, [ex["prompt"] for ex in kept])
-    special = not uses_chat_template(tokenizer, cfg.data)  # chat templates write their own BOS
-    ids = tokenizer([ex["prompt"] for ex in kept], add_special_tokens=special)["input_ids"] if kept else []
-    return [{**ex, "prompt_ids": i} for ex, i in zip(kept, ids)], dropped
-
-
-def load_data(cfg: Config, tokenizer, logger: RunLogger) -> tuple[list[dict], list[dict]]:
-    """(train, val) prompts, tokenized; what was dropped or looks wrong is printed."""
-    train_set, val_set = load_splits(cfg.data)
-    train_set, dropped = prepare_prompts(train_set, tokenizer, cfg)
-    val_set, _ = prepare_prompts(val_set, tokenizer, cfg)
-    if cfg.train.val_every and not val_set:
-        raise UserError("the validation split is empty; set data.val_size / data.val_split, or train.val_every=0")
-    logger.print(f"data: {len(train_set)} train prompts ({dropped} dropped as overlong), {len(val_set)} val")
-    for warning in data_warnings(train_set, dropped, cfg.data):
-        logger.print(f"WARNING data: {warning}")
-    return train_set, val_set
-
-
 def reference_model(model, cfg: Config):
     """KL reference: a frozen copy of the initial policy (BF16, never quantized); None without KL."""
     return copy.deepcopy(model).eval().requires_grad_(False) if cfg.loss.kl_coef > 0 else None
 
 
 def fp8_model(model, fp8, world: int = 1) -> tuple[list[str], list[str]]:
-    """The trainer's FP8 model in place: fp8.linear.convert_to_fp8_training, then fp8.fast.apply when
+    """The trainer's FP8 model in place: fp8.convert.convert_to_fp8_training, then fp8.fast.apply when
     fp8.uses_fast (benchmarks and analysis build theirs here too), for `world` FSDP2 ranks. Returns (the
     converted linears' HF names, what fp8.fast did)."""
-    from fp8.linear import convert_to_fp8_training
+    from fp8.convert import convert_to_fp8_training
 
     converted = convert_to_fp8_training(model, fp8)
     if not fp8.uses_fast:
@@ -234,7 +209,7 @@ def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
     run.scheduler.load_state_dict(meta["scheduler"])
     run.sampler.load_state_dict(meta["sampler"])
     set_rng_state(meta["rng"])
-    state = State(meta["step"], meta["kv_scales"], meta.get("bad_steps", 0), entropy_control(run.cfg))
+    state = State(meta["step"], kv_scales_from_state(meta), meta.get("bad_steps", 0), entropy_control(run.cfg))
     if state.entropy_control is not None and meta.get("entropy_coef") is not None:
         state.entropy_control.coef = meta["entropy_coef"]
     logger.truncate(state.start_step)  # steps the interrupted run logged past the checkpoint are redone
@@ -247,7 +222,7 @@ def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
 def save(run: Run, state: State, step: int) -> None:
     """Checkpoint after `step` steps; collective: each rank writes its own shards (checkpoint.py)."""
     meta = {"scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(), "step": step,
-            "kv_scales": state.kv_scales, "bad_steps": state.bad_steps,
+            **kv_scales_state(state.kv_scales), "bad_steps": state.bad_steps,
             "entropy_coef": None if state.entropy_control is None else state.entropy_control.coef}
     t0 = time.perf_counter()
     path = save_checkpoint(run.run_dir / "checkpoints", step, meta, run.model, run.optimizer, run.d,
@@ -274,12 +249,6 @@ def score(run: Run, prompts: list[dict], samples) -> tuple[list[str], torch.Tens
     if cfg.train.probe:  # a synthetic reward with variance: the update direction is checkable on any model
         rewards = probe_rewards(samples)
     return texts, rewards, correct
-
-
-def step_seed(cfg: Config, step: int, r: int = 0) -> int:
-    """The seed of round r of `step`'s first sample: sample j of global prompt i gets step_seed + i*n + j,
-    disjoint across steps and ranks (a resample round r >= 1 adds r * 2**40, past every step's range)."""
-    return (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * cfg.rollout.n + (r << 40)
 
 
 def rollout_round(run: Run, step: int, r: int, metrics: dict) -> collapse.Groups:
@@ -563,8 +532,7 @@ def refit(run: Run, state: State) -> float:
     t0 = time.perf_counter()
     with torch.profiler.record_function("refit"):
         run.engine.update_weights(export_weights(run.model, run.cfg.fp8, fp8=run.cfg.fp8.rollout))
-        if run.cfg.fp8.kv_cache and state.kv_scales is not None:
-            run.engine.set_kv_scales(state.kv_scales)
+        send_kv_scales(run.engine, run.cfg.fp8, state.kv_scales)
     return time.perf_counter() - t0
 
 
@@ -582,7 +550,6 @@ def first_refit(run: Run, state: State) -> None:
     calibrated too; then the weight sync."""
     hook_weight_caches(run)
     if run.calibrator is not None and state.kv_scales is None:
-        from rollout import Sample
         prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in run.train_set[: run.cfg.fp8.calib_samples]]
         ids, am, _, _ = collate(prompts, run.tokenizer.pad_token_id)
         state.kv_scales = recalibrate(run, ids.to(run.d.device), am.to(run.d.device))

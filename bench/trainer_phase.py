@@ -114,9 +114,9 @@ def main():
     model, tokenizer = load_model_and_tokenizer(cfg.model, d.device)
     engine = None
     if args.engine:  # before the FP8 conversion, as train_grpo.py builds it; asleep from here on
-        from rollout import make_engine
+        from engines import make_engine
         try:  # model_dir None: the engine writes a tiny model's config dir itself
-            engine = make_engine(cfg, model, tokenizer, d.device, None, d)
+            engine = make_engine(cfg, model, tokenizer, d.device, None)
         except UserError as e:
             fail(f"--engine: {e}")
         engine.sleep()

@@ -30,9 +30,10 @@ from torch import Tensor
 
 import routing
 from config import Config, FP8Config
-from fp8.calibrate import install
+from fp8.calibrate import install, start_kv_scales
 from fp8.export import KV_SCALE_NAMES, SCALE_SUFFIX, kv_scale_names
-from fp8.linear import EmulatedFP8Linear, convert_planned
+from fp8.convert import convert_planned
+from fp8.linear import EmulatedFP8Linear
 from fp8.moe import BlockFP8Experts, expert_names
 from fp8.plan import clean_name, fp8_plan, log_summary
 from fp8.quant import BLOCK, E4M3, dequantize_blockwise, fake_quant_per_tensor
@@ -48,8 +49,8 @@ class HFEngine:
         self.model = copy.deepcopy(model).eval().requires_grad_(False)
         if cfg.fp8.rollout:  # W8A8 block linears on the same skip-list as the trainer and export
             convert_to_fp8_rollout(self.model, cfg.fp8)
-        if cfg.fp8.kv_cache:  # as vLLM: FP8 attention with scales 1.0 until calibrated scales arrive
-            self.set_kv_scales({i: (1.0, 1.0, 1.0) for i in range(self.model.config.num_hidden_layers)})
+        # fp8.kv_cache, as vLLM: FP8 attention with scales 1.0 until calibrated scales arrive
+        start_kv_scales(self, cfg.fp8, range(self.model.config.num_hidden_layers))
 
     @torch.no_grad()
     def update_weights(self, weights):

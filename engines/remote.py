@@ -177,10 +177,10 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
     import dataclasses
 
     import observe
-    import trainer
-    from data import PromptSampler
+    from data import PromptSampler, load_data
+    from engines import make_engine
     from modeling import load_model_and_tokenizer
-    from rollout import make_engine
+    from rollout import step_seed
 
     torch.manual_seed(cfg.train.seed)
     on_vllm = cfg.rollout.engine == "vllm"
@@ -190,8 +190,8 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
     # vLLM reads the model's config and module names only; the HF engine generates with the model
     model, tokenizer = load_model_and_tokenizer(cfg.model, torch.device("meta") if on_vllm else d.device)
     quiet = observe.RunLogger(None, enabled=False, tensorboard=False)
-    train_set, val_set = trainer.load_data(cfg, tokenizer, quiet)
-    engine = make_engine(cfg, model, tokenizer, d.device, d=d)
+    train_set, val_set = load_data(cfg, tokenizer, quiet)
+    engine = make_engine(cfg, model, tokenizer, d.device)
     served = [r for r in range(d.world) if r % d.engines == d.engine]
     r_cfg, t_cfg = cfg.rollout, cfg.train
     msg = recv(d, 0)
@@ -226,7 +226,7 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
             calls[r] = ([ex["prompt_ids"] for ex in batch[gen]],
                         {"n": r_cfg.n, "temperature": r_cfg.temperature, "top_p": r_cfg.top_p,
                          "max_new_tokens": r_cfg.max_new_tokens,
-                         "seed": trainer.step_seed(cfg, step) + gen.start * r_cfg.n})
+                         "seed": step_seed(cfg, step) + gen.start * r_cfg.n})
         made, seconds = generate(calls, used)
         print(f"engine {d.engine}: step {step} generated with version {used} in {seconds:.1f} s", flush=True)
         weights.pull(step)  # the trainer asks for step t once it has sent version t

@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 
 from config import Config, UserError
-from engines import vllm_internals as internals
+import engines.vllm_internals as internals
+from fp8.calibrate import start_kv_scales
 from fp8.plan import LAYER_RE  # `layers.<i>.` in module names
 from fp8.quant import BLOCK
 from rollout import Sample
@@ -269,9 +270,9 @@ class VLLMEngine:
         self.kv_scales: dict[int, tuple[float, float, float]] = {}  # applied per layer (q, k, v)
         self._warned_q_range = False
         self.last_refit_s = 0.0
-        if cfg.fp8.kv_cache:  # known start: 1.0 until calibrated. The dummy load wrote the same random
-            # value into every 0-d scale param, which vLLM 0.26 Fp8KVCacheMethod may have adopted.
-            self.set_kv_scales({i: (1.0, 1.0, 1.0) for i in self._attention_layers()})
+        # fp8.kv_cache: a known start, 1.0 until calibrated. The dummy load wrote the same random
+        # value into every 0-d scale param, which vLLM 0.26 Fp8KVCacheMethod may have adopted.
+        start_kv_scales(self, cfg.fp8, self._attention_layers())
 
     def _preempted(self) -> None:
         self.preemptions += 1

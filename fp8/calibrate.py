@@ -1,4 +1,10 @@
-"""q/k/v scale calibration from trainer forwards, through one hook on HF attention.
+"""The engine's q/k/v scales (FP8 KV cache): calibrated from trainer forwards through one hook on HF
+attention, handed to the engine, kept in checkpoints. This module owns them over a run:
+
+    calibrator = make_calibrator(model, cfg.fp8)   # fp8.kv_cache + fp8.recalibrate, else None
+    start_kv_scales(engine, cfg.fp8, layers)        # an engine's start: 1.0 until calibrated
+    send_kv_scales(engine, cfg.fp8, scales)         # after each calibration (the one fp8.kv_cache guard)
+    meta.update(kv_scales_state(scales)); kv_scales_from_state(meta)   # a checkpoint's meta.pt entry
 
 vLLM's FP8 KV cache stores k/v as e4m3(k / k_scale) with ONE static scale per layer (and its
 FP8 attention also quantizes q with q_scale), so the scales must cover the range of the current
@@ -37,15 +43,22 @@ margin / 448 per layer and tensor, max-reduced across ranks when torch.distribut
 initialized (collective: every rank must call it). Scale convention = vLLM's: x ~= e4m3(x/s)*s.
 """
 
+from __future__ import annotations
+
 import contextlib
 import sys
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
 
 from fp8.quant import FP8_MAX
 from models import attention_modules
+
+if TYPE_CHECKING:
+    from config import FP8Config
+
+KVScales = dict[int, tuple[float, float, float]]  # {decoder layer: (q_scale, k_scale, v_scale)}
 
 
 class _State:
@@ -237,3 +250,35 @@ class QKVCalibrator:
         if not self._records:
             raise RuntimeError("QKVCalibrator: nothing captured (run forwards inside capture())")
         return scales_from_amax(torch.stack(self._records), self.percentile, self.margin, sorted(self._mods))
+
+
+# ----------------------------------------------------------------------------- the scales over a run
+
+def make_calibrator(model: nn.Module, cfg: FP8Config) -> QKVCalibrator | None:
+    """The trainer's calibrator, with fp8.kv_cache and fp8.recalibrate; None: the engine keeps the scales
+    it has (its start, or a checkpoint's)."""
+    if not (cfg.kv_cache and cfg.recalibrate):
+        return None
+    return QKVCalibrator(model, cfg.calib_percentile, cfg.calib_margin)
+
+
+def send_kv_scales(engine, cfg: FP8Config, scales: KVScales | None) -> None:
+    """engine.set_kv_scales(scales) where they apply: an engine with an FP8 KV cache (fp8.kv_cache; a BF16
+    cache has no scales) and scales to give (None: none calibrated yet). Every hand-off goes through here."""
+    if cfg.kv_cache and scales is not None:
+        engine.set_kv_scales(scales)
+
+
+def start_kv_scales(engine, cfg: FP8Config, layers: Iterable[int]) -> None:
+    """An engine's scales until calibrated ones arrive: 1.0 for each layer and tensor, as vLLM starts."""
+    send_kv_scales(engine, cfg, {i: (1.0, 1.0, 1.0) for i in layers})
+
+
+def kv_scales_state(scales: KVScales | None) -> dict:
+    """The scales' entry in a checkpoint's meta.pt (checkpoint.py): the last calibration's, None before one."""
+    return {"kv_scales": scales}
+
+
+def kv_scales_from_state(meta: dict) -> KVScales | None:
+    """The scales a checkpoint's meta.pt keeps (kv_scales_state); None: the run calibrated none."""
+    return meta.get("kv_scales")

@@ -17,8 +17,8 @@ The recipe (DeepSeek-V3 style, as in torchao 0.18 `blockwise_fp8_training` and v
 * Which linears: fp8/plan.py's fp8_plan, THE skip list shared with fp8/export.py. Attention
   (QK^T, PV), norms, RoPE, softmax and the loss stay in high precision in the trainer.
 
-Backends: `convert_to_fp8_training` uses torchao's Float8BlockwiseLinear (cuBLAS FP8 GEMMs and
-torchao's Triton quantizers; fp8/torchao.py wires them into _BlockFP8MM) on SM90 when not
+Backends: fp8/convert.py's `convert_to_fp8_training` uses torchao's Float8BlockwiseLinear (cuBLAS FP8
+GEMMs and torchao's Triton quantizers; fp8/torchao.py wires them into _BlockFP8MM) on SM90 when not
 cfg.emulate, else EmulatedFP8Linear:
 quantize-dequantize with fp8/quant.py and a float32 matmul. Differences of the emulation from
 torchao: (1) accumulation: torchao accumulates e4m3 products in the tensor cores' FP8
@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fp8.plan import clean_name, fp8_plan, log_summary, print_rank0
+from fp8.plan import print_rank0
 from fp8.quant import BLOCK, dequantize_blockwise, fake_quant_act_1x128, fake_quant_act_128x1, fake_quant_weight
 
 if TYPE_CHECKING:
@@ -249,7 +249,7 @@ class EmulatedFP8Linear(nn.Linear):
         return f"{super().extra_repr()}, fp8=block128, act_recipe={self.act_recipe}"
 
 
-# ------------------------------------------------------------------------------------ conversion
+# ------------------------------------------------------------------- backend choice (conversion: fp8/convert.py)
 
 
 def is_fp8_linear(m: nn.Module) -> bool:
@@ -281,47 +281,6 @@ def _warn_not_sm90(name: str, capability: tuple[int, int]) -> None:
            "fp8.emulate=true to make this explicit, or fp8.train=false to train in BF16")
     logger.warning(msg)
     print_rank0(msg, file=sys.stderr)
-
-
-def convert_planned(model: nn.Module, cfg: FP8Config, plan: dict[str, tuple[bool, str]], make_linear,
-                    act_recipe: str) -> list[str]:
-    """The walk the trainer's and the CPU engine's conversions share: each nn.Linear the plan makes FP8
-    (and not FP8 yet) replaced in place by make_linear(linear), then the MoE experts (fp8/moe.py, with
-    act_recipe); returns their HF names."""
-    from fp8.moe import convert_experts  # MoE experts: 3-D weights; fp8/moe.py builds on this module
-
-    converted = []
-    for raw_name, mod in list(model.named_modules()):
-        name = clean_name(raw_name)
-        if isinstance(mod, nn.Linear) and not is_fp8_linear(mod) and plan.get(name, (False,))[0]:
-            model.set_submodule(raw_name, make_linear(mod))
-            converted.append(name)
-    return converted + convert_experts(model, cfg, plan, act_recipe)
-
-
-def convert_to_fp8_training(model: nn.Module, cfg: FP8Config) -> list[str]:
-    """Replace the fp8_plan-eligible nn.Linear of `model` in place; returns their HF names.
-
-    torchao Float8BlockwiseLinear on SM90 (BF16 weights), else EmulatedFP8Linear (the recipe
-    alone: fp8.fast.apply adds the speed-only structure). Call before wrapping the model
-    (FSDP/compile) and before creating hooks on the linears; the weight Parameters are reused, so
-    an optimizer created earlier stays valid.
-    """
-    from fp8.torchao import torchao_linear_cls  # fp8/torchao.py builds on this module's _BlockFP8MM
-
-    kinds = set()
-
-    def make_linear(mod: nn.Linear) -> nn.Linear:
-        if use_torchao(cfg, mod.weight.device) and mod.weight.dtype in (torch.bfloat16, torch.float32):
-            kinds.add("torchao")
-            return torchao_linear_cls().from_float(mod).train(mod.training)
-        kinds.add("emulated")
-        return EmulatedFP8Linear.from_linear(mod, "torchao")
-
-    plan = fp8_plan(model, cfg)
-    converted = convert_planned(model, cfg, plan, make_linear, "torchao")
-    log_summary("block-FP8 (" + "+".join(sorted(kinds) or ["none"]) + ")", plan)
-    return converted
 
 
 @contextlib.contextmanager

@@ -40,8 +40,8 @@ Backends:
   fp8/linear.py's _BlockFP8MM with EmulatedKernels: fp32-dequantized operands and one fp32 GEMM.
 
 What stays out: the router (BF16, fp8/plan.py), the top-k, the SiLU * up and the weighted sum.
-`convert_experts` is called by fp8/linear.py's convert_to_fp8_training (act_recipe 'torchao') and
-engines/hf.py's convert_to_fp8_rollout (act_recipe 'vllm': vLLM's block-FP8 fused MoE quantizes its
+`convert_experts` is called by fp8/convert.py's convert_planned for convert_to_fp8_training (act_recipe
+'torchao') and engines/hf.py's convert_to_fp8_rollout (act_recipe 'vllm': vLLM's block-FP8 fused MoE quantizes its
 GEMM inputs with the divide recipe); the engine pins the exact exported FP8 bytes (load_fp8_expert).
 """
 
@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from errors import UserError
+from fp8.linear import EmulatedKernels, block_fp8_mm, use_torchao
 from fp8.plan import clean_name
 from fp8.quant import BLOCK, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1, quantize_blockwise
 from models import family_of
@@ -89,8 +90,6 @@ def expert_names(model: nn.Module) -> dict[str, tuple[str, str, int, slice]]:
 def _grouped_emulated(x: Tensor, w: Tensor, counts: list[int], kernels) -> Tensor:
     """x [M, K] rows grouped by expert (counts[e] rows each), w [E, N, K] -> [M, N]: each group
     times its expert's weight with fp8/linear.py's block-FP8 GEMM (`kernels`)."""
-    from fp8.linear import block_fp8_mm
-
     parts, lo = [], 0
     for e, c in enumerate(counts):
         if c:
@@ -260,8 +259,6 @@ class BlockFP8Experts(nn.Module):
         self.num_experts = experts.gate_up_proj.shape[0]
         self.gate_up_proj, self.down_proj, self.act_fn = experts.gate_up_proj, experts.down_proj, experts.act_fn
         self.backend, self.act_recipe = backend, act_recipe
-        from fp8.linear import EmulatedKernels
-
         self.kernels = EmulatedKernels(act_recipe)  # the 'vllm' recipe's GEMMs (_grouped_emulated)
         self._pinned: dict[str, tuple[Tensor, int, int]] = {}  # param -> (dequantized FP8 [E, N, K], version, ptr)
         self.train(experts.training)
@@ -320,8 +317,6 @@ class BlockFP8Experts(nn.Module):
 
 def use_torchao_experts(cfg: FP8Config, experts: nn.Module) -> bool:
     """torchao's grouped GEMM: where fp8/linear.py would use torchao for a linear (SM90, not emulate)."""
-    from fp8.linear import use_torchao
-
     return use_torchao(cfg, experts.gate_up_proj.device)
 
 

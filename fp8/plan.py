@@ -4,7 +4,7 @@ The GRPO importance ratio pi_train/pi_rollout is only meaningful if both sides r
 function. If the trainer quantizes a layer the engine keeps in BF16 (or the reverse), every
 token's log-prob carries a systematic offset that IS correction cannot tell from policy change:
 it silently biases the ratios, clipping and the mismatch metrics. So `fp8_plan` decides for
-fp8/linear.py (convert_to_fp8_training), engines/hf.py (convert_to_fp8_rollout) and fp8/export.py alike.
+fp8/convert.py (convert_to_fp8_training), engines/hf.py (convert_to_fp8_rollout) and fp8/export.py alike.
 
 Stays BF16: embeddings and lm_head (logits are what the RL ratio is computed from), MoE routers
 (tiny, decisions are discontinuous; router names and fused groups are the model family's, models/),

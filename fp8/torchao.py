@@ -1,6 +1,6 @@
 """The torchao backend of the FP8 recipe (SM90): torchao's kernels behind fp8/linear.py's _BlockFP8MM.
 
-fp8/linear.py holds the recipe and its emulation; on an H100/H200 (linear.use_torchao) its
+fp8/linear.py holds the recipe and its emulation; on an H100/H200 (linear.use_torchao) fp8/convert.py's
 convert_to_fp8_training builds TorchaoFP8Linear here: torchao 0.18's Float8BlockwiseLinear computing
 through the recipe's _BlockFP8MM with TorchaoKernels (torchao's Triton quantizers and cuBLAS
 block-scaled GEMM), tokens padded to a multiple of 128. Same numerics as the emulation up to

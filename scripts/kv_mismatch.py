@@ -19,7 +19,7 @@ cache only (add fp8.train=true fp8.rollout=true as overrides for the whole recip
     fp8kv_fa3             FP8 KV cache, FlashAttention 3 in FP8 (q and P quantized too), scales
                           recalibrated from the trainer's q/k/v before every rollout
     fp8kv_xqa             FP8 KV cache, FlashInfer: XQA decode with device-side scales, q unscaled
-                          (fp8.kv_attention=xqa, engines/xqa.py)
+                          (fp8.kv_attention=xqa, engines/vllm_internals.py)
     fp8kv_triton          FP8 KV cache, vLLM's Triton attention (fp8.kv_attention=triton)
     fp8kv_fa3_norecal     fp8.recalibrate=false: no calibrator, so the engine keeps its start-up scales
     fp8kv_triton_norecal  of 1.0 for q, k and v (unit scales: e4m3 saturates above 448)

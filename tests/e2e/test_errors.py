@@ -18,6 +18,7 @@ from config import FP8Config, load_config, to_dict
 from conftest import ROOT, run_train
 from errors import UserError
 from fp8 import linear as fp8_linear
+from fp8.convert import convert_to_fp8_training
 
 
 def main_error(argv) -> str:
@@ -56,7 +57,7 @@ def test_dims_not_divisible_by_128_fall_back_to_bf16_loudly(capsys):
                              "model.tiny.head_dim=16"])
     tok = build_char_tokenizer(cfg.model.tiny.vocab)
     model = build_tiny_model(cfg.model.tiny, tok, torch.float32)
-    assert fp8_linear.convert_to_fp8_training(model, FP8Config(train=True)) == []
+    assert convert_to_fp8_training(model, FP8Config(train=True)) == []
     out = capsys.readouterr().out
     assert "converted 0 linears" in out and "dims 64x64 not divisible by 128" in out
     assert "WARNING fp8: no linear is FP8, the whole model runs in BF16" in out and "multiples of 128" in out
@@ -65,7 +66,7 @@ def test_dims_not_divisible_by_128_fall_back_to_bf16_loudly(capsys):
 def test_vllm_missing_names_the_install_command(monkeypatch):
     from engines.vllm import vllm_env
     from modeling import build_char_tokenizer, build_tiny_model
-    from rollout import make_engine
+    from engines import make_engine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", ["rollout.engine=vllm"])

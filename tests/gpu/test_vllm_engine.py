@@ -14,7 +14,7 @@ model (hidden 1024, 2 layers, 8 heads x 128, intermediate 2816, 95-char tokenize
 * kv:    BF16 linears + FP8 KV: vLLM resets attention scales to 1.0 on every reload here, so
          this checks the engine re-applies them.
 * fp8kv-xqa: fp8kv with fp8.kv_attention=xqa (FlashInfer's XQA decode reading the scales from
-         device tensors, engines/xqa.py) under CUDA graphs: the same checks, q scale read back as 1.
+         device tensors, engines/vllm_internals.py) under CUDA graphs: the same checks, q scale read back as 1.
 
 Cold start per mode is ~0.5-1 min (enforce_eager, cutlass, max_model_len 40). Set
 VLLM_TEST_GRAPHS=1 to add "fp8kv-graphs" (CUDA graphs + torch.compile: in-place scale updates

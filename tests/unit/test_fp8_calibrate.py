@@ -1,7 +1,7 @@
 """fp8/calibrate.py on CPU: captured q/k/v amax equal a hand computation with the layer's own
 projections and RoPE, padding is excluded, percentiles over micro-batches, gradients untouched,
-and the CPU engine's FP8 attention emulation (engines/hf.py, through the same hook) equals a manual
-quantize-dequantize."""
+the CPU engine's FP8 attention emulation (engines/hf.py, through the same hook) equals a manual
+quantize-dequantize, and the scales' hand-off to an engine and into a checkpoint goes one way."""
 
 import pytest
 import torch
@@ -9,8 +9,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from config import FP8Config
 from engines.hf import fp8_attention, get_kv_scales, set_kv_scales
-from fp8.calibrate import QKVCalibrator, scales_from_amax, uninstall
+from fp8.calibrate import (
+    QKVCalibrator, kv_scales_from_state, kv_scales_state, make_calibrator, scales_from_amax, send_kv_scales,
+    start_kv_scales, uninstall,
+)
 from fp8.quant import E4M3
 
 MARGIN = 1.05
@@ -215,3 +219,36 @@ def test_fp8_attention_emulation_is_exact_quant_dequant(impl):
     set_kv_scales(model, None)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref_logits)
+
+
+class _Engine:
+    def __init__(self):
+        self.sent = []
+
+    def set_kv_scales(self, scales):
+        self.sent.append(scales)
+
+
+def test_scales_reach_the_engine_only_with_an_fp8_kv_cache():
+    """send_kv_scales is the one fp8.kv_cache guard: a BF16 KV cache gets no scales, nor does any engine
+    before a calibration (None); start_kv_scales gives 1.0 per layer and tensor."""
+    on, off, scales = FP8Config(kv_cache=True), FP8Config(kv_cache=False), {0: (0.5, 0.25, 0.125)}
+    engine = _Engine()
+    send_kv_scales(engine, off, scales)
+    send_kv_scales(engine, on, None)
+    start_kv_scales(engine, off, range(2))
+    assert engine.sent == []
+    send_kv_scales(engine, on, scales)
+    start_kv_scales(engine, on, range(2))
+    assert engine.sent == [scales, {0: (1.0, 1.0, 1.0), 1: (1.0, 1.0, 1.0)}]
+    assert kv_scales_from_state({"step": 3, **kv_scales_state(scales)}) == scales
+    assert kv_scales_from_state({"step": 3, **kv_scales_state(None)}) is None
+
+
+def test_a_calibrator_only_with_fp8_kv_cache_and_recalibrate():
+    model = tiny_llama()
+    assert make_calibrator(model, FP8Config(kv_cache=False, recalibrate=True)) is None
+    assert make_calibrator(model, FP8Config(kv_cache=True, recalibrate=False)) is None
+    calib = make_calibrator(model, FP8Config(kv_cache=True, calib_percentile=90.0, calib_margin=1.5))
+    assert (calib.percentile, calib.margin) == (90.0, 1.5)
+    uninstall(model)

@@ -21,11 +21,10 @@ from config import FP8Config
 from engines.hf import convert_to_fp8_rollout
 from fp8 import fast
 from fp8 import linear as fp8_linear
+from fp8.convert import convert_to_fp8_training
 from fp8.fast.fused import FusedLinear
 from fp8.fast.swiglu import FusedSwiGLU, swiglu, swiglu_backward
-from fp8.linear import (
-    EmulatedFP8Linear, bf16_reference, convert_to_fp8_training, is_fp8_linear, use_torchao,
-)
+from fp8.linear import EmulatedFP8Linear, bf16_reference, is_fp8_linear, use_torchao
 from fp8.plan import fp8_eligible, fp8_plan
 from fp8.quant import (
     dequantize_act_1x128, dequantize_act_128x1, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1,

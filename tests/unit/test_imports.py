@@ -1,14 +1,18 @@
 """No import cycle among the repo's own modules.
 
 The graph: one node per tracked .py file outside tests/ (train_grpo, trainer, fp8.linear, engines.hf,
-bench.train, ...), an edge for each import of another of them. Only module-level imports count (class
-bodies included, `if TYPE_CHECKING:` blocks not): they run when the module is imported, so a cycle among
-them makes the import order matter and leaves one side partly initialised. Imports inside a function
-run when it is called; the repo uses them to defer heavy or optional dependencies (vLLM, torchao,
-Triton, fp8/fast) and for factories that build what imports them back (rollout.make_engine ->
-engines.hf, convert_to_fp8_training -> fp8.torchao). Importing a.b.c also imports its packages a and
-a.b, so the edge goes to those too, except from a module of that package (fp8.fast.cache importing
-fp8.fast.fused runs inside fp8/fast/__init__'s own import: a package always comes before its modules).
+bench.train, ...), an edge for each import of another of them (`if TYPE_CHECKING:` blocks not: they never
+run). Importing a.b.c also imports its packages a and a.b, so the edge goes to those too, except from a
+module of that package (fp8.fast.cache importing fp8.fast.fused runs inside fp8/fast/__init__'s own
+import: a package always comes before its modules).
+
+Two tests. Module-level imports (class bodies included), over every module: they run when the module is
+imported, so a cycle among them makes the import order matter and leaves one side partly initialised.
+Imports inside functions too, over the library (not bench/ or scripts/, which sit on top of it): the
+repo defers heavy or optional dependencies (vLLM, torchao, Triton, fp8/fast) into functions, and a
+deferred import that points back is still a cycle of the design, only a hidden one. So the layers go
+one way: rollout.py (Sample, Engine) <- engines/ (engines.make_engine builds them) <- trainer.py,
+train_grpo.py; fp8/linear.py <- fp8/torchao.py, fp8/moe.py <- fp8/convert.py.
 """
 
 import ast
@@ -42,10 +46,12 @@ def imports_in(tree: ast.Module, in_functions: bool = False) -> list[str]:
     return names
 
 
-def import_graph(in_functions: bool = False) -> dict[str, set[str]]:
+def import_graph(in_functions: bool = False, library: bool = False) -> dict[str, set[str]]:
+    """{module: the modules it imports} (module_name's dotted names); library: without bench/ and scripts/."""
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
-    files = [f for f in files if not f.startswith("tests/") and (ROOT / f).is_file()]
+    skip = ("tests/", "bench/", "scripts/") if library else ("tests/",)
+    files = [f for f in files if not f.startswith(skip) and (ROOT / f).is_file()]
     modules = {module_name(f): f for f in files}
     graph = {}
     for name, f in modules.items():
@@ -88,6 +94,14 @@ def test_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_no_import_cycle_counting_imports_in_functions():
+    graph = import_graph(in_functions=True, library=True)
+    assert "engines.hf" in graph["engines"] and "fp8.fast" in graph["trainer"]  # it sees deferred imports
+    assert not any(m.startswith(("bench", "scripts")) for m in graph)
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle (function-level imports included): " + " -> ".join(cycle)
+
+
 def test_only_the_trainer_setup_imports_fp8_fast():
     """fp8/fast/ is speed only: of the library (not bench/, scripts/), only the trainer imports it
     (trainer.fp8_model behind fp8.uses_fast, which analysis.convert_fp8 and the benchmarks call too,
@@ -103,3 +117,4 @@ def test_find_cycle_finds_one():
     tree = ast.parse("import x.y\nfrom p import q\nif TYPE_CHECKING:\n    import t\ndef f():\n    import u\n"
                      "class C:\n    import v\n")
     assert sorted(imports_in(tree)) == ["p", "p.q", "v", "x.y"]
+    assert sorted(imports_in(tree, in_functions=True)) == ["p", "p.q", "u", "v", "x.y"]

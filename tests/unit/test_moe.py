@@ -13,7 +13,8 @@ import routing
 from batch import collate, logprob_pass
 from config import ConfigError, FP8Config, TinyModelConfig, load_config
 from fp8.export import export_weights, vllm_quantization_config
-from fp8.linear import bf16_reference, convert_to_fp8_training
+from fp8.convert import convert_to_fp8_training
+from fp8.linear import bf16_reference
 from fp8.moe import BlockFP8Experts, expert_names
 from fp8.plan import fp8_plan
 from fp8.quant import fake_quant_act_1x128, fake_quant_act_128x1, fake_quant_weight, quantize_blockwise

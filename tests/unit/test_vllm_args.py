@@ -117,12 +117,12 @@ def test_kv_scale_entries_are_recognised():
 
 
 CPU_ONLY = """
-import sys, torch, rollout, engines.vllm
+import sys, torch, engines, engines.vllm
 from config import load_config
 from modeling import load_model_and_tokenizer
 cfg = load_config(None, ["train.device=cpu", "fp8.rollout=true", "fp8.kv_cache=true"])
 model, tok = load_model_and_tokenizer(cfg.model, torch.device("cpu"))
-engine = rollout.make_engine(cfg, model, tok, torch.device("cpu"))
+engine = engines.make_engine(cfg, model, tok, torch.device("cpu"))
 samples = engine.generate([tok("1+1=").input_ids], n=2, temperature=1.0, top_p=1.0, max_new_tokens=3, seed=0)
 vllm_modules = [m for m in sys.modules if m.split(".")[0] == "vllm"]
 print(type(engine).__name__, engines.vllm.VLLMEngine.__name__, len(samples), vllm_modules)
