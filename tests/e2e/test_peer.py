@@ -50,3 +50,14 @@ def test_bad_input_is_one_line_naming_the_flag(tmp_path, args, flag):
     p = peer("--tiny", "--out", str(tmp_path), "--runs", str(tmp_path / "runs"), *args)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().startswith("error: ") and flag in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_the_trl_methods_the_gpu_run_times_exist():
+    """The GPU run wraps these (bench/peer.py run_trl); the CPU run above reaches only the first two."""
+    pytest.importorskip("trl")
+    from trl import GRPOTrainer
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    for owner, name in [(GRPOTrainer, "_generate_single_turn"), (GRPOTrainer, "_generate_and_score_completions"),
+                        (VLLMGeneration, "sync_weights"), (VLLMGeneration, "generate")]:
+        assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"
