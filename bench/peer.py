@@ -38,6 +38,7 @@ each row's tokens/s over TRL's. Logs: OUT/peer_<system>.log. docs/peer.md: the s
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -318,8 +319,8 @@ def progress(system: str, r: dict) -> str:
 
 
 def run_system(system: str, args, out: Path, samples: int) -> tuple[dict, float, int]:
-    """One system's process, its per-step progress printed as it logs it -> (records, wall s, exit code)."""
-    import os
+    """One system's process, its per-step progress printed as it logs it -> ({records, run_dir, log}, wall s,
+    exit code; 124: killed at --timeout)."""
     run_dir = Path(args.runs) / f"peer_{system}"
     shutil.rmtree(run_dir, ignore_errors=True)  # train_grpo.py refuses a used run dir
     if system == "trl":
@@ -327,8 +328,8 @@ def run_system(system: str, args, out: Path, samples: int) -> tuple[dict, float,
         argv = [sys.executable, "-m", "bench.peer", "--child", "trl", "--run-dir", str(run_dir), "--model-dir",
                 str(args.model_dir), "--steps", str(args.steps), *(["--tiny"] if args.tiny else []), *args.overrides]
     else:
-        argv = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs" / f"{SYSTEMS[system]}.yaml"),
-                *workload_overrides(args), f"train.out_dir={args.runs}", f"train.run_name=peer_{system}"]
+        config = ROOT / "configs" / f"{SYSTEMS[system]}.yaml"
+        argv = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(config), *workload_overrides(args), f"train.out_dir={args.runs}", f"train.run_name=peer_{system}"]
     log = out / f"peer_{system}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)}
@@ -378,7 +379,8 @@ def add_ratios(rows: list[dict]) -> list[dict]:
     trl = {r["workload"]: r for r in rows if r["system"] == "trl" and r.get("tokens_per_s")}
     for r in rows:
         b = trl.get(r["workload"])
-        r["tokens_per_s_vs_trl"] = round(r["tokens_per_s"] / b["tokens_per_s"], 3) if b and r.get("tokens_per_s") else None
+        ok = b and r.get("tokens_per_s")
+        r["tokens_per_s_vs_trl"] = round(r["tokens_per_s"] / b["tokens_per_s"], 3) if ok else None
     return rows
 
 
@@ -394,7 +396,8 @@ def markdown(rows: list[dict], gpu: str) -> str:
         mine = sorted((r for r in rows if r["workload"] == label), key=lambda r: order.index(r["system"]))
         lines += [f"## {label}", "", markdown_table(mine, COLS), "", "Settings:", ""]
         lines += [f"- {r['system']}: " + "; ".join(f"{k} {v}" for k, v in r.get("settings", {}).items()) for r in mine]
-        lines += ["", "Commands: " + " ; ".join(dict.fromkeys(f"`{r['command']}` ({r['date']})" for r in mine)), ""]
+        commands = dict.fromkeys(f"`{r.get('command')}` ({r.get('date')})" for r in mine)
+        lines += ["", "Commands: " + " ; ".join(commands), ""]
     return "\n".join(lines)
 
 

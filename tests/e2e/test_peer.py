@@ -33,7 +33,7 @@ def test_trl_and_ours_generate_the_same_tokens(tmp_path):
         assert "error" not in r, r
         assert r["gen_tokens"] == 2 * 8 * 8  # prompts x samples x fixed length, counted by each system
         assert r["timed_steps"] == 1 and r["step_s"] > 0
-        assert r["tokens_per_s"] == pytest.approx(r["gen_tokens"] / r["step_s"], rel=0.01)
+        assert r["tokens_per_s"] == pytest.approx(r["gen_tokens"] / r["step_s"], rel=0.02)
         assert r["gpu"] == "cpu" and r["command"].startswith("python -m bench.peer --tiny") and r["settings"]
     trl = rows["trl"]
     assert trl["rollout_s"] > 0 and trl["train_s"] > 0 and trl["logprobs_s"] >= 0
