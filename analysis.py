@@ -315,9 +315,9 @@ def load_batch_model(batch: dict, device="cpu", checkpoint=None):
 
 def convert_fp8(model, cfg) -> list[str]:
     """Emulated block-FP8 linears on the run's skip list (fp8.keep_bf16, ...), with fp8/fast's structure
-    where the run had it (trainer.prepare_trainer); their HF names. Inside fp8.linear.bf16_reference(model)
+    where the run had it (run_setup.prepare_trainer); their HF names. Inside fp8.linear.bf16_reference(model)
     the converted model computes exactly as before."""
-    from trainer import fp8_model
+    from run_setup import fp8_model
 
     return fp8_model(model, dataclasses.replace(cfg.fp8, emulate=True))[0]
 

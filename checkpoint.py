@@ -54,7 +54,7 @@ Memory: dcp.load reads each stored record into CPU memory and copies it into the
 rank's shard), one at a time; nothing full-size is materialized on the device. The load holds what
 training holds (weights, optimizer states: built before the load by optimizer.init_states; torch's
 AdamW gets its states and zero gradients from get_state_dict) but vLLM's share must be free:
-trainer.resume puts the engine to sleep first.
+run_setup.resume puts the engine to sleep first.
 
 Single-file checkpoints of earlier versions (`state.pt`, full tensors) still load, on any number
 of ranks (distributed.load_full_state).

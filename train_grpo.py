@@ -11,7 +11,8 @@ reward (data.reward: math-verify) -> group advantages -> trainer logprobs of the
 weights (`old_logp`) and rollout/trainer mismatch -> one or more optimizer steps on the clipped
 surrogate with truncated importance sampling -> q/k/v scale recalibration (FP8 KV cache) ->
 weight sync into the engine (FP8 weights made by fp8/quant.py) -> log. Each phase is a function
-of trainer.py; batch.py makes the tensors, observe.py logs, profiles and dumps.
+of trainer.py, the setup before the steps and the checkpoints are run_setup.py's; batch.py makes
+the tensors, observe.py logs, profiles and dumps.
 
 Where this departs from textbook GRPO:
 - Two policies, not one: the engine (FP8, different kernels) samples, the trainer scores. The
@@ -32,6 +33,7 @@ import yaml
 import distributed
 import memory
 import observe
+import run_setup
 import trainer
 from checkpoint import remove_unstarted_run
 from config import to_dict
@@ -44,7 +46,7 @@ from probe import WeightChange
 
 def train(args) -> Path:
     # ---- setup: config, ranks, run dir
-    cfg, resume_dir = trainer.read_config(args)
+    cfg, resume_dir = run_setup.read_config(args)
     d = distributed.init(cfg)
     if d.engine >= 0:  # rollout.mode=async: an engine rank generates until the trainer stops it
         from engines.remote import serve
@@ -55,7 +57,7 @@ def train(args) -> Path:
     device = d.device
     if cfg.rollout.engine == "vllm" and device.type != "cuda":
         raise UserError(f"rollout.engine=vllm needs a CUDA GPU (the device is {device}); set rollout.engine=hf")
-    run_dir = resume_dir or trainer.make_run_dir(cfg, args.config, d)
+    run_dir = resume_dir or run_setup.make_run_dir(cfg, args.config, d)
     args.new_run_dir = run_dir if d.main and not resume_dir else None  # main() removes it if the run fails early
     if d.main:
         print(f"run_dir: {run_dir}", flush=True)
@@ -79,22 +81,22 @@ def train(args) -> Path:
         if cfg.model.name_or_path == "tiny" else cfg.model.name_or_path
     engine = RemoteEngine(cfg, d) if cfg.rollout.mode == "async" else \
         make_engine(cfg, model, tokenizer, device, model_dir)  # async: the engine ranks' proxy (engines/remote.py)
-    ref_model = trainer.reference_model(model, cfg)
-    fp8_tokens = trainer.prepare_trainer(model, ref_model, cfg, d, mixed, logger)  # FP8 (+ fp8/fast), compile, FSDP2
+    ref_model = run_setup.reference_model(model, cfg)
+    fp8_tokens = run_setup.prepare_trainer(model, ref_model, cfg, d, mixed, logger)  # FP8 (+ fp8/fast), compile, FSDP2
     calibrator = make_calibrator(model, cfg.fp8)  # q/k/v scales for the engine's FP8 KV cache
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     run = trainer.Run(cfg=cfg, d=d, run_dir=run_dir, logger=logger, model=model, ref_model=ref_model,
                       tokenizer=tokenizer, engine=engine, model_dir=model_dir, calibrator=calibrator,
                       optimizer=optimizer,
                       weight_change=WeightChange(optimizer, model),  # optim/changed_frac, optim/update_ratio_max
-                      scheduler=trainer.lr_schedule(optimizer, cfg.optim.warmup_steps),
+                      scheduler=run_setup.lr_schedule(optimizer, cfg.optim.warmup_steps),
                       sampler=PromptSampler(train_set, cfg.rollout.prompts_per_step, seed=cfg.data.seed),
                       train_set=train_set, val_set=val_set, fp8_tokens=fp8_tokens, mixed=mixed)
-    state = trainer.resume(run, resume_dir, args.overrides) if resume_dir else \
-        trainer.State(entropy_control=trainer.entropy_control(cfg))
+    state = run_setup.resume(run, resume_dir, args.overrides) if resume_dir else \
+        trainer.State(entropy_control=run_setup.entropy_control(cfg))
     if cfg.rollout.mode == "async":  # the engine ranks' schedule starts here
         engine.start(state.start_step, run.sampler.state_dict())
-    trainer.first_refit(run, state)  # FP8 weight caches filled, the first rollout gets calibrated scales
+    run_setup.first_refit(run, state)  # FP8 weight caches filled, the first rollout gets calibrated scales
 
     # ---- the steps
     from tqdm import tqdm
@@ -127,7 +129,7 @@ def train(args) -> Path:
         if d.main and cfg.log.dump_episodes_every and step % cfg.log.dump_episodes_every == 0:
             observe.dump_episodes(run_dir, step, batch, tokenizer, cfg.log.dump_episodes_n)
         if cfg.train.ckpt_every and (step + 1) % cfg.train.ckpt_every == 0:
-            trainer.save(run, state, step + 1)
+            run_setup.save(run, state, step + 1)
 
     # ---- the end
     final = {"val/accuracy": trainer.validate(run)} if cfg.train.val_every else {}
@@ -136,7 +138,7 @@ def train(args) -> Path:
     logger.print(f"done: {cfg.train.steps} steps; final {final}; run_dir {run_dir}")
     if cfg.train.save_final and state.start_step < cfg.train.steps and not (
             cfg.train.ckpt_every and cfg.train.steps % cfg.train.ckpt_every == 0):
-        trainer.save(run, state, cfg.train.steps)  # (else the loop has just saved this step, or nothing ran)
+        run_setup.save(run, state, cfg.train.steps)  # (else the loop has just saved this step, or nothing ran)
     logger.close()
     if cfg.rollout.mode == "async":
         engine.close()  # the engine ranks stop

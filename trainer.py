@@ -1,4 +1,4 @@
-"""The phases of a GRPO step, in the order train_grpo.train() calls them, and the setup they share.
+"""The phases of a GRPO step, in the order train_grpo.train() calls them.
 
     rollout_phase   engine samples n completions per prompt and scores them (rewards.REWARDS);
                     dynamic sampling may roll out more rounds
@@ -10,35 +10,31 @@
                     and counted)
     refit_phase     q/k/v scale recalibration (FP8 KV cache), then the weight sync into the engine
     validate        greedy accuracy on the held-out prompts
-    save            a checkpoint of the run state
 
 What a phase needs comes in as arguments: `Run` holds what setup built (fixed for the run), `State`
-what the steps change and checkpoints keep (kv scales, consecutive bad steps).
+what the steps change and checkpoints keep (kv scales, consecutive bad steps). run_setup.py builds
+both, resumes and saves them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import gc
 import json
 import math
 import time
-from datetime import datetime
 from pathlib import Path
 
 import torch
 
 import distributed
-import modeling
 import routing
 from batch import StepBatch, amp, by_length, collate, length_multiple, logprob_pass, micro_batches, token_logprobs
-from checkpoint import create_run_dir, load_latest, record_resume, save_checkpoint, set_rng_state
 from config import Config, to_dict
 from data import reward_last_number
 from errors import UserError
-from fp8.calibrate import QKVCalibrator, kv_scales_from_state, kv_scales_state, send_kv_scales, token_mask
+from fp8.calibrate import QKVCalibrator, send_kv_scales, token_mask
 from fp8.export import export_weights
 from fp8.linear import bf16_reference
 from losses import collapse
@@ -48,7 +44,7 @@ from losses.mismatch import mismatch_metrics
 from observe import RunLogger, gc_timer, mismatch_guard, save_step_batch, update_guard
 from probe import WeightChange, policy_gain, probe_rewards
 from rewards import REWARDS, format_reward, reward_stats
-from rollout import Sample, step_seed
+from rollout import step_seed
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -81,153 +77,6 @@ class State:
     kv_scales: dict | None = None           # {layer: (q, k, v)} the engine's FP8 attention scales
     bad_steps: int = 0                      # consecutive optimizer steps skipped as non-finite
     entropy_control: collapse.EntropyControl | None = None  # loss.entropy_target's adaptive coefficient
-
-
-def entropy_control(cfg: Config) -> collapse.EntropyControl | None:
-    """loss.entropy_target's controller, starting at loss.entropy_coef (None: a fixed coefficient)."""
-    lo = cfg.loss
-    return None if lo.entropy_target is None else \
-        collapse.EntropyControl(lo.entropy_target, lo.entropy_coef_step, lo.entropy_coef)
-
-
-# ----------------------------------------------------------------------------- setup
-
-def read_config(args) -> tuple[Config, Path | None]:
-    """(config, resume dir or None) from the command line: --config + overrides, or --resume's run."""
-    from checkpoint import resume_config
-    from config import load_config
-
-    resume_dir = Path(args.resume) if args.resume else None
-    if resume_dir and args.config:
-        raise UserError(f"--resume {resume_dir} continues with the run's own config.yaml: drop --config and give "
-                        "changes as key=value overrides")
-    if resume_dir and not (resume_dir / "config.yaml").is_file():
-        raise UserError(f"--resume {resume_dir}: not a run directory (no config.yaml)")
-    return (resume_config(resume_dir, args.overrides) if resume_dir else load_config(args.config, args.overrides),
-            resume_dir)
-
-
-def make_run_dir(cfg: Config, config_path: str | None, d: distributed.Dist) -> Path:
-    """A new run's dir, created by rank 0 alone and exclusively (checkpoint.create_run_dir: never one
-    that exists); every rank gets its name, or rank 0's error."""
-    made = None
-    if d.main:
-        auto = not cfg.train.run_name
-        name = cfg.train.run_name or f"{Path(config_path or 'default').stem}-{datetime.now():%Y%m%d-%H%M%S}"
-        try:
-            made = str(create_run_dir(cfg.train.out_dir, name, auto))
-        except UserError as e:
-            made = e
-    made = distributed.broadcast_object(made, d)
-    if isinstance(made, UserError):
-        raise made
-    return Path(made)
-
-
-def reference_model(model, cfg: Config):
-    """KL reference: a frozen copy of the initial policy (BF16, never quantized); None without KL."""
-    return copy.deepcopy(model).eval().requires_grad_(False) if cfg.loss.kl_coef > 0 else None
-
-
-def fp8_model(model, fp8, world: int = 1) -> tuple[list[str], list[str]]:
-    """The trainer's FP8 model in place: fp8.convert.convert_to_fp8_training, then fp8.fast.apply when
-    fp8.uses_fast (benchmarks and analysis build theirs here too), for `world` FSDP2 ranks. Returns (the
-    converted linears' HF names, what fp8.fast did)."""
-    from fp8.convert import convert_to_fp8_training
-
-    converted = convert_to_fp8_training(model, fp8)
-    if not fp8.uses_fast:
-        return converted, []
-    from fp8 import fast
-
-    return converted, fast.apply(model, fp8, world)
-
-
-def compile_backend(cfg: Config, device: torch.device) -> str:
-    """train.compile resolved: "auto" is inductor on CUDA and none elsewhere."""
-    return cfg.train.compile if cfg.train.compile != "auto" else "inductor" if device.type == "cuda" else "none"
-
-
-def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: bool, logger: RunLogger) -> int:
-    """FP8 linears (fp8.train) with fp8/fast's speed-only structure where a switch asks for it,
-    compiled layers (train.compile), FSDP2 (world > 1), in that order; returns the token multiple the
-    trainer's FP8 GEMMs want (1 = any). Without fp8.uses_fast (fuse_projections, cache_weights and
-    fuse_grad_accum off), fp8/fast is never imported: the recipe runs without it."""
-    fp8_tokens = 1
-    modeling.pin_sdpa_backends(cfg.model.cudnn_sdpa)  # before any forward or compile: no import flips it later
-    if (cfg.moe.router_replay or cfg.moe.aux_loss_coef) and not routing.is_moe(model):
-        raise UserError("moe.router_replay / moe.aux_loss_coef need a mixture-of-experts model (a family with "
-                        "experts, e.g. model.tiny.arch=qwen3_moe); set moe.router_replay=false moe.aux_loss_coef=0")
-    if cfg.fp8.train:
-        from fp8.linear import use_torchao
-        from fp8.quant import BLOCK
-        fp8 = cfg.fp8
-        if fp8.cache_weights and d.world > 1 and cfg.train.probe:
-            logger.print(f"fp8.cache_weights: off over {d.world} ranks with train.probe (its BF16 reference forward "
-                         "needs the BF16 weights, and the cache all-gathers them in FP8)")
-            fp8 = dataclasses.replace(fp8, cache_weights=False)
-        if fp8.fuse_grad_accum and d.world > 1:
-            logger.print(f"fp8.fuse_grad_accum: off over {d.world} ranks (FSDP2 reduce-scatters each gradient as "
-                         "autograd makes it)")
-            fp8 = dataclasses.replace(fp8, fuse_grad_accum=False)
-        converted, fast_done = fp8_model(model, fp8, d.world)
-        logger.print(f"fp8: trainer linears in block FP8: {len(converted)}")
-        if fp8.uses_fast:
-            logger.print("fp8.fast: " + (", ".join(fast_done) or "fast kernels"))
-        fp8_tokens = BLOCK if use_torchao(fp8, d.device) else 1
-    backend = compile_backend(cfg, d.device)
-    if backend != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
-        distributed.compile_layers(model, backend)
-    # after FP8 conversion: FSDP2 all-gathers the weight each FP8 linear then quantizes, as on one GPU (with
-    # fp8.cache_weights: the FP8 bytes of each rank's shard, quantized once per optimizer step; fp8/fast/gather.py)
-    distributed.shard(model, d, bf16_compute=mixed)
-    if ref_model is not None:
-        distributed.shard(ref_model, d, bf16_compute=mixed)
-    return fp8_tokens
-
-
-def lr_schedule(optimizer, warmup: int):
-    """Linear warm-up over `warmup` optimizer steps, then constant."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-
-
-def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
-    """The state of the newest checkpoint that loads (model, optimizer, schedule, sampler, RNG); collective."""
-    ckpt_root, logger, d = run.run_dir / "checkpoints", run.logger, run.d
-    # vLLM's share back while the checkpoint loads: loading holds the trainer's weights and optimizer
-    # states at once, which training does only while the engine sleeps. Level 2 drops the engine's
-    # (dummy) weights; first_refit's update_weights reloads them, and the first rollout wakes the rest.
-    run.engine.sleep()
-    t0 = time.perf_counter()
-    loaded = load_latest(ckpt_root, run.model, run.optimizer, d, log=logger.print)
-    if loaded is None:
-        raise UserError(f"--resume {resume_dir}: no complete checkpoint in {ckpt_root}, so it cannot be resumed; "
-                        "start a new run (another train.run_name), or delete that directory")
-    ckpt, meta = loaded
-    if meta["world"] != d.world:  # DCP reshards: any world size reads it (checkpoint.py)
-        logger.print(f"resuming a {meta['world']}-rank checkpoint on {d.world} rank{'s' * (d.world > 1)}")
-    run.scheduler.load_state_dict(meta["scheduler"])
-    run.sampler.load_state_dict(meta["sampler"])
-    set_rng_state(meta["rng"])
-    state = State(meta["step"], kv_scales_from_state(meta), meta.get("bad_steps", 0), entropy_control(run.cfg))
-    if state.entropy_control is not None and meta.get("entropy_coef") is not None:
-        state.entropy_control.coef = meta["entropy_coef"]
-    logger.truncate(state.start_step)  # steps the interrupted run logged past the checkpoint are redone
-    logger.print(f"resumed from {ckpt} at step {state.start_step} (loaded in {time.perf_counter() - t0:.1f} s)")
-    if d.main:
-        record_resume(run.run_dir, overrides, state.start_step)
-    return state
-
-
-def save(run: Run, state: State, step: int) -> None:
-    """Checkpoint after `step` steps; collective: each rank writes its own shards (checkpoint.py)."""
-    meta = {"scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(), "step": step,
-            **kv_scales_state(state.kv_scales), "bad_steps": state.bad_steps,
-            "entropy_coef": None if state.entropy_control is None else state.entropy_control.coef}
-    t0 = time.perf_counter()
-    path = save_checkpoint(run.run_dir / "checkpoints", step, meta, run.model, run.optimizer, run.d,
-                           keep=run.cfg.train.keep_ckpts)
-    run.logger.print(f"checkpoint: {path} (saved in {time.perf_counter() - t0:.1f} s)")
 
 
 # ----------------------------------------------------------------------------- rollout and reward
@@ -306,6 +155,11 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     metrics["time/sleep"] = time.perf_counter() - t_sleep  # within time/rollout: the sleep + the cache's refill
     metrics["time/rollout"] = time.perf_counter() - t0 - metrics["time/reward"]
     return rounds
+
+
+def compile_backend(cfg: Config, device: torch.device) -> str:
+    """train.compile resolved: "auto" is inductor on CUDA and none elsewhere."""
+    return cfg.train.compile if cfg.train.compile != "auto" else "inductor" if device.type == "cuda" else "none"
 
 
 def length_multiples(cfg: Config, fp8_tokens: int, rows: int, device: torch.device) -> tuple[int, int]:
@@ -415,7 +269,7 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
     """The policy update: mini-batches (one optimizer step each) of micro-batches. A mini-batch whose
     loss or grad norm is non-finite on any rank is skipped (state.bad_steps counts them in a row;
     train.max_bad_steps aborts)."""
-    cfg, d, model, optimizer = run.cfg, run.d, run.model, run.optimizer
+    cfg, d = run.cfg, run.d
     probe_before = bf16_logprobs(run, b) if cfg.train.probe else None  # the policy before the update
     t0 = time.perf_counter()
     entropy_coef = cfg.loss.entropy_coef if state.entropy_control is None else \
@@ -424,78 +278,121 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         metrics["loss/entropy_coef"] = entropy_coef
     run.weight_change.start()
     with torch.profiler.record_function("train"):
-        model.train()
+        run.model.train()
         B = len(b.samples)
         order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(d.device)
         mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
-        n_mini = len(micro_batches(B, mini))
-        # the loss metrics' names and their weighted sum, one float64 vector on the device until the phase ends:
-        # no host sync per micro-batch
-        loss_keys, loss_sum = [], None
-        skipped = 0  # optimizer steps skipped for a non-finite loss or grad norm
-        forwards = 0  # micro-batches this rank trained (perf/micro_batches: packing shows here)
+        minis = micro_batches(B, mini)
+        tally = TrainTally()
         bypass = cfg.train.old_logp == "rollout"  # the first mini-batch's forward stands in for the old_logp pass
         first_logp = torch.zeros_like(b.rollout_logp) if bypass else None
         first_capture = contextlib.ExitStack()  # and with fp8.calib_pass=logprobs its q/k/v amax, the next scales
         if bypass and run.calibrator is not None and cfg.fp8.calib_pass == "logprobs":
             first_capture.enter_context(run.calibrator.capture())
-        for m, mini_slice in enumerate(micro_batches(B, mini)):
+        for m, mini_slice in enumerate(minis):
             idx = order[mini_slice]
-            totals = MiniBatchTotals(  # over every rank's share of the mini-batch
-                tokens=distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1),
-                rows=float(distributed.all_sum(b.loss_mask[idx].amax(1).sum(), d)),  # rows that count
-                response_tokens=distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1) if entropy_coef > 0 else None)
-            zero_grads(run)
-            nonfinite_loss = torch.zeros((), device=d.device)
-            for rows, n in micro_plan(run, b, idx):  # rows of like length, cut to n
-                forwards += 1
-                j = (rows, slice(0, n))
-                routed = routing.prepare(model, None if b.routed_experts is None else b.routed_experts[j],
-                                         cfg.moe.router_replay, keep_logits=cfg.moe.aux_loss_coef > 0)  # MoE
-                with amp(run.mixed):  # the policy forward, with grad
-                    logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
-                                          entropy=entropy_coef > 0, fused=cfg.train.fused_head)
-                logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
-                if bypass and m == 0:  # no optimizer step yet: these are the behaviour weights' logprobs
-                    first_logp[j] = logp.detach()
-                aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j]) \
-                    if routed is not None and cfg.moe.aux_loss_coef > 0 else None  # MoE, over the real tokens
-                out = micro_batch_loss(LossInputs(
-                    logp, b.old_logp[j], b.rollout_logp[j], b.advantages[rows], b.loss_mask[j],
-                    ref_logp=None if b.ref_logp is None else b.ref_logp[j], entropy=policy_entropy,
-                    response_mask=b.mask[j], aux_loss=aux), totals, cfg.loss, entropy_coef, cfg.moe.aux_loss_coef)
-                (out.loss * distributed.grad_scale(d)).backward()
-                nonfinite_loss += (~torch.isfinite(out.loss.detach())).float()
-                terms = torch.stack(list(out.metrics.values())).double() * (out.weight.detach().double() / n_mini)
-                loss_keys, loss_sum = list(out.metrics), terms if loss_sum is None else loss_sum + terms
+            nonfinite_loss = mini_batch_backward(run, b, idx, entropy_coef, len(minis), tally,
+                                                 first_logp=first_logp if m == 0 else None)
             first_capture.close()  # before any optimizer step
             if bypass and m == 0:
                 metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
                     *(distributed.gather_rows(x[idx], d) for x in (first_logp, b.rollout_logp, b.mask))).items()})
                 mismatch_guard(metrics, step, cfg.train, run.logger)
-            max_norm = math.inf if cfg.optim.max_grad_norm is None else cfg.optim.max_grad_norm  # null: no clip
-            grad_norm = distributed.clip_grad_norm(model.parameters(), max_norm)
-            if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, d) > 0:  # every rank agrees
-                optimizer.zero_grad(set_to_none=True)
-                state.bad_steps, skipped = state.bad_steps + 1, skipped + 1
-                run.logger.print(f"WARNING step {step}: non-finite loss/grad norm, optimizer step skipped "
-                                 f"({state.bad_steps} in a row)")
-                if state.bad_steps >= cfg.train.max_bad_steps:
-                    raise UserError(f"{state.bad_steps} consecutive non-finite steps (train.max_bad_steps); lower "
-                                    "optim.lr, check the data, or try fp8.train=false to isolate FP8")
-                continue
-            state.bad_steps = 0
-            optimizer.step()
-            run.scheduler.step()
-            metrics["optim/grad_norm"] = float(grad_norm)  # before clipping; after (clip_grads_with_norm_'s factor):
-            metrics["optim/grad_norm_clipped"] = float(grad_norm) * min(1.0, max_norm / (float(grad_norm) + 1e-6))
+            if not optimizer_step(run, state, nonfinite_loss, step, metrics):
+                tally.skipped += 1
         zero_grads(run, keep=False)  # free the gradients before the engine wakes (memory)
-        routing.clear(model)
-        if loss_sum is not None:  # each rank's terms are already weighted by its share of the global batch
-            metrics.update(zip(loss_keys, distributed.all_sum(loss_sum, d).tolist()))
-        metrics["optim/skipped_steps"] = skipped
-        metrics["perf/micro_batches"] = forwards
+        routing.clear(run.model)
+        metrics.update(tally.metrics(d))
     metrics["time/train"] = time.perf_counter() - t0
+    update_metrics(run, b, step, probe_before, metrics)
+
+
+@dataclasses.dataclass
+class TrainTally:
+    """What train_phase sums over its mini-batches. The loss metrics stay one float64 vector on the
+    device until the phase ends: no host sync per micro-batch."""
+    loss_keys: list[str] = dataclasses.field(default_factory=list)
+    loss_sum: torch.Tensor | None = None  # [len(loss_keys)] float64: the loss metrics' weighted sum
+    forwards: int = 0                     # micro-batches this rank trained (perf/micro_batches: packing shows here)
+    skipped: int = 0                      # optimizer steps skipped for a non-finite loss or grad norm
+
+    def add(self, loss_metrics: dict, weight: torch.Tensor) -> None:
+        """One micro-batch's loss metrics ({name: 0-dim tensor}), times weight (0-dim float64)."""
+        terms = torch.stack(list(loss_metrics.values())).double() * weight
+        self.loss_keys, self.loss_sum = list(loss_metrics), terms if self.loss_sum is None else self.loss_sum + terms
+
+    def metrics(self, d: distributed.Dist) -> dict:
+        """loss/* over all ranks, optim/skipped_steps, perf/micro_batches; collective."""
+        out = {}
+        if self.loss_sum is not None:  # each rank's terms are already weighted by its share of the global batch
+            out.update(zip(self.loss_keys, distributed.all_sum(self.loss_sum, d).tolist()))
+        return {**out, "optim/skipped_steps": self.skipped, "perf/micro_batches": self.forwards}
+
+
+def mini_batch_backward(run: Run, b: StepBatch, idx: torch.Tensor, entropy_coef: float, n_mini: int,
+                        tally: TrainTally, first_logp: torch.Tensor | None = None) -> torch.Tensor:
+    """One mini-batch's gradients (rows idx of b, [M]), accumulated over its micro-batches; each
+    micro-batch's loss metrics go to tally, weighted by its share of the mini-batch and 1 / n_mini.
+    first_logp [B, L]: given, it gets the forward's logprobs (no optimizer step has run: the behaviour
+    weights'). Returns this rank's count of non-finite micro-batch losses (a 0-dim tensor, no host sync)."""
+    cfg, d, model = run.cfg, run.d, run.model
+    totals = MiniBatchTotals(  # over every rank's share of the mini-batch
+        tokens=distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1),
+        rows=float(distributed.all_sum(b.loss_mask[idx].amax(1).sum(), d)),  # rows that count
+        response_tokens=distributed.all_sum(b.mask[idx].sum(), d).clamp(min=1) if entropy_coef > 0 else None)
+    zero_grads(run)
+    nonfinite_loss = torch.zeros((), device=d.device)
+    for rows, n in micro_plan(run, b, idx):  # rows of like length, cut to n
+        tally.forwards += 1
+        j = (rows, slice(0, n))
+        routed = routing.prepare(model, None if b.routed_experts is None else b.routed_experts[j],
+                                 cfg.moe.router_replay, keep_logits=cfg.moe.aux_loss_coef > 0)  # MoE
+        with amp(run.mixed):  # the policy forward, with grad
+            logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
+                                  entropy=entropy_coef > 0, fused=cfg.train.fused_head)
+        logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
+        if first_logp is not None:  # train.old_logp=rollout's stand-in for the old_logp pass
+            first_logp[j] = logp.detach()
+        aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j]) \
+            if routed is not None and cfg.moe.aux_loss_coef > 0 else None  # MoE, over the real tokens
+        out = micro_batch_loss(LossInputs(
+            logp, b.old_logp[j], b.rollout_logp[j], b.advantages[rows], b.loss_mask[j],
+            ref_logp=None if b.ref_logp is None else b.ref_logp[j], entropy=policy_entropy,
+            response_mask=b.mask[j], aux_loss=aux), totals, cfg.loss, entropy_coef, cfg.moe.aux_loss_coef)
+        (out.loss * distributed.grad_scale(d)).backward()
+        nonfinite_loss += (~torch.isfinite(out.loss.detach())).float()
+        tally.add(out.metrics, out.weight.detach().double() / n_mini)
+    return nonfinite_loss
+
+
+def optimizer_step(run: Run, state: State, nonfinite_loss: torch.Tensor, step: int, metrics: dict) -> bool:
+    """Clip the gradients and step the optimizer and the schedule; False, and the gradients dropped, if
+    the grad norm or a loss (nonfinite_loss: this rank's count) is non-finite on any rank
+    (state.bad_steps counts such skips in a row; train.max_bad_steps of them abort)."""
+    cfg = run.cfg
+    max_norm = math.inf if cfg.optim.max_grad_norm is None else cfg.optim.max_grad_norm  # null: no clip
+    grad_norm = distributed.clip_grad_norm(run.model.parameters(), max_norm)
+    if not torch.isfinite(grad_norm) or distributed.all_sum(nonfinite_loss, run.d) > 0:  # every rank agrees
+        run.optimizer.zero_grad(set_to_none=True)
+        state.bad_steps += 1
+        run.logger.print(f"WARNING step {step}: non-finite loss/grad norm, optimizer step skipped "
+                         f"({state.bad_steps} in a row)")
+        if state.bad_steps >= cfg.train.max_bad_steps:
+            raise UserError(f"{state.bad_steps} consecutive non-finite steps (train.max_bad_steps); lower "
+                            "optim.lr, check the data, or try fp8.train=false to isolate FP8")
+        return False
+    state.bad_steps = 0
+    run.optimizer.step()
+    run.scheduler.step()
+    metrics["optim/grad_norm"] = float(grad_norm)  # before clipping; after (clip_grads_with_norm_'s factor):
+    metrics["optim/grad_norm_clipped"] = float(grad_norm) * min(1.0, max_norm / (float(grad_norm) + 1e-6))
+    return True
+
+
+def update_metrics(run: Run, b: StepBatch, step: int, probe_before: torch.Tensor | None, metrics: dict) -> None:
+    """After the update: the share of weights it moved, its largest |dw| / lr (observe.update_guard) and,
+    with train.probe, the policy gain against probe_before (the [B, L] BF16 logprobs before it)."""
+    cfg, d = run.cfg, run.d
     if (changed := run.weight_change.finish()) is not None:  # the share of weights the step moved
         metrics["optim/changed_frac"] = changed
     if run.weight_change.worst is not None:  # the largest |dw| / lr: Adam's bound is ~1 (every rank agrees)
@@ -534,27 +431,6 @@ def refit(run: Run, state: State) -> float:
         run.engine.update_weights(export_weights(run.model, run.cfg.fp8, fp8=run.cfg.fp8.rollout))
         send_kv_scales(run.engine, run.cfg.fp8, state.kv_scales)
     return time.perf_counter() - t0
-
-
-def hook_weight_caches(run: Run) -> None:
-    """fp8.cache_weights: fill the FP8 weight caches and hook their refresh to the optimizer's step."""
-    if run.cfg.fp8.train and run.cfg.fp8.cache_weights:
-        from fp8.fast.cache import refresh_weight_caches_on_step
-        refresh_weight_caches_on_step(run.model, run.optimizer)
-
-
-def first_refit(run: Run, state: State) -> None:
-    """Before step 0 (or on resume): fp8.cache_weights' caches filled and hooked to the optimizer
-    (here, once the weights are final, and before the first forward, which a compiled layer cannot
-    fill them in); scales from the training prompts if none were saved, so the first rollout is
-    calibrated too; then the weight sync."""
-    hook_weight_caches(run)
-    if run.calibrator is not None and state.kv_scales is None:
-        prompts = [Sample(0, ex["prompt_ids"], [], [], "length") for ex in run.train_set[: run.cfg.fp8.calib_samples]]
-        ids, am, _, _ = collate(prompts, run.tokenizer.pad_token_id)
-        state.kv_scales = recalibrate(run, ids.to(run.d.device), am.to(run.d.device))
-        log_calibration(run, state, state.start_step)
-    refit(run, state)
 
 
 def log_calibration(run: Run, state: State, for_step: int) -> None:

@@ -50,7 +50,7 @@ def measure(mode: str, prompts: int, n: int, new_tokens: int, model_shape: list[
     from config import load_config
     from fp8.calibrate import QKVCalibrator
     from fp8.export import export_weights
-    from trainer import fp8_model
+    from run_setup import fp8_model
     from losses.mismatch import mismatch_metrics
     from modeling import load_model_and_tokenizer
     from engines.vllm import VLLMEngine

@@ -136,7 +136,7 @@ def build_stack(hf_cfg, mode: str, device, seed: int = 0):
     """(LlamaModel in bf16, train mode, on device; converted linear names). Same seed, same weights."""
     from transformers import LlamaModel
 
-    from trainer import fp8_model
+    from run_setup import fp8_model
 
     if mode not in STACK_MODES:
         raise ValueError(f"stack mode {mode!r} not in {list(STACK_MODES)}")

@@ -130,7 +130,7 @@ def main():
     from fp8.fast.accum import attach_grad_accumulators, zero_grad_accumulators
     from fp8.fast.cache import attach_weight_caches, refresh_weight_caches
     from fp8.linear import is_fp8_linear
-    from trainer import fp8_model, prepare_trainer
+    from run_setup import fp8_model, prepare_trainer
     from fp8.quant import BLOCK
     from modeling import load_model_and_tokenizer, pin_sdpa_backends
     from rollout import Sample

@@ -79,6 +79,7 @@ def main():
     args = p.parse_args()
     import distributed
     import memory
+    import run_setup
     import trainer
     from bench import memory_breakdown
     from config import load_config
@@ -121,14 +122,14 @@ def main():
             fail(f"--engine: {e}")
         engine.sleep()
     dims = memory.model_shape(model)  # before FSDP2 shards the parameters
-    fp8_tokens = trainer.prepare_trainer(model, None, cfg, d, mixed, log)
+    fp8_tokens = run_setup.prepare_trainer(model, None, cfg, d, mixed, log)
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     run = trainer.Run(cfg=cfg, d=d, run_dir=Path(args.out), logger=log, model=model, ref_model=None,
                       tokenizer=tokenizer, engine=engine, model_dir="", calibrator=None, optimizer=optimizer,
                       weight_change=WeightChange(optimizer, model),
-                      scheduler=trainer.lr_schedule(optimizer, cfg.optim.warmup_steps), sampler=None,
+                      scheduler=run_setup.lr_schedule(optimizer, cfg.optim.warmup_steps), sampler=None,
                       train_set=[], val_set=[], fp8_tokens=fp8_tokens, mixed=mixed)
-    trainer.hook_weight_caches(run)  # trainer.first_refit's part that concerns the trainer
+    run_setup.hook_weight_caches(run)  # run_setup.first_refit's part that concerns the trainer
     state = trainer.State()
     rows = []
     say(f"[trainer_phase] {args.prompts} prompts x {cfg.rollout.n} samples over {d.world} rank(s), "

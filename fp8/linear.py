@@ -29,7 +29,7 @@ product rounded once, torchao adds ~1e-4); (2) torchao always returns BF16, we r
 dtype (an fp32 CPU model stays fp32).
 
 Speed-only structure, same quantization, lives in fp8/fast/ and is applied to the converted model
-by its one entry point, fp8.fast.apply (trainer.prepare_trainer calls it when a switch asks): a
+by its one entry point, fp8.fast.apply (run_setup.prepare_trainer calls it when a switch asks): a
 one-pass activation quantizer, fused projections, a fused SwiGLU MLP and a weight cache. That is why
 _BlockFP8MM takes a `kernels` object and several weights: fp8/fast swaps the kernels and fuses
 members, the recipe here never does; nothing here imports fp8/fast.

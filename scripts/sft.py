@@ -372,7 +372,7 @@ def warm_fp8(args) -> None:
     fp32 master weights, bf16 autocast, forward + backward + a no-grad forward)."""
     device = pick_device(args.device)
     from fp8.linear import use_torchao
-    from trainer import fp8_model
+    from run_setup import fp8_model
     if device.type != "cuda" or not use_torchao(FP8Config(train=True), device):
         print("warm-fp8: no SM90 GPU, nothing to warm", flush=True)
         return

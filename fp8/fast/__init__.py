@@ -1,6 +1,6 @@
 """Speed-only structure on top of the FP8 recipe (fp8/linear.py): same quantization, fewer passes.
 
-`apply(model, cfg)` is the one entry point: trainer.prepare_trainer calls it on the model
+`apply(model, cfg)` is the one entry point: run_setup.prepare_trainer calls it on the model
 convert_to_fp8_training has converted when a switch asks for it (fp8.fuse_projections,
 fp8.cache_weights); with them off the recipe runs without this package. It gives every FP8 linear
 fast kernels, then adds what the switches ask for:

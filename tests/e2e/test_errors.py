@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-import trainer
+import run_setup
 from config import FP8Config, load_config, to_dict
 from conftest import ROOT, run_train
 from errors import UserError
@@ -179,13 +179,13 @@ def test_run_dirs_are_created_exclusively(tmp_path, monkeypatch):
     from checkpoint import create_run_dir
     from distributed import Dist
 
-    class Frozen(trainer.datetime):
+    class Frozen(run_setup.datetime):
         @classmethod
         def now(cls, tz=None):
             return cls(2026, 1, 2, 3, 4, 5)
-    monkeypatch.setattr(trainer, "datetime", Frozen)
+    monkeypatch.setattr(run_setup, "datetime", Frozen)
     cfg = load_config(ROOT / "configs/tiny_cpu.yaml", [f"train.out_dir={tmp_path}"])
-    dirs = [trainer.make_run_dir(cfg, "configs/tiny_cpu.yaml", Dist()) for _ in range(2)]
+    dirs = [run_setup.make_run_dir(cfg, "configs/tiny_cpu.yaml", Dist()) for _ in range(2)]
     assert dirs == [tmp_path / "tiny_cpu-20260102-030405", tmp_path / "tiny_cpu-20260102-030405-2"]
 
     got = []
@@ -200,5 +200,5 @@ def test_run_dirs_are_created_exclusively(tmp_path, monkeypatch):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     with pytest.raises(UserError, match="train.run_name: .*mine exists .* pick another train.run_name"):
-        trainer.make_run_dir(load_config(None, [f"train.out_dir={tmp_path}", "train.run_name=mine"]), None, Dist())
+        run_setup.make_run_dir(load_config(None, [f"train.out_dir={tmp_path}", "train.run_name=mine"]), None, Dist())
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"

@@ -146,7 +146,7 @@ def test_emulated_forward_backward_bitwise():
 
 
 def convert_fast(model: nn.Module, cfg: FP8Config) -> list[str]:
-    """The trainer's FP8 model (trainer.prepare_trainer): the recipe's linears, then fp8/fast's structure."""
+    """The trainer's FP8 model (run_setup.prepare_trainer): the recipe's linears, then fp8/fast's structure."""
     names = convert_to_fp8_training(model, cfg)
     fast.apply(model, cfg)
     return names

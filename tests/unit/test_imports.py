@@ -103,12 +103,13 @@ def test_no_import_cycle_counting_imports_in_functions():
 
 
 def test_only_the_trainer_setup_imports_fp8_fast():
-    """fp8/fast/ is speed only: of the library (not bench/, scripts/), only the trainer imports it
-    (trainer.fp8_model behind fp8.uses_fast, which analysis.convert_fp8 and the benchmarks call too,
-    and the weight-cache hooks), at any level."""
+    """fp8/fast/ is speed only: of the library (not bench/, scripts/), only the trainer imports it, at
+    any level: its setup (run_setup.fp8_model behind fp8.uses_fast, which analysis.convert_fp8 and the
+    benchmarks call too, and the weight-cache hooks) and its phases (the caches' release around the
+    rollout, the fused gradient buffers)."""
     graph = import_graph(in_functions=True)
     users = {m for m, deps in graph.items() if any(d.startswith("fp8.fast") for d in deps)}
-    assert {m for m in users if not m.startswith(("fp8.fast", "bench.", "scripts."))} == {"trainer"}
+    assert {m for m in users if not m.startswith(("fp8.fast", "bench.", "scripts."))} == {"run_setup", "trainer"}
 
 
 def test_find_cycle_finds_one():

@@ -95,7 +95,7 @@ def test_the_trainer_pins_sdpas_cudnn_switch_before_its_first_forward(cudnn):
     import argparse
     from pathlib import Path
 
-    import trainer
+    import run_setup
     from config import load_config
 
     cfg = load_config(str(Path(__file__).resolve().parents[2] / "configs/tiny_cpu.yaml"),
@@ -103,7 +103,7 @@ def test_the_trainer_pins_sdpas_cudnn_switch_before_its_first_forward(cudnn):
     before, tag = torch.backends.cuda.cudnn_sdp_enabled(), torch.compiler.config.cache_key_tag
     torch.backends.cuda.enable_cudnn_sdp(not cudnn)
     try:
-        trainer.prepare_trainer(tiny("llama"), None, cfg, distributed.Dist(0, 1, torch.device("cpu"), 1), False,
+        run_setup.prepare_trainer(tiny("llama"), None, cfg, distributed.Dist(0, 1, torch.device("cpu"), 1), False,
                                 argparse.Namespace(print=lambda *a: None))
         assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn
         # torch.compile's caches key on the switch: no graph traced with the other kernel is reused
