@@ -25,7 +25,7 @@ TINY = ["--cpu", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model", "ti
     ("fp8kv_triton_norecal", True, "triton", False)])
 def test_command_sets_the_variant_on_gsm8k(tmp_path, variant, kv, attention, recalibrate):
     a = kv_mismatch.build_parser().parse_args(["--model", str(tmp_path), "--prompts", "4", "--n", "2"])
-    data = kv_mismatch.synthetic_gsm8k(tmp_path / "data")
+    data = common.synthetic_gsm8k(tmp_path / "data")
     cmd = kv_mismatch.command(variant, Path(a.config), kv_mismatch.short_run(a, data), tmp_path / "runs", ["optim.lr=1e-6"])
     assert cmd[1:4] == [str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs/gsm8k.yaml")]
     cfg = load_config(cmd[3], cmd[4:])
