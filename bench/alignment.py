@@ -1,7 +1,7 @@
 """Engine/trainer alignment: how far apart are vLLM's logprobs and the trainer's, per FP8 mode?
 
-    python bench/alignment.py            # all engine modes, each in its own process (vLLM: one engine each)
-    python bench/alignment.py --moe      # Qwen3-30B-A3B width, 4 layers: + routing mismatch, replay off/on
+    python -m bench.alignment            # all engine modes, each in its own process (vLLM: one engine each)
+    python -m bench.alignment --moe      # Qwen3-30B-A3B width, 4 layers: + routing mismatch, replay off/on
 
 For each engine mode (bf16; fp8 = block W8A8 linears; fp8kv = + FP8 KV cache and attention
 with q/k/v scales 1.0; fp8kv_calibrated = scales from fp8/calibrate.py), a randomly initialised
@@ -26,9 +26,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.rollout import tiny_flow  # noqa: E402
-from bench.runner import RESULTS, Job, emit, markdown_table, read_records, run_jobs, say, write_results  # noqa: E402
+from bench.rollout import tiny_flow
+from bench.runner import RESULTS, Job, emit, markdown_table, read_records, run_jobs, say, write_results
 
 MODES = {"bf16": [], "fp8": ["fp8.rollout=true"], "fp8kv": ["fp8.rollout=true", "fp8.kv_cache=true"],
          "fp8kv_calibrated": ["fp8.rollout=true", "fp8.kv_cache=true"]}
@@ -116,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def child_argv(args, mode: str, records: Path) -> list[str]:
     """The child process of one engine mode, with the parent's sizes and shape."""
-    return [sys.executable, __file__, "--mode", mode, "--records", str(records), "--prompts", str(args.prompts),
-            "--n", str(args.n), "--new-tokens", str(args.new_tokens), *(["--moe"] if args.moe else []),
-            *(["--layers", str(args.layers)] if args.layers else [])]
+    return [sys.executable, "-m", "bench.alignment", "--mode", mode, "--records", str(records),
+            "--prompts", str(args.prompts), "--n", str(args.n), "--new-tokens", str(args.new_tokens),
+            *(["--moe"] if args.moe else []), *(["--layers", str(args.layers)] if args.layers else [])]
 
 
 def main(argv=None):

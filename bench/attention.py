@@ -1,7 +1,7 @@
 """The trainer's attention (PyTorch SDPA, causal, GQA) at a shipped 8B step's micro-batch shapes: FlashAttention-2
 against cuDNN (`model.cudnn_sdpa`), per call and per new shape, Hopper.
 
-    python bench/attention.py [--prompts 16] [--multiple 32|8] [--steps 3] [--out DIR]   # -> OUT/attention.json
+    python -m bench.attention [--prompts 16] [--multiple 32|8] [--steps 3] [--out DIR]   # -> OUT/attention.json
 
 The 8B configs train on micro-batches of 4 rows, each as long as its longest row rounded up to a multiple: 32
 tokens with FP8 linears, 8 in BF16 (trainer.length_multiples, batch.by_length). A step's lengths are drawn as
@@ -17,7 +17,6 @@ lengths cost on top, once per length in a process (the layers share the plan).
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -25,9 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.rollout import SHIPPED_LENGTHS  # noqa: E402
-from bench.runner import RESULTS, cuda_time_ms, fail, markdown_table, write_results  # noqa: E402
+from bench.rollout import SHIPPED_LENGTHS
+from bench.runner import RESULTS, cuda_time_ms, fail, markdown_table, write_results
 
 KERNELS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 

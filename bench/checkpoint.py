@@ -1,9 +1,9 @@
 """Checkpoint save and load at Llama-3.1-8B shape: the single-file full gather + torch.save against
 sharded DCP (checkpoint.py). Time, peak host RSS and checkpoint size -> OUT/checkpoint.json.
 
-    python bench/checkpoint.py --out $OUT                       # GPU: as many layers as fit (<= 8)
-    python bench/checkpoint.py --layers 4 --out $OUT            # fewer layers (disk, time)
-    python bench/checkpoint.py --tiny --out /tmp/ckpt_bench     # CPU smoke run (tests/e2e/test_bench.py)
+    python -m bench.checkpoint --out $OUT                       # GPU: as many layers as fit (<= 8)
+    python -m bench.checkpoint --layers 4 --out $OUT            # fewer layers (disk, time)
+    python -m bench.checkpoint --tiny --out /tmp/ckpt_bench     # CPU smoke run (tests/e2e/test_bench.py)
 
 What is measured: a random-init LlamaForCausalLM at Llama-3.1-8B's shape with --layers decoder
 layers instead of 32, fp32 master weights, FSDP2 over a 1-rank process group (DTensor parameters,
@@ -42,9 +42,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.runner import RESULTS, Job, emit, read_records, run_jobs, write_results  # noqa: E402
+from bench.runner import RESULTS, Job, emit, read_records, run_jobs, write_results
 
 L8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
            vocab_size=128256)
@@ -219,8 +217,9 @@ def main(argv=None):
     logs = ckpt_dir / "logs"  # (printed when an op fails; removed with the checkpoints)
 
     def job(op):
-        argv = [sys.executable, __file__, "--worker", op, "--layers", str(layers), "--ckpt-dir", str(ckpt_dir),
-                "--device", args.device, "--records", str(logs / f"{op}.jsonl")] + (["--tiny"] if args.tiny else [])
+        argv = [sys.executable, "-m", "bench.checkpoint", "--worker", op, "--layers", str(layers),
+                "--ckpt-dir", str(ckpt_dir), "--device", args.device, "--records", str(logs / f"{op}.jsonl"),
+                *(["--tiny"] if args.tiny else [])]
         return Job(op, argv, logs / f"{op}.log", logs / f"{op}.jsonl")
 
     def on_done(job):

@@ -1,7 +1,7 @@
 """FP8-KV paged decode attention vs BF16 FA3, kernel level, with scales as device tensors (Hopper).
 
-    python bench/decode_attention.py --out /tmp/dec          # -> /tmp/dec/decode_attention.json, a table
-    python bench/decode_attention.py --block-sizes 16,64 --variants fa3_bf16,xqa_fp8
+    python -m bench.decode_attention --out /tmp/dec          # -> /tmp/dec/decode_attention.json, a table
+    python -m bench.decode_attention --block-sizes 16,64 --variants fa3_bf16,xqa_fp8
 
 The question: does an FP8-KV decode kernel run >= 1.4x faster than BF16 FA3 at batch 128, context
 4096, the Qwen3-8B / Llama-3.1-8B attention shape (32 q heads, 8 kv heads, head_dim 128, one new token
@@ -54,9 +54,8 @@ from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench import runner  # noqa: E402
-from bench.runner import (add_ratio, cuda_time_ms, markdown_table, parse_choices, run_inline,  # noqa: E402
+from bench import runner
+from bench.runner import (add_ratio, cuda_time_ms, markdown_table, parse_choices, run_inline,
                           write_results)
 
 VARIANTS = ["fa3_bf16", "fa3_fp8", "fa3_fp8_splits1", "triton_fp8", "xqa_fp8", "xqa_fp8_const", "xqa_fp8_nopdl",

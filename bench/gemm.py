@@ -1,6 +1,6 @@
 """The trainer's three block-FP8 GEMMs on cuBLAS (torchao's) vs DeepGEMM (vLLM's vendored copy), Hopper.
 
-    python bench/gemm.py [--tokens 8192,16384] [--model llama|qwen3] [--out DIR]   # -> OUT/gemm.json, a table
+    python -m bench.gemm [--tokens 8192,16384] [--model llama|qwen3] [--out DIR]   # -> OUT/gemm.json, a table
 
 Every FP8 linear of the trainer runs three GEMMs per micro-batch, on torchao's cuBLAS block-scaled GEMM
 (fp8/torchao.py). torchao 0.18 offers DeepGEMM only for its MoE grouped GEMM (fp8.deep_gemm); this times
@@ -23,8 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
+from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results
 
 # (N, K) of each fused projection: q/k/v as one GEMM, gate/up as one (fp8.fuse_projections)
 SHAPES = {

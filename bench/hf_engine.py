@@ -1,8 +1,8 @@
 """Sampling speed of the HF engine (engines/hf.py) on CPU, on a real model.
 
-    python bench/hf_engine.py                                   # SmolLM2-135M-Instruct, 8 x 96 tokens
-    python bench/hf_engine.py --set rollout.hf_cpu_threads=2    # torch's 2 threads on a 2-core host
-    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/hf_engine.py   # as an AVX2 host
+    python -m bench.hf_engine                                   # SmolLM2-135M-Instruct, 8 x 96 tokens
+    python -m bench.hf_engine --set rollout.hf_cpu_threads=2    # torch's 2 threads on a 2-core host
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python -m bench.hf_engine   # as an AVX2 host
 
 The model: --model DIR, default the dir scripts/real_model.py prints (converted once). One chat
 prompt (a GSM8K problem with configs/gsm8k.yaml's instruction), n samples of at most
@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 QUESTION = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
             "How many clips did Natalia sell altogether in April and May?")
@@ -34,7 +33,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.dtype=bfloat16")
     args = ap.parse_args()
-    model_dir = args.model or subprocess.run([sys.executable, str(ROOT / "scripts/real_model.py")], check=True,
+    model_dir = args.model or subprocess.run([sys.executable, "-m", "scripts.real_model"], cwd=ROOT, check=True,
                                              capture_output=True, text=True).stdout.strip()
     import torch
 

@@ -1,6 +1,6 @@
 """One host thread's speed at the kind of work vLLM's in-process engine loop does, as one JSON line.
 
-    python bench/host_speed.py          # on the GPU host and on a reference machine; compare the ms
+    python -m bench.host_speed          # on the GPU host and on a reference machine; compare the ms
 
 At the configs' rollout the engine's host loop, not the GPU, sets the pace (docs/results.md, "The rollout at
 the shipped workload"), so the rollout's wall time moves with the host CPU's single-thread speed. This

@@ -1,6 +1,6 @@
 """fp8/fast/kernels.py quant_dual: launch configurations vs bandwidth at the trainer's shapes (Hopper).
 
-    python bench/quant.py            # sweep -> OUT/quant.json (its "best": 'split,warps[,stages,per_sm]'), a table
+    python -m bench.quant            # sweep -> OUT/quant.json (its "best": 'split,warps[,stages,per_sm]'), a table
     export FP8_GRPO_QUANT_DUAL=$(python -c "import json; print(json.load(open('bench/results/quant.json'))['best'])")
 
 One Llama-3.1-8B decoder layer quantizes 8 activations per training micro-batch of M tokens with
@@ -21,8 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
+from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results
 
 LAYER_K = [4096, 4096, 4096, 14336, 6144, 4096, 28672, 4096]  # x: qkv, o, gate/up, down; grads: qkv, o, gate/up, down
 # (row splits, num_warps): one program per tile; + (stages, programs per SM): a persistent, pipelined grid

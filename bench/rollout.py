@@ -1,15 +1,15 @@
 """Rollout throughput of engines.vllm.VLLMEngine at 8B shapes (random weights): BF16 vs FP8 vs FP8 + FP8 KV.
 
-    python bench/rollout.py                          # Llama-3.1-8B shape, bf16/fp8kv/fp8, 2 workloads
-    python bench/rollout.py --models qwen3           # Qwen3-8B shape
-    python bench/rollout.py --models qwen3-30b-a3b   # Qwen3-30B-A3B (MoE) cut to 12 of its 48 layers
-    python bench/rollout.py --workloads '512x256->1024,64x1024->8192' --modes bf16,fp8kv
-    python bench/rollout.py --capacity-only          # Qwen3-8B KV-cache capacity per mode vs NeMo RL's
-    python bench/rollout.py --decode-steps 64 --workloads 128x4096:64   # decode step ms by kernel kind
-    python bench/rollout.py --decode-steps 64 --workloads 128x4096:64 --modes fp8kv --set fp8.kv_attention=xqa --no-pdl
-    python bench/rollout.py --modes fp8kv --set rollout.block_size=128  # a config override, every mode
-    python bench/rollout.py --modes fp8 --vllm 'compilation_config={"custom_ops": ["-quant_fp8"]}'  # a vllm.LLM keyword
-    python bench/rollout.py --merge a/rollout.json b/rollout.json --out bench/results   # combine calls
+    python -m bench.rollout                          # Llama-3.1-8B shape, bf16/fp8kv/fp8, 2 workloads
+    python -m bench.rollout --models qwen3           # Qwen3-8B shape
+    python -m bench.rollout --models qwen3-30b-a3b   # Qwen3-30B-A3B (MoE) cut to 12 of its 48 layers
+    python -m bench.rollout --workloads '512x256->1024,64x1024->8192' --modes bf16,fp8kv
+    python -m bench.rollout --capacity-only          # Qwen3-8B KV-cache capacity per mode vs NeMo RL's
+    python -m bench.rollout --decode-steps 64 --workloads 128x4096:64   # decode step ms by kernel kind
+    python -m bench.rollout --decode-steps 64 --workloads 128x4096:64 --modes fp8kv --set fp8.kv_attention=xqa --no-pdl
+    python -m bench.rollout --modes fp8kv --set rollout.block_size=128  # a config override, every mode
+    python -m bench.rollout --modes fp8 --vllm 'compilation_config={"custom_ops": ["-quant_fp8"]}'  # a vllm.LLM keyword
+    python -m bench.rollout --merge a/rollout.json b/rollout.json --out bench/results   # combine calls
 
 What runs: the trainer's engine (engines.vllm.VLLMEngine: in-process vLLM 0.26, dummy load, CUDA
 graphs, then `update_weights(export_weights(...))`) on a dir of config.json + the repo's char
@@ -53,12 +53,11 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-from bench.runner import (RESULTS, Job, add_ratio, cuda_busy_ms, cuda_kernels, emit, kernel_category,  # noqa: E402
+from bench.runner import (RESULTS, Job, add_ratio, cuda_busy_ms, cuda_kernels, emit, kernel_category,
                           markdown_table, merge_files, parse_choices, read_records, read_results, run_jobs, say,
                           update_results, visible_gpus)
 
+REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
 MODES = {  # bench mode -> config overrides (fp8.rollout, fp8.kv_cache)
     "bf16": ["fp8.rollout=false", "fp8.kv_cache=false"],
@@ -791,7 +790,7 @@ def report(runs: list[dict], capacity: bool) -> str:
 
 
 def worker_argv(args, model: str, mode: str, result_file: Path, deadline: float | None) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--models", model, "--modes", mode,
+    argv = [sys.executable, "-m", "bench.rollout", "--worker", "--models", model, "--modes", mode,
             "--workloads", ",".join(w.name for w in args.workloads), "--refits", str(args.refits),
             "--gpu-mem", str(args.gpu_mem), "--seed", str(args.seed), "--result-file", str(result_file)]
     if args.capacity_only:

@@ -13,7 +13,7 @@ Results file: OUT/<name>.json (default OUT = bench/results), written atomically:
       "device":   "NVIDIA H100 80GB HBM3",  # the hardware: GPU 0's name, the children's for a parent
                                             # process (it never touches CUDA), or "cpu"
       "date":     "2026-11-24",             # of the write
-      "command":  "python bench/step.py --modes bf16,fp8kv",
+      "command":  "python -m bench.step --modes bf16,fp8kv",
       "versions": {"python": "3.12.3", "torch": "2.11.0", "torchao": "0.18.0", "triton": "3.6.0",
                    "transformers": "5.17.0", "vllm": "0.26.0"},   # null: not installed
       "runs": [                              # one row per (workload, mode)
@@ -324,6 +324,12 @@ def run_jobs(jobs: list[Job], on_done, *, gpus=(None,), deadline: float | None =
 # ----------------------------------------------------------------------------------- results files
 
 
+def command_line() -> str:
+    """This process's command as typed: `python -m bench.step --modes bf16` (a module run by its name)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    return " ".join(["python", *(["-m", spec.name] if spec else sys.argv[:1]), *sys.argv[1:]])
+
+
 def _version(package: str) -> str | None:
     try:
         return metadata.version(package)
@@ -337,7 +343,7 @@ def write_results(name: str, runs: list[dict], out_dir: Path = RESULTS, device: 
     process's GPU 0, or "cpu"); a parent whose children measured passes theirs instead of touching CUDA."""
     if device is None:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    doc = {"device": device, "date": date.today().isoformat(), "command": " ".join(["python"] + sys.argv),
+    doc = {"device": device, "date": date.today().isoformat(), "command": command_line(),
            "versions": {"python": sys.version.split()[0], **{p: _version(p) for p in VERSIONED}},
            "runs": runs, **extra}
     return write_json(Path(out_dir) / f"{name}.json", doc)

@@ -1,12 +1,12 @@
 """One end-to-end GRPO step at 8B shape: bf16 vs fp8 vs fp8kv, with the time breakdown.
 
-    python bench/step.py                                    # bench/step_8b.yaml, all four modes
-    python bench/step.py --modes bf16,fp8kv rollout.max_new_tokens=1024 --out /tmp/out
-    python bench/step.py --merge gpu0/step.json gpu1/step.json     # modes run on two GPUs of one host
-    python bench/step.py --config bench/step_8b_long.yaml --steps 2 --modes bf16,fp8kv   # 128 x 4096 tokens
-    python bench/step.py --config bench/step_8b_long_h100.yaml --steps 2 --modes bf16    # same, 80 GB regime
-    python bench/step.py --modes bf16,fp8kv_lp train.compile=inductor   # trainer layers torch.compile'd
-    python bench/step.py --modes fp8kv_lp log.profile_step=1 log.profile_rollout=false   # + OUT/profile_<mode>_*.txt
+    python -m bench.step                                    # bench/step_8b.yaml, all four modes
+    python -m bench.step --modes bf16,fp8kv rollout.max_new_tokens=1024 --out /tmp/out
+    python -m bench.step --merge gpu0/step.json gpu1/step.json     # modes run on two GPUs of one host
+    python -m bench.step --config bench/step_8b_long.yaml --steps 2 --modes bf16,fp8kv   # 128 x 4096 tokens
+    python -m bench.step --config bench/step_8b_long_h100.yaml --steps 2 --modes bf16    # same, 80 GB regime
+    python -m bench.step --modes bf16,fp8kv_lp train.compile=inductor   # trainer layers torch.compile'd
+    python -m bench.step --modes fp8kv_lp log.profile_step=1 log.profile_rollout=false   # + OUT/profile_<mode>_*.txt
 
 Each mode is train_grpo.py itself (nothing here can drift from the recipe) with the mode's config
 overrides, one child process per mode through bench/runner.py (vLLM: one engine per process), on
@@ -29,9 +29,9 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.runner import RESULTS, Job, add_ratio, markdown_table, merge_files, run_jobs, write_results
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.runner import RESULTS, Job, add_ratio, markdown_table, merge_files, run_jobs, write_results  # noqa: E402
 
 MODES = {
     "bf16": ["fp8.train=false", "fp8.rollout=false", "fp8.kv_cache=false"],

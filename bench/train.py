@@ -1,9 +1,9 @@
 """Trainer throughput: BF16 vs torchao block-wise FP8 (Hopper).
 
-    python bench/train.py linear            # isolated linears at Llama-3.1-8B shapes
-    python bench/train.py stack             # a stack of Llama-3.1-8B decoder layers, fwd + bwd + AdamW
-    python bench/train.py all               # stack, then linear (autotuning is shared: ~ the cost of one)
-    python bench/train.py stack --layers 8 --tokens 16384 --seq-len 4096 --modes bf16,fp8
+    python -m bench.train linear            # isolated linears at Llama-3.1-8B shapes
+    python -m bench.train stack             # a stack of Llama-3.1-8B decoder layers, fwd + bwd + AdamW
+    python -m bench.train all               # stack, then linear (autotuning is shared: ~ the cost of one)
+    python -m bench.train stack --layers 8 --tokens 16384 --seq-len 4096 --modes bf16,fp8
 
 `linear`: forward + backward of one bias-free linear (M tokens x K -> N) at the four Llama-3.1-8B
 projection shapes and 8192 / 16384 tokens; fp8 = torchao Float8BlockwiseLinear (1x128 activation
@@ -47,8 +47,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fp8.torchao import keep_triton_autotuning  # noqa: E402
+from fp8.torchao import keep_triton_autotuning
 
 keep_triton_autotuning()  # before torchao's @triton.autotune kernels are defined
 from bench.runner import (RESULTS, add_ratio, cuda_kernels, cuda_time_ms, kernel_category,  # noqa: E402

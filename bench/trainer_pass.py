@@ -1,8 +1,8 @@
 """The trainer's two passes of one GRPO micro-batch, as the trainer runs them, BF16 vs FP8.
 
-    python bench/trainer_pass.py                                   # bench/step_8b_long_h100.yaml's shape
-    python bench/trainer_pass.py --config bench/step_8b.yaml --rows 8 --prompt 32 --response 512
-    python bench/trainer_pass.py --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3 --prompt 128 --response 1664 \
+    python -m bench.trainer_pass                                   # bench/step_8b_long_h100.yaml's shape
+    python -m bench.trainer_pass --config bench/step_8b.yaml --rows 8 --prompt 32 --response 512
+    python -m bench.trainer_pass --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3 --prompt 128 --response 1664 \
         --compile --profile --modes bf16,fp8_cached        # a shipped config's micro-batch at full shape
 
 The model, dtype and micro-batch size come from --config (the bench/step.py workload; --set overrides
@@ -37,7 +37,7 @@ it as the trainer does (trainer.prepare_trainer: FP8 conversion, compile, fully_
 fp8.cache_weights, i.e. the weights all-gathered in FP8 from shards quantized once, fp8/fast/gather.py),
 and only the padded variants run: every rank the same micro-batch, the times rank 0's, the all-gathers
 and gradient reduce-scatters of each pass inside them, e.g.
-    torchrun --nproc_per_node 2 bench/trainer_pass.py --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3 \
+    torchrun --nproc_per_node 2 -m bench.trainer_pass --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3 \
         --prompt 128 --response 1664 --rows 2 --compile --modes bf16,fp8,fp8_cached
 Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
 per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them; with --profile,
@@ -49,14 +49,12 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.rollout import ALIASES, MODELS, tiny_flow  # noqa: E402
-from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write_results  # noqa: E402
+from bench.rollout import ALIASES, MODELS, tiny_flow
+from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write_results
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
 MODES = ("bf16", "fp8", "fp8_cached", "fp8_acc")  # in this order on one model: fp8 converts it, then caches, accumulators

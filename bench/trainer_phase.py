@@ -1,8 +1,8 @@
 """The trainer's logprobs and train phases of a GRPO step, as train_grpo.py runs them, on a synthetic batch at
 a shipped config's workload: what those two phases cost apart from the rollout, on one GPU or under FSDP2.
 
-    python bench/trainer_phase.py --config configs/qwen3_8b_bf16.yaml --shape qwen3 --prompts 16
-    torchrun --nproc_per_node 2 bench/trainer_phase.py --config configs/qwen3_8b_bf16.yaml --shape qwen3 \
+    python -m bench.trainer_phase --config configs/qwen3_8b_bf16.yaml --shape qwen3 --prompts 16
+    torchrun --nproc_per_node 2 -m bench.trainer_phase --config configs/qwen3_8b_bf16.yaml --shape qwen3 \
         --prompts 8 --set rollout.gpu_memory_utilization=0.4 train.micro_batch_size=4 train.fused_head=true
     ... --engine     # the config's vLLM engine built first and left asleep in the process, as train_grpo.py has it
 
@@ -30,18 +30,15 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
+import torch
+
+from bench.rollout import ALIASES, MODELS, SHIPPED_LENGTHS, optimizer_steps, tiny_flow
+from bench.runner import RESULTS, fail, write_results
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-
-from bench.rollout import ALIASES, MODELS, SHIPPED_LENGTHS, optimizer_steps, tiny_flow  # noqa: E402
-from bench.runner import RESULTS, fail, write_results  # noqa: E402
-
 MEDIAN, SIGMA = SHIPPED_LENGTHS
 
 

@@ -1,6 +1,6 @@
 """The FP8 weight-gradient GEMM: which operand order cuBLAS runs fastest (Hopper).
 
-    python bench/wgrad.py [--tokens 16384] [--out DIR]    # -> OUT/wgrad.json, a table
+    python -m bench.wgrad [--tokens 16384] [--out DIR]    # -> OUT/wgrad.json, a table
 
 grad_W [N, K] = g^T x contracts over the M tokens; both operands carry 1x128 scales along M (x's
 and grad_out's 128x1 groups), so cuBLAS runs its Avec128 x Bvec128 kernel, which in the decoder
@@ -20,8 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results  # noqa: E402
+from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
 

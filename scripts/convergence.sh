@@ -37,6 +37,7 @@ set -m   # each background job in its own process group: signals reach the whole
 START=$(date +%s)
 OUT=${OUT:-/tmp/conv_out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"  # python -m scripts.sft, from whatever directory
 export PYTHONUNBUFFERED=1 PY=${PY:-python3} TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
@@ -78,9 +79,9 @@ rm -rf "$WORK/runs" "$WORK/sft_model"; mkdir -p "$WORK/runs"
 rm -f "$OUT"/conv_*_metrics.jsonl  # a previous study's runs would be plotted with this one's
 
 # ---- 1. SFT, with the FP8 kernel warm-up next to it
-$PY "$ROOT/scripts/sft.py" --out "$WORK/sft_model" --minutes "$SFT_MIN" $SFT_ARGS > "$OUT/conv_sft.log" 2>&1 &
+$PY -m scripts.sft --out "$WORK/sft_model" --minutes "$SFT_MIN" $SFT_ARGS > "$OUT/conv_sft.log" 2>&1 &
 SFT_PID=$!
-$PY "$ROOT/scripts/sft.py" --warm-fp8 $SFT_ARGS > "$OUT/conv_warm_fp8.log" 2>&1 &
+$PY -m scripts.sft --warm-fp8 $SFT_ARGS > "$OUT/conv_warm_fp8.log" 2>&1 &
 WARM_PID=$!
 while kill -0 "$SFT_PID" 2>/dev/null && [ "$(left)" -gt 0 ]; do sleep 2; done
 if kill -0 "$SFT_PID" 2>/dev/null; then log "SFT still running at the deadline: stopping it"; stop_jobs "$SFT_PID"; fi
@@ -166,7 +167,7 @@ for name in "${!PIDS[@]}"; do
   [ -n "$last" ] && cp "$WORK/runs/$name/episodes/$last" "$OUT/conv_${name}_episodes_${last}"
 done
 if ls "$OUT"/conv_*_metrics.jsonl >/dev/null 2>&1; then
-  $PY "$ROOT/scripts/plot_runs.py" "$OUT"/conv_*_metrics.jsonl --out "$OUT" --prefix convergence 2>&1 | tee -a "$OUT/conv_driver.log"
+  $PY -m scripts.plot_runs "$OUT"/conv_*_metrics.jsonl --out "$OUT" --prefix convergence 2>&1 | tee -a "$OUT/conv_driver.log"
 else
   log "no metrics to plot"; exit 1
 fi

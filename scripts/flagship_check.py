@@ -1,10 +1,10 @@
 """The shipped 8B configs at full 8B shape on one GPU, as a user runs them, a few short steps each.
 
-    python scripts/flagship_check.py --out /tmp/out                       # all five 8B configs
-    python scripts/flagship_check.py --configs llama31_8b_fp8 --steps 3   # one of them
-    python scripts/flagship_check.py --configs gsm8k --data /tmp/gsm8k    # a data config on local JSONL
-    python scripts/flagship_check.py --configs moe --time-limit 570       # the three Qwen3-30B-A3B configs
-    python scripts/flagship_check.py --configs qwen3_30b_a3b_fp8 --router-replay on,off   # replay on and off
+    python -m scripts.flagship_check --out /tmp/out                       # all five 8B configs
+    python -m scripts.flagship_check --configs llama31_8b_fp8 --steps 3   # one of them
+    python -m scripts.flagship_check --configs gsm8k --data /tmp/gsm8k    # a data config on local JSONL
+    python -m scripts.flagship_check --configs moe --time-limit 570       # the three Qwen3-30B-A3B configs
+    python -m scripts.flagship_check --configs qwen3_30b_a3b_fp8 --router-replay on,off   # replay on and off
 
 Each config runs the real trainer (train_grpo.py) in its own process with only what a machine without
 hub access needs swapped: random-init weights at the exact Llama-3.1-8B / Qwen3-8B shapes (all layers,
@@ -76,32 +76,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from bench.rollout import MOE_LAYERS, SHIPPED_LENGTHS, optimizer_steps, tiny_flow  # noqa: E402
-from bench.runner import visible_gpus  # noqa: E402
-from learn_gate import _stop  # noqa: E402
-from plot_runs import load_rows  # noqa: E402
+from bench.rollout import MOE_LAYERS, SHIPPED_LENGTHS, optimizer_steps
+from bench.runner import visible_gpus
+from scripts.common import (ROOT, SHORT_RUN, family, full_shape, gpu_name, real_data, run_logged,
+                            run_timeout)
 
 CONFIGS = ["llama31_8b_bf16", "llama31_8b_fp8", "qwen3_8b_bf16", "qwen3_8b_fp8", "qwen3_8b_fp8_kv"]
 MOE_CONFIGS = ["qwen3_30b_a3b_bf16", "qwen3_30b_a3b_fp8", "qwen3_30b_a3b_fp8_kv"]
 CONFIG_SETS = {"8b": CONFIGS, "moe": MOE_CONFIGS}  # --configs moe: all three
-SHAPES = {  # the real models' dims (config.json of the hub checkpoints)
-    "llama": "{arch: llama, hidden_size: 4096, intermediate_size: 14336, num_layers: 32, num_heads: 32, "
-             "num_kv_heads: 8, head_dim: 128, vocab_size: 128256, max_position_embeddings: 8192}",
-    "qwen3": "{arch: qwen3, hidden_size: 4096, intermediate_size: 12288, num_layers: 36, num_heads: 32, "
-             "num_kv_heads: 8, head_dim: 128, vocab_size: 151936, max_position_embeddings: 8192}",
-    "qwen3_moe": tiny_flow("qwen3-30b-a3b"),  # the layer count from --moe-layers (model.tiny.num_layers)
-}
 SHIPPED_PAIRS = {"llama31_8b_fp8": "llama31_8b_bf16", "qwen3_8b_fp8_kv": "qwen3_8b_bf16", "qwen3_8b_fp8": "qwen3_8b_bf16"}
 LENGTHS = SHIPPED_LENGTHS  # --shipped: the response lengths' log-normal (median tokens, sigma)
-MIN_RUN_S = 120  # --time-limit: no run starts with less left
-SHORT_RUN = ["model.name_or_path=tiny", "data.source=synthetic", "data.template=plain", "data.instruction=",
-             "data.max_prompt_tokens=128", "rollout.prompts_per_step=8", "rollout.n=8",
-             "rollout.max_new_tokens=1024", "rollout.ignore_eos=true", "train.mini_batch_size=32",
-             "train.val_every=0", "train.ckpt_every=0", "train.save_final=false", "train.probe=true",
-             "log.tensorboard=false", "log.dump_episodes_every=0"]
 PHASES = ("rollout", "wake", "sleep", "assemble", "logprobs", "train", "recalibrate", "refit", "other")  # wake, sleep: within rollout
 
 
@@ -130,17 +114,6 @@ def workload(config: str, prompts: int, result: dict) -> str:
     return (f"{prompts} prompts x {r.n} samples, lengths log-normal (median {LENGTHS[0]}, sigma {LENGTHS[1]}) cut at "
             f"{r.max_new_tokens} ({cut:.1%} of the draw): mean {result.get('response_mean')} tokens; "
             f"random-init weights at full shape, synthetic prompts")
-
-
-def gpu_name() -> str:
-    """'H200' / 'H100' (nvidia-smi's first GPU without 'NVIDIA' and the memory suffix), '' without one."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True).stdout.splitlines()
-    except FileNotFoundError:
-        return ""
-    words = out[0].replace("NVIDIA", "").split() if out else []
-    return words[0] if words else ""
 
 
 def shipped_rows(results: list[dict], pairs: dict[str, str] = SHIPPED_PAIRS) -> list[dict]:
@@ -182,47 +155,6 @@ def smi_peak_watcher(path: Path, gpu: str | None = None) -> subprocess.Popen | N
     except FileNotFoundError:
         path.write_text("")
         return None
-
-
-def real_data(d: Path) -> list[str]:
-    """Overrides that swap SHORT_RUN's synthetic prompts for local real-format files (the config's
-    instruction stays)."""
-    for f in ("train.jsonl", "test.jsonl"):
-        if not (d / f).is_file():
-            print(f"error: --data {d}: no {f} there (the dataset's rows as JSON lines); pass a directory "
-                  "holding train.jsonl and test.jsonl", file=sys.stderr)
-            sys.exit(2)
-    return ["data.source=jsonl", f"data.path={d / 'train.jsonl'}", f"data.val_split={d / 'test.jsonl'}",
-            "data.max_prompt_tokens=512", "train.val_max_prompts=8",
-            "model.tiny.vocab=" + "".join(map(chr, range(32, 127))) + "\n"]
-
-
-def run_logged(cmd: list[str], run_dir: Path, log: Path, timeout: float, env: dict | None = None
-               ) -> tuple[list[dict], int]:
-    """One train_grpo.py run: its run dir emptied first, stdout + stderr to `log`, its process group
-    (the trainer and its engine's processes) stopped after `timeout` s (rc 124). -> (the metrics.jsonl
-    rows it logged, rc)."""
-    subprocess.run(["rm", "-rf", str(run_dir)])
-    with open(log, "w") as f:
-        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _stop([p])
-            rc = 124
-    return (load_rows(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []), rc
-
-
-def run_timeout(name: str, timeout: float, time_limit: float, t_start: float) -> float | None:
-    """A run's timeout under --time-limit S counted from t_start (0: none): at most what is left, or None
-    (said on stdout) when less than MIN_RUN_S is left and the run should not start."""
-    if not time_limit:
-        return timeout
-    timeout = min(timeout, t_start + time_limit - time.time())
-    if timeout < MIN_RUN_S:
-        print(f"{name}: not started, {timeout:.0f} s left of --time-limit {time_limit:.0f}", flush=True)
-        return None
-    return timeout
 
 
 def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int) -> dict:
@@ -267,11 +199,6 @@ def memory_model(log: Path) -> dict:
                                  "model_step0_rollout_peak_gib": round(float(m[2]) + float(m[3] or 0), 1)}
 
 
-def family(config: str) -> str:
-    """SHAPES key of a shipped config name."""
-    return "qwen3_moe" if config.startswith("qwen3_30b_a3b") else "qwen3" if config.startswith("qwen3") else "llama"
-
-
 def plan(configs: str, router_replay: list[str], async_share: float | None = None) -> list[tuple[str, str, list[str]]]:
     """(run name, config, its extra overrides) per run: the configs of --configs ("moe" / "8b" expand to
     their sets), each MoE config once per --router-replay value ("off": <config>_noreplay); with
@@ -294,14 +221,11 @@ def command(config: str, run_name: str, extra: list[str], short_run: list[str], 
             moe_layers: int, overrides: list[str], ranks: int = 1) -> list[str]:
     """train_grpo.py's command line for one run: the shipped config at its family's shape, SHORT_RUN; on
     `ranks` GPUs through torchrun (FSDP2) when more than one."""
-    shape = [f"model.tiny={SHAPES[family(config)]}"]
-    if family(config) == "qwen3_moe":
-        shape.append(f"model.tiny.num_layers={moe_layers}")
     launch = [sys.executable] if ranks == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
     return [*launch, str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs" / f"{config}.yaml"),
-            *shape, *short_run, f"train.steps={steps}", f"train.out_dir={runs}", f"train.run_name={run_name}",
-            *extra, *overrides]
+            *full_shape(config, moe_layers), *short_run, f"train.steps={steps}", f"train.out_dir={runs}",
+            f"train.run_name={run_name}", *extra, *overrides]
 
 
 def gpu_slots(gpus: list[str | None], ranks: int) -> list[str | None]:

@@ -17,22 +17,22 @@
 #                                      qwen3_30b_a3b_* configs at Qwen3-30B-A3B width cut to 12 of 48 layers, 2 steps
 #                                      each: one config runs with router replay on and off (2 runs), several
 #                                      (default all) with replay on; runs cut at 420 s (a host's first FP8 run
-#                                      autotunes what the seed below lacks), the call at 570 s -> $OUT/moe.{md,json},
+#                                      autotunes what the seed below lacks), the call at STOP_S -> $OUT/moe.{md,json},
 #                                      logs + metrics in $OUT/moe_runs.tgz (e.g. --moe-layers 8, --router-replay on,off)
 #   bash scripts/gpu_check.sh moe_bench [all|align|rollout] [ARGS]  align: bench/alignment.py --moe (4 layers,
 #                                      router replay off/on per engine/trainer pair, ~4 min) -> $OUT/alignment_moe.json;
 #                                      rollout: bench/rollout.py --models qwen3-30b-a3b (12 layers; bf16, fp8kv, fp8,
-#                                      ~2 min each, until 570 s; ARGS go to it) -> $OUT/rollout.json; all (default):
+#                                      ~2 min each, until STOP_S; ARGS go to it) -> $OUT/rollout.json; all (default):
 #                                      both, which leaves the last rollout mode out of one call. Needs vLLM's MoE kernels: the offline
 #                                      bundle built with make_bundle.sh --moe (as moe and tests/gpu/test_moe_gpu.py)
 #   bash scripts/gpu_check.sh kvmismatch [ARGS]  scripts/kv_mismatch.py: trainer/engine mismatch of a real model
-#                                      (--model DIR: SmolLM2 from `scripts/real_model.py --gguf part1 part2 ...`) on
+#                                      (--model DIR: SmolLM2 from `python -m scripts.real_model --gguf part1 ...`) on
 #                                      configs/gsm8k.yaml scaled down, BF16 KV vs FP8 KV (fa3 / triton attention, scales
-#                                      recalibrated or unit); no run starts with < 120 s left of 570 s (--variants and
+#                                      recalibrated or unit); no run starts with < 120 s left of STOP_S (--variants and
 #                                      --merge finish the rest) -> $OUT/kv_mismatch.{md,json} (per-layer q/k/v amax too),
 #                                      logs + metrics in $OUT/kv_mismatch_runs.tgz
 #   bash scripts/gpu_check.sh reallearn [ARGS]  scripts/real_learn.py: SmolLM2 GRPO over seeds, BF16 vs FP8 KV (--model
-#                                      DIR as kvmismatch; --gpus 0,1,2,3 on a 4-GPU host), deadline 540 s
+#                                      DIR as kvmismatch; --gpus 0,1,2,3 on a 4-GPU host), deadline DEADLINE_S
 #                                      -> $OUT/real_learn.{md,json}, metrics + logs in $OUT/real_learn_runs.tgz
 #   bash scripts/gpu_check.sh resume [ARGS]  scripts/resume_check.py: an 8B config saved on --save-ranks GPUs and
 #                                      resumed on --resume-ranks (of the visible ones) -> $OUT/resume_<N>to<M>.json + logs
@@ -46,7 +46,7 @@
 #                                      $OUT/learn_gate.{json,md}, per-run metrics + logs (and all in learn_runs.tgz);
 #                                      --async (2 GPUs): + 4 seeds of the FP8 recipe with rollout.mode=async
 #   bash scripts/gpu_check.sh rollout  [ARGS]  bench/rollout.py: 8B-shape VLLMEngine throughput -> $OUT/rollout.json
-#                                      (default Llama-3.1-8B, bf16/fp8kv/fp8; e.g. --models qwen3; stops at 540 s)
+#                                      (default Llama-3.1-8B, bf16/fp8kv/fp8; e.g. --models qwen3; stops at DEADLINE_S)
 #   bash scripts/gpu_check.sh capacity [ARGS]  bench/rollout.py --capacity-only: Qwen3-8B KV capacity per mode
 #                                      -> $OUT/rollout_capacity.json
 #   bash scripts/gpu_check.sh stack [all|stack|linear] [ARGS]  bench/train.py (default all: decoder-layer stack,
@@ -76,7 +76,7 @@
 #                                      GPU i (or on GPUS); the parts of one job (' ; ' between them) one after another,
 #                                      the k-th with its own $OUT/job<i>/<k>; each job packed into $OUT/job<i>.tgz when
 #                                      it ends (a call cut early keeps the jobs done), all
-#                                      cut at JOBS_LIMIT s (default 560; set it below the call's limit); rc per
+#                                      cut at JOBS_LIMIT s (default WAIT_S; set it below the call's limit); rc per
 #                                      part in $OUT/jobs.txt. ARGS are split on spaces (no quoting)
 #   bash scripts/gpu_check.sh bg NAME PART [ARGS]  PART in the background, detached from the call (it goes on while
 #                                      the host stays warm, i.e. while calls follow each other), files in $BG_DIR/NAME
@@ -85,7 +85,7 @@
 #                                      each on the next free GPU of CUDA_VISIBLE_DEVICES (else all), one part per GPU
 #                                      at a time; part k's files in $BG_DIR/NAME/job<k> (e.g. 5 shipped configs over 2
 #                                      GPUs: start them in one call, collect them in the next ones)
-#   bash scripts/gpu_check.sh collect NAME  wait for the bg job NAME (at most COLLECT_LIMIT s, default 560), pack its
+#   bash scripts/gpu_check.sh collect NAME  wait for the bg job NAME (at most COLLECT_LIMIT s, default WAIT_S), pack its
 #                                      files into $OUT/NAME.tgz; finished: its rc, and its folder removed. A queue:
 #                                      each part that has finished packed into $OUT/NAME_job<k>.tgz as it ends, with
 #                                      its rc; the folder removed once every part is collected
@@ -99,6 +99,11 @@
 # FlashInfer's JIT-built modules likewise from .gpu_cache/flashinfer_aot.tgz when it is there (below).
 # Child logs of the rollout and align parts: $OUT/logs/. $OUT/smi.csv: nvidia-smi's utilization/clock/power log.
 set -uo pipefail
+# Time limits, in seconds from the start of the call. The GPU host gives one command 600 s; each part stops its
+# own work earlier, leaving the time to write and pack its results before the host ends the call:
+STOP_S=570      # --time-limit of moe, kvmismatch and moe_bench's rollout: then their runs' logs to pack
+WAIT_S=560      # jobs and collect stop waiting (JOBS_LIMIT, COLLECT_LIMIT): then whole job folders to pack
+DEADLINE_S=540  # rollout, capacity, reallearn: then the children to stop, results to write, runs to copy
 OUT=${OUT:-/tmp/gpu_out}; mkdir -p "$OUT"; BG_DIR=${BG_DIR:-$HOME/bg}
 export PYTHONUNBUFFERED=1 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.log"
@@ -155,59 +160,59 @@ save_autotuning() {  # on exit, whatever the part did
 trap save_autotuning EXIT
 case "$1" in
   fp8)   $PY -m pytest tests/gpu/test_fp8_gpu.py -v -rs 2>&1 | tee "$OUT/gpu_tests_fp8.log"
-         $PY bench/train.py linear --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
+         $PY -m bench.train linear --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
   vllm)  $PY -m pytest tests/gpu/test_vllm_engine.py -v -rs 2>&1 | tee "$OUT/gpu_tests_vllm.log" ;;
   tests) $PY -m pytest "${2:-tests/gpu}" "${@:3}" -v -rs 2>&1 | tee "$OUT/gpu_tests.log"; exit "${PIPESTATUS[0]}" ;;
-  align) $PY bench/alignment.py --out "$OUT" 2>&1 | tee "$OUT/alignment.log" ;;
+  align) $PY -m bench.alignment --out "$OUT" 2>&1 | tee "$OUT/alignment.log" ;;
   tiny)  rm -rf /tmp/runs/tiny_gpu  # train_grpo.py refuses a run dir that holds a run
          $PY train_grpo.py --config configs/tiny_gpu.yaml train.out_dir=/tmp/runs train.run_name=tiny_gpu \
            "${@:2}" 2>&1 | tee "$OUT/tiny_gpu.log"
          cp /tmp/runs/tiny_gpu/metrics.jsonl "$OUT/tiny_gpu_metrics.jsonl" ;;
-  flagship) $PY scripts/flagship_check.py --out "$OUT/flagship" "${@:2}" 2>&1 | tee "$OUT/flagship.log"
+  flagship) $PY -m scripts.flagship_check --out "$OUT/flagship" "${@:2}" 2>&1 | tee "$OUT/flagship.log"
          rc=${PIPESTATUS[0]}; cp "$OUT"/flagship/flagship.{md,json} "$OUT"/ 2>/dev/null
          tar -czf "$OUT/flagship_runs.tgz" -C "$OUT" flagship --remove-files; exit $rc ;;
-  shipped) $PY scripts/flagship_check.py --shipped --out "$OUT/shipped" --runs "$OUT/shipped/runs" "${@:2}" 2>&1 \
+  shipped) $PY -m scripts.flagship_check --shipped --out "$OUT/shipped" --runs "$OUT/shipped/runs" "${@:2}" 2>&1 \
            | tee "$OUT/shipped.log"
          rc=${PIPESTATUS[0]}; cp "$OUT"/shipped/{flagship.md,flagship.json,shipped_*.json,async_*.json} "$OUT"/ 2>/dev/null
          tar -czf "$OUT/shipped_runs.tgz" -C "$OUT" shipped --remove-files; exit $rc ;;
   moe)   sel=${2:-all}; [ "$sel" = all ] && sel=bf16,fp8,fp8_kv
          replay=on; [[ "$sel" == *,* ]] || replay=on,off  # one config: both rows
-         $PY scripts/flagship_check.py --configs "$(echo "$sel" | sed 's/[^,]*/qwen3_30b_a3b_&/g')" \
-           --router-replay $replay --timeout 420 --time-limit 570 --out "$OUT/moe" --runs "$OUT/moe/runs" "${@:3}" \
+         $PY -m scripts.flagship_check --configs "$(echo "$sel" | sed 's/[^,]*/qwen3_30b_a3b_&/g')" \
+           --router-replay $replay --timeout 420 --time-limit $STOP_S --out "$OUT/moe" --runs "$OUT/moe/runs" "${@:3}" \
            2>&1 | tee "$OUT/moe.log"
          rc=${PIPESTATUS[0]}; cp "$OUT"/moe/flagship.md "$OUT"/moe.md 2>/dev/null
          cp "$OUT"/moe/flagship.json "$OUT"/moe.json 2>/dev/null
          tar -czf "$OUT/moe_runs.tgz" -C "$OUT" moe --remove-files; exit $rc ;;
   moe_bench) part=all; case "${2:-}" in all|align|rollout) part=$2; set -- "$1" "${@:3}" ;; esac
-         [ "$part" = rollout ] || $PY bench/alignment.py --moe --out "$OUT" 2>&1 | tee "$OUT/alignment_moe.log"
-         [ "$part" = align ] || $PY bench/rollout.py --models qwen3-30b-a3b --out "$OUT" --time-limit $((SECONDS < 560 ? 570 - SECONDS : 10)) \
+         [ "$part" = rollout ] || $PY -m bench.alignment --moe --out "$OUT" 2>&1 | tee "$OUT/alignment_moe.log"
+         [ "$part" = align ] || $PY -m bench.rollout --models qwen3-30b-a3b --out "$OUT" --time-limit $((STOP_S - SECONDS > 10 ? STOP_S - SECONDS : 10)) \
            --workloads '512x256->1024' "${@:2}" 2>&1 | tee "$OUT/bench_rollout_moe.log" ;;
-  kvmismatch) $PY scripts/kv_mismatch.py --out "$OUT/kv_mismatch" --time-limit 570 "${@:2}" 2>&1 \
+  kvmismatch) $PY -m scripts.kv_mismatch --out "$OUT/kv_mismatch" --time-limit $STOP_S "${@:2}" 2>&1 \
            | tee "$OUT/kv_mismatch.log"
          rc=${PIPESTATUS[0]}; cp "$OUT"/kv_mismatch/kv_mismatch.{md,json} "$OUT"/ 2>/dev/null
          tar -czf "$OUT/kv_mismatch_runs.tgz" -C "$OUT" kv_mismatch --remove-files; exit $rc ;;
-  reallearn) $PY scripts/real_learn.py --out "$OUT/real_learn" --deadline-s 540 "${@:2}" 2>&1 | tee "$OUT/real_learn.log"
+  reallearn) $PY -m scripts.real_learn --out "$OUT/real_learn" --deadline-s $DEADLINE_S "${@:2}" 2>&1 | tee "$OUT/real_learn.log"
          rc=${PIPESTATUS[0]}; cp "$OUT"/real_learn/real_learn.{md,json} "$OUT"/real_learn/real_learn_runs.tgz "$OUT"/ 2>/dev/null
          rm -rf "$OUT/real_learn"; exit $rc ;;
-  resume) $PY scripts/resume_check.py --out "$OUT" --runs /tmp/resume_runs_$$ "${@:2}" 2>&1 | tee "$OUT/resume.log"
+  resume) $PY -m scripts.resume_check --out "$OUT" --runs /tmp/resume_runs_$$ "${@:2}" 2>&1 | tee "$OUT/resume.log"
          rc=${PIPESTATUS[0]}; rm -rf /tmp/resume_runs_$$; exit $rc ;;
-  decode) $PY bench/decode_attention.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/decode_attention.log" ;;
-  learn) $PY scripts/learn_gate.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
+  decode) $PY -m bench.decode_attention --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/decode_attention.log" ;;
+  learn) $PY -m scripts.learn_gate --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
          exit "${PIPESTATUS[0]}" ;;
-  rollout)  $PY bench/rollout.py --out "$OUT" --time-limit 540 "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
-  capacity) $PY bench/rollout.py --capacity-only --out "$OUT" --time-limit 540 "${@:2}" 2>&1 \
+  rollout)  $PY -m bench.rollout --out "$OUT" --time-limit $DEADLINE_S "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
+  capacity) $PY -m bench.rollout --capacity-only --out "$OUT" --time-limit $DEADLINE_S "${@:2}" 2>&1 \
               | tee "$OUT/bench_capacity.log" ;;
-  stack)    $PY bench/train.py "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
-  step)     $PY bench/step.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
-  host)     $PY bench/host_speed.py | tee "$OUT/host_speed.json" ;;
-  gemm)     $PY bench/gemm.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_gemm.log" ;;
-  attention) $PY bench/attention.py --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_attention.log" ;;
-  pass|phase) script=bench/trainer_$1.py; launch=("$script"); [ "${RANKS:-1}" -gt 1 ] \
-              && launch=(-m torch.distributed.run --standalone --nproc_per_node "$RANKS" "$script")
+  stack)    $PY -m bench.train "${2:-all}" --out "$OUT" "${@:3}" 2>&1 | tee "$OUT/bench_stack.log" ;;
+  step)     $PY -m bench.step --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
+  host)     $PY -m bench.host_speed | tee "$OUT/host_speed.json" ;;
+  gemm)     $PY -m bench.gemm --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_gemm.log" ;;
+  attention) $PY -m bench.attention --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_attention.log" ;;
+  pass|phase) launch=(-m "bench.trainer_$1"); [ "${RANKS:-1}" -gt 1 ] \
+              && launch=(-m torch.distributed.run --standalone --nproc_per_node "$RANKS" -m "bench.trainer_$1")
             $PY "${launch[@]}" --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' | tee "$OUT/trainer_$1.log" ;;
-  quant)    $PY bench/quant.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
-  ckpt)     $PY bench/checkpoint.py --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
-  jobs) limit=${JOBS_LIMIT:-560}; end=$(( $(date +%s) + limit )); i=0; pids=()
+  quant)    $PY -m bench.quant --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
+  ckpt)     $PY -m bench.checkpoint --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
+  jobs) limit=${JOBS_LIMIT:-$WAIT_S}; end=$(( $(date +%s) + limit )); i=0; pids=()
          for spec in "${@:2}"; do
            gpus=$i; if [[ $spec == GPUS=* ]]; then gpus=${spec%% *}; gpus=${gpus#GPUS=}; spec=${spec#* }; fi
            mkdir -p "$OUT/job$i"
@@ -244,7 +249,7 @@ case "$1" in
            echo $? >"$dir/job$k/rc"
          done ;;
   collect) [ $# -eq 2 ] && [ -d "$BG_DIR/$2" ] || { echo "usage: gpu_check.sh collect NAME (a bg job's name)" >&2; exit 2; }
-         dir=$BG_DIR/$2; end=$(( $(date +%s) + ${COLLECT_LIMIT:-560} ))
+         dir=$BG_DIR/$2; end=$(( $(date +%s) + ${COLLECT_LIMIT:-$WAIT_S} ))
          if [ -f "$dir/jobs" ]; then  # a queue
            mapfile -t jobs <"$dir/jobs"
            while :; do

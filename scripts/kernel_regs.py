@@ -1,8 +1,8 @@
 """Registers, spill stack and SASS instruction count of fp8/fast/kernels.py's quantization kernel for sm_90,
 compiled on this machine (no GPU needed: Triton's own LLVM and bundled ptxas / cuobjdump).
 
-    python scripts/kernel_regs.py                       # the default launches of modes 0, 1, 2
-    python scripts/kernel_regs.py 1,8,2 2,4,0 1,8,1,2   # split,warps,mode[,stages]
+    python -m scripts.kernel_regs                       # the default launches of modes 0, 1, 2
+    python -m scripts.kernel_regs 1,8,2 2,4,0 1,8,1,2   # split,warps,mode[,stages]
 
 The kernel is compiled with the specializations Triton applies at run time to 16-byte-aligned
 pointers and sizes divisible by 16 (`tt.divisibility`); without them the loads are not vectorized
@@ -17,14 +17,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from fp8.fast import kernels  # noqa: E402
-from fp8.quant import FP8_MAX, TORCHAO_EPS  # noqa: E402
+from fp8.fast import kernels
+from fp8.quant import FP8_MAX, TORCHAO_EPS
 
 ARGS = {"x_ptr": "*bf16", "gu_ptr": "*bf16", "x_out_ptr": "*bf16", "q_row_ptr": "*fp8e4nv", "s_row_ptr": "*fp32",
         "q_col_ptr": "*fp8e4nv", "s_col_ptr": "*fp32", "MT": "i32", "K": "i32"}  # all 16-aligned / divisible

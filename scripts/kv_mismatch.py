@@ -1,10 +1,10 @@
 """What the FP8 KV cache costs in trainer/engine mismatch on a real pretrained model, per attention variant.
 
-    python scripts/kv_mismatch.py --out /tmp/kv                        # all variants, SmolLM2 (scripts/real_model.py)
-    python scripts/kv_mismatch.py --model DIR --data DIR --steps 5     # another HF model dir, local GSM8K JSONL
-    python scripts/kv_mismatch.py --variants fp8kv_triton,fp8kv_triton_norecal --merge /tmp/kv1/kv_mismatch.json
+    python -m scripts.kv_mismatch --out /tmp/kv                        # all variants, SmolLM2 (scripts/real_model.py)
+    python -m scripts.kv_mismatch --model DIR --data DIR --steps 5     # another HF model dir, local GSM8K JSONL
+    python -m scripts.kv_mismatch --variants fp8kv_triton,fp8kv_triton_norecal --merge /tmp/kv1/kv_mismatch.json
     bash scripts/gpu_check.sh kvmismatch [ARGS]                        # on the GPU host, results -> $OUT
-    python scripts/kv_mismatch.py --cpu --config configs/tiny_cpu.yaml --model tiny ...   # the machinery on CPU
+    python -m scripts.kv_mismatch --cpu --config configs/tiny_cpu.yaml --model tiny ...   # the machinery on CPU
 
 Each variant runs the real trainer (train_grpo.py, one process after another, as scripts/flagship_check.py)
 on configs/gsm8k.yaml scaled down: --prompts prompts x --n samples of <= --max-new-tokens tokens (the
@@ -46,7 +46,7 @@ without it the script writes small GSM8K-format files (one-line word problems) i
 tiny with --config configs/tiny_cpu.yaml runs the config's model built from scratch (CPU tests).
 
 On the GPU host (no hub access), SmolLM2-135M-Instruct arrives as its GGUF split in parts:
-    python scripts/real_model.py --gguf part1 part2 part3     # converts once, prints the model dir
+    python -m scripts.real_model --gguf part1 part2 part3     # converts once, prints the model dir
     bash scripts/gpu_check.sh kvmismatch --model <that dir>
 Time: not yet run on a GPU (each run is a trainer + vLLM start-up plus --steps steps; gpu_check.sh's
 part starts no run with less than 120 s left of 570 s, and --variants + --merge finish the rest in another call).
@@ -62,17 +62,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from flagship_check import MIN_RUN_S, gpu_name, real_data, run_logged, run_timeout  # noqa: E402
-from plot_runs import load_rows  # noqa: E402
+from scripts.common import (MIN_RUN_S, ROOT, fail, gpu_name, load_rows, model_dir, real_data, run_logged,
+                            run_timeout, synthetic_gsm8k)
 
 FP8_MAX = 448.0  # e4m3's largest finite value
 KV = ["fp8.kv_cache=true"]
@@ -87,29 +83,6 @@ VARIANTS = {  # run order (see above)
 COMMON = ["fp8.train=false", "fp8.rollout=false"]  # BF16 linears on both sides: only attention / KV differ
 CPU = ["train.device=cpu", "rollout.engine=hf", "model.gradient_checkpointing=false", "fp8.cache_weights=false"]
 KEY = "mismatch/token_mult_prob_error"
-
-
-def fail(msg: str) -> None:
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
-
-
-def synthetic_gsm8k(d: Path) -> Path:
-    """DIR with train.jsonl (60 rows) and test.jsonl (8) in GSM8K's fields: one-step word problems."""
-    d.mkdir(parents=True, exist_ok=True)
-    forms = [("Tom has {a} apples and buys {b} more. How many apples does he have now?", "+"),
-             ("A shelf holds {a} books. Sara puts {b} more books on it. How many books are on the shelf?", "+"),
-             ("Ben had {a} dollars and spent {b} dollars on lunch. How many dollars does he have left?", "-"),
-             ("Each box holds {b} pens. How many pens are in {a} boxes?", "*")]
-    rows = []
-    for i in range(68):
-        q, op = forms[i % len(forms)]
-        a, b = 12 + (7 * i) % 40, 2 + (5 * i) % 11
-        x = {"+": a + b, "-": a - b, "*": a * b}[op]
-        rows.append({"question": q.format(a=a, b=b), "answer": f"{a} {op} {b} = <<{a}{op}{b}={x}>>{x}\n#### {x}"})
-    for name, part in (("train.jsonl", rows[8:]), ("test.jsonl", rows[:8])):
-        (d / name).write_text("".join(json.dumps(r) + "\n" for r in part))
-    return d
 
 
 def short_run(args, data: Path) -> list[str]:
@@ -225,21 +198,6 @@ def check_args(args) -> None:
         if not Path(f).is_file():
             fail(f"--merge {f}: no such file (a kv_mismatch.json of an earlier run)")
     args.model = model_dir(args.model)
-
-
-def model_dir(model: str | None) -> str:
-    """--model: a HF model dir (checked), 'tiny', or None = scripts/real_model.py's dir (made if it can be)."""
-    if model is None:
-        p = subprocess.run([sys.executable, str(ROOT / "scripts" / "real_model.py")], capture_output=True, text=True)
-        if p.returncode:
-            fail("--model: scripts/real_model.py could not make SmolLM2 here ("
-                 + (p.stderr.strip().splitlines() or ["no output"])[-1] + "); convert it with "
-                 "`python scripts/real_model.py --gguf part1 part2 ...` and pass --model DIR")
-        return p.stdout.strip().splitlines()[-1]
-    if model != "tiny" and not (Path(model) / "config.json").is_file():
-        fail(f"--model {model}: not a HF model dir (no config.json); make one with "
-             "`python scripts/real_model.py` (it prints the dir) or pass 'tiny'")
-    return model
 
 
 def main(argv=None) -> int:

@@ -1,11 +1,11 @@
 """The learning gate: the quickstart (configs/quickstart_gpu.yaml) over seeds, FP8 recipe vs BF16, PASS or FAIL.
 
-    python scripts/learn_gate.py --out /tmp/gate                  # one GPU: SFT + 4 seeds x {fp8, bf16}, < 10 min
+    python -m scripts.learn_gate --out /tmp/gate                  # one GPU: SFT + 4 seeds x {fp8, bf16}, < 10 min
     bash scripts/gpu_check.sh learn                               # the same, logs and results -> $OUT
-    python scripts/learn_gate.py --cpu --seeds 0,1 --steps 2      # the machinery on CPU (tiny_cpu; FAILs)
-    python scripts/learn_gate.py --check DIR                      # the verdict on runs already in DIR
-    python scripts/learn_gate.py --async --out /tmp/gate          # two GPUs: + 4 seeds of fp8_async (threshold 4)
-    python scripts/learn_gate.py --seeds 0,1 --sweep lr1e-4:optim.lr=1e-4 --sweep lr1e-4_w20:optim.lr=1e-4,optim.warmup_steps=20
+    python -m scripts.learn_gate --cpu --seeds 0,1 --steps 2      # the machinery on CPU (tiny_cpu; FAILs)
+    python -m scripts.learn_gate --check DIR                      # the verdict on runs already in DIR
+    python -m scripts.learn_gate --async --out /tmp/gate          # two GPUs: + 4 seeds of fp8_async (threshold 4)
+    python -m scripts.learn_gate --seeds 0,1 --sweep lr1e-4:optim.lr=1e-4 --sweep lr1e-4_w20:optim.lr=1e-4,optim.warmup_steps=20
                                   # a sweep: the FP8 recipe with each variant's overrides; the table, no verdict
 
 Thresholds (fixed; a change to them is a change to the gate, not to a run):
@@ -25,9 +25,9 @@ Thresholds (fixed; a change to them is a change to the gate, not to a run):
      more than FP8 does.
 
 The warm start: when the config's model is not built from model.tiny (name_or_path "tiny"), the gate
-first trains it, `scripts/sft.py --out WORK/sft_model --task-config CONFIG` with --sft's arguments (the
-quickstart's recipe by default), next to `sft.py --warm-fp8` (fills Triton's cache for the FP8 runs),
-and every run starts from it; --sft-model DIR reuses a model instead. Its sft_metrics.json is copied
+first trains it, `python -m scripts.sft --out WORK/sft_model --task-config CONFIG` with --sft's arguments
+(the quickstart's recipe by default), next to `scripts.sft --warm-fp8` (fills Triton's cache for the FP8
+runs), and every run starts from it; --sft-model DIR reuses a model instead. Its sft_metrics.json is copied
 to --out as learn_sft_metrics.json.
 
 How it runs on one GPU: the 8 runs are concurrent processes, each with a small vLLM share
@@ -50,17 +50,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import tarfile
 import time
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-from plot_runs import load_rows, tail_mean  # noqa: E402
+from scripts.common import ROOT, copy_runs, device_name, launch_all, load_rows, log, tail_mean, write_results
 
 MIN_SEEDS = 4
 MIN_VAL_ACCURACY = 0.7
@@ -166,108 +162,15 @@ def check(run_files: dict[tuple[str, int], Path], steps: int, sweep: bool = Fals
     return not unfinished, unfinished, means, runs
 
 
-# ----------------------------------------------------------------------------- launching the runs
-
-def _log(msg: str, t0: float) -> None:
-    print(f"[gate +{time.time() - t0:.0f}s] {msg}", flush=True)
-
-
-# vLLM's start-up assertion when another process frees GPU memory while it profiles (a run finishing)
-PROFILING_RACE = "Error in memory profiling"
-
-
-def _engine_up(log: Path, metrics: Path) -> str | None:
-    if metrics.is_file() and metrics.stat().st_size > 0:
-        return "first step logged"
-    if log.is_file() and "init engine" in log.read_text(errors="replace"):
-        return "vLLM engine up"
-    return None
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM each run's process group (each run leads its own), SIGKILL what is left after 10 s."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        os.killpg(p.pid, signal.SIGTERM)
-    end = time.time() + 10
-    while time.time() < end and any(p.poll() is None for p in live):
-        time.sleep(0.5)
-    for p in live:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
-
-
-def launch_all(args, work: Path, t0: float) -> dict[tuple[str, int], dict]:
-    """Start every (mode, seed) run, staggered and at most --max-concurrent at once; wait for them or the
-    deadline. -> {(mode, seed): {"dir", "log", "cmd", "rc"}}. Optional: args.runs, the (mode, seed) runs to
-    start, in order (default: every seed x mode); args.env, variables added to each run's environment
-    (scripts/real_learn.py --gpus: one call per GPU, CUDA_VISIBLE_DEVICES)."""
-    todo = list(getattr(args, "runs", None) or
-                [(mode, seed) for seed in args.seeds for mode in args.modes])  # alternate modes: same contention
-    runs, live = {}, []
-    deadline = t0 + args.deadline_s
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(args.threads)), **getattr(args, "env", {})}
-    retried = set()
-    while todo:
-        mode, seed = todo.pop(0)
-        while len([p for p in live if p.poll() is None]) >= args.max_concurrent and time.time() < deadline:
-            time.sleep(1)
-        if time.time() > deadline - 30:
-            _log(f"no time left to start {mode} seed {seed}", t0)
-            continue
-        name = f"{mode}_s{seed}"
-        two_ranks = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"] if mode == ASYNC else []
-        cmd = [sys.executable, *two_ranks, str(ROOT / "train_grpo.py"), "--config", str(args.config), f"train.seed={seed}",
-               f"train.out_dir={work}", f"train.run_name={name}", "log.tensorboard=false", "train.save_final=false",
-               *args.run_overrides, *args.mode_overrides[mode], *args.extra]
-        log = work / f"{name}.log"
-        with open(log, "w") as f:
-            p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                 env={**env, **({"CUDA_VISIBLE_DEVICES": args.async_gpus} if mode == ASYNC and
-                                                not args.cpu else {})})
-        live.append(p)
-        runs[(mode, seed)] = {"dir": work / name, "log": log, "cmd": " ".join(cmd[1:]), "proc": p}
-        _log(f"started {name} (pid {p.pid})", t0)
-        if args.stagger:
-            start, why = time.time(), None
-            while why is None:
-                why = _engine_up(log, work / name / "metrics.jsonl")
-                if why is None and p.poll() is not None:
-                    why = f"exited (rc {p.returncode})"
-                elif why is None and time.time() - start > args.stagger_timeout_s:
-                    why = "stagger timeout"
-                elif why is None and time.time() > deadline:
-                    why = "deadline"
-                time.sleep(0.5 if why is None else 0)
-            _log(f"{name}: {why} after {time.time() - start:.0f}s", t0)
-            if p.returncode and (mode, seed) not in retried and PROFILING_RACE in log.read_text(errors="replace"):
-                retried.add((mode, seed))  # a neighbour freed memory during this engine's start-up: once more
-                live.remove(p)
-                todo.append((mode, seed))
-                _log(f"{name}: vLLM's start-up memory check saw a neighbour's memory change; retrying", t0)
-    while any(p.poll() is None for p in live) and time.time() < deadline:
-        time.sleep(1)
-    late = [p for p in live if p.poll() is None]
-    if late:
-        _log(f"deadline: stopping {len(late)} run(s)", t0)
-        _stop(late)
-    for (mode, seed), r in runs.items():
-        r["rc"] = r.pop("proc").returncode
-        _log(f"{mode}_s{seed}: rc {r['rc']}", t0)
-    return runs
-
-
 def warm_start(args, work: Path, out: Path, t0: float) -> Path | None:
     """Train the config's warm start into WORK/sft_model (scripts/sft.py with --sft's arguments) while
     a second process fills Triton's cache (GPU only). -> the model dir, or None if the SFT failed."""
-    model, sft = work / "sft_model", ROOT / "scripts" / "sft.py"
-    cmd = [sys.executable, str(sft), "--out", str(model), "--task-config", str(args.config), *args.sft.split()]
-    _log("warm start: " + " ".join(cmd[1:]), t0)
+    model, sft = work / "sft_model", [sys.executable, "-m", "scripts.sft"]
+    cmd = [*sft, "--out", str(model), "--task-config", str(args.config), *args.sft.split()]
+    log("warm start: " + " ".join(cmd[1:]), t0)
     with open(work / "sft.log", "w") as f:
         p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-        warm = None if args.cpu else subprocess.Popen([sys.executable, str(sft), "--warm-fp8", *args.sft.split()],
+        warm = None if args.cpu else subprocess.Popen([*sft, "--warm-fp8", *args.sft.split()],
                                                       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         rc = p.wait()
         if warm is not None:
@@ -276,47 +179,13 @@ def warm_start(args, work: Path, out: Path, t0: float) -> Path | None:
     if metrics.is_file():
         (out / "learn_sft_metrics.json").write_bytes(metrics.read_bytes())
     if rc != 0 or not metrics.is_file():
-        _log(f"warm start FAILED (rc {rc}); last lines of {work / 'sft.log'}:\n"
+        log(f"warm start FAILED (rc {rc}); last lines of {work / 'sft.log'}:\n"
              + "\n".join((work / "sft.log").read_text(errors="replace").splitlines()[-15:]), t0)
         return None
     m = json.loads(metrics.read_text())
-    _log(f"warm start done: greedy val accuracy {m['val_accuracy']:.3f} ({m.get('val_guess_share', 0):.2f} bare "
+    log(f"warm start done: greedy val accuracy {m['val_accuracy']:.3f} ({m.get('val_guess_share', 0):.2f} bare "
          f"guesses), {m['steps']} steps, {m['total_s']:.0f}s", t0)
     return model
-
-
-def _device() -> str:
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.strip() or "cpu"
-    except (OSError, subprocess.SubprocessError):
-        return "cpu"
-
-
-def copy_runs(work: Path, out: Path, keys) -> list[Path]:
-    """Each (mode, seed) run's WORK/<mode>_s<seed>/metrics.jsonl and WORK/<mode>_s<seed>.log into OUT as
-    <mode>_s<seed>_metrics.jsonl and <mode>_s<seed>.log; the destination paths (present or not)."""
-    copies = []
-    out.mkdir(parents=True, exist_ok=True)
-    for m, s in keys:
-        for src, dst in ((work / f"{m}_s{s}" / "metrics.jsonl", out / f"{m}_s{s}_metrics.jsonl"),
-                         (work / f"{m}_s{s}.log", out / f"{m}_s{s}.log")):
-            if src.is_file() and src.resolve() != dst.resolve():
-                dst.write_bytes(src.read_bytes())
-            copies.append(dst)
-    return copies
-
-
-def write_results(out: Path, payload: dict, md: str, files: list[Path], name: str = "learn_gate",
-                  archive: str = "learn_runs.tgz") -> None:
-    """OUT/<name>.json, OUT/<name>.md, and OUT/<archive> holding both and those of `files` that exist."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (out / f"{name}.md").write_text(md.rstrip("\n") + "\n")
-    with tarfile.open(out / archive, "w:gz") as tar:  # one file: the device returns few per call
-        for f in [out / f"{name}.json", out / f"{name}.md", *files]:
-            if f.is_file():
-                tar.add(f, arcname=f.name)
 
 
 def main(argv=None) -> int:
@@ -388,7 +257,6 @@ def main(argv=None) -> int:
         args.stagger = True
     if args.steps:
         args.run_overrides.append(f"train.steps={args.steps}")
-    sys.path.insert(0, str(ROOT))
     from config import load_config
     from errors import UserError
     try:  # a bad override fails here, once, not in 8 runs
@@ -413,7 +281,7 @@ def main(argv=None) -> int:
             import shutil
             shutil.rmtree(work)
         work.mkdir(parents=True)
-        _log(f"config {args.config.name}, {steps} steps, seeds {args.seeds}, modes {args.modes}, "
+        log(f"config {args.config.name}, {steps} steps, seeds {args.seeds}, modes {args.modes}, "
              f"deadline {args.deadline_s:.0f}s, out {out}", t0)
         out.mkdir(parents=True, exist_ok=True)
         model = args.sft_model or (warm_start(args, work, out, t0) if needs_warm_start else "tiny")
@@ -441,9 +309,10 @@ def main(argv=None) -> int:
                        "max_zero_std_groups": MAX_ZERO_STD_GROUPS, "tail_steps": TAIL_STEPS},
         "config": str(args.config.relative_to(ROOT)) if args.config.is_relative_to(ROOT) else str(args.config),
         "steps": steps, "overrides": [*args.run_overrides, *args.extra], "commands": commands,
-        "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1), "device": _device(),
+        "date": datetime.now().isoformat(timespec="seconds"), "wall_s": round(time.time() - t0, 1),
+        "device": device_name(),
     }, md, copies)
-    _log(f"{word}; results in {out}", t0)
+    log(f"{word}; results in {out}", t0)
     return 0 if passed else 1
 
 

@@ -1,7 +1,7 @@
 """Convergence plots and a summary table from GRPO runs' metrics.jsonl files.
 
-    python scripts/plot_runs.py /tmp/conv_out                         # every *metrics.jsonl under it
-    python scripts/plot_runs.py runs/bf16_s0/metrics.jsonl runs/fp8_tis_s0/metrics.jsonl --out /tmp/figs
+    python -m scripts.plot_runs /tmp/conv_out                         # every *metrics.jsonl under it
+    python -m scripts.plot_runs runs/bf16_s0/metrics.jsonl runs/fp8_tis_s0/metrics.jsonl --out /tmp/figs
 
 A run's name is <config>_s<seed>, read from the file name (conv_fp8_tis_s1_metrics.jsonl, as
 scripts/convergence.sh writes them) or from its run dir (runs/fp8_tis_s1/metrics.jsonl); a name
@@ -34,11 +34,11 @@ Table, per config (mean ± half the min-max range over seeds, from the raw logge
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from scripts.common import ROOT, load_rows, tail_mean
+
 PANELS = [  # (metric key, file suffix, y label, smoothed)
     ("val/accuracy", "val_accuracy", "validation accuracy (greedy)", False),
     ("reward/mean", "reward", "reward/mean", True),
@@ -71,25 +71,9 @@ def run_key(path: Path) -> tuple[str, int]:
     return m.group("config"), int(m.group("seed") or 0)
 
 
-def load_rows(path: Path) -> list[dict]:
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
-            pass
-    return [r for r in rows if isinstance(r, dict) and "step" in r]
-
-
 def series(rows: list[dict], key: str) -> dict[int, float]:
     """{step: value} of one metric (a later row of the same step wins: the final validation)."""
     return {int(r["step"]): float(r[key]) for r in rows if isinstance(r.get(key), (int, float))}
-
-
-def tail_mean(rows: list[dict], key: str, n: int = 5) -> float | None:
-    """Mean of a metric over the last n rows that log it (None if none do): how a run ends."""
-    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))][-n:]
-    return sum(vals) / len(vals) if vals else None
 
 
 def smooth(s: dict[int, float], k: int) -> dict[int, float]:

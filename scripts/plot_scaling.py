@@ -1,7 +1,7 @@
 """Step-time breakdown of the 8B-shape GRPO step on 1 GPU vs 2 GPUs (data parallel, and one TP=2 engine).
 
-    python scripts/plot_scaling.py                                   # the committed H200 figures
-    python scripts/plot_scaling.py --one bench/results/step.json --match "micro-batch 16" \
+    python -m scripts.plot_scaling                                   # the committed H200 figures
+    python -m scripts.plot_scaling --one bench/results/step.json --match "micro-batch 16" \
         --two "2 GPUs, DP=docs/results_data/multi_gpu/mg_step8b_2rank_tp1_metrics.jsonl" --out docs/figures
 
 1 GPU: the bf16 row of a bench/step.py results file whose workload contains --match. 2 GPUs: a
@@ -15,10 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench.runner import read_results  # noqa: E402
-from bench.step import PARTS, summarize  # noqa: E402
+from bench.runner import read_results
+from bench.step import PARTS, summarize
+from scripts.common import ROOT
 
 DATA = ROOT / "docs" / "results_data" / "multi_gpu"
 DEFAULT_TWO = [f"2 GPUs, data parallel={DATA / 'mg_step8b_2rank_tp1_metrics.jsonl'}",

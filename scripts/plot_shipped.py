@@ -1,8 +1,8 @@
 """Where the step goes, FP8 config vs BF16 twin: the last pair of each config per results file of
 scripts/flagship_check.py --shipped (bench/results/shipped_<gpu>.json).
 
-    python scripts/plot_shipped.py                  # the committed H200 and H100 files -> docs/figures
-    python scripts/plot_shipped.py --results OUT/shipped_h100.json --out figs
+    python -m scripts.plot_shipped                  # the committed H200 and H100 files -> docs/figures
+    python -m scripts.plot_shipped --results OUT/shipped_h100.json --out figs
 
 One pair of bars per (config, GPU kind, GPU count): rollout, logprobs, train and the rest of the step
 (assembly, refit, recalibration, ...), in seconds, the ratio (BF16 step / FP8 step) beside each pair, and

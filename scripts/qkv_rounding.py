@@ -1,11 +1,11 @@
 """Which of q, k, v rounded to e4m3 costs what mismatch: teacher-forced on a real model, no engine.
 
-    python scripts/qkv_rounding.py --out /tmp/qkv                          # SmolLM2 (scripts/real_model.py), CPU
-    python scripts/qkv_rounding.py --model DIR --data DIR --prompts 8 --max-new-tokens 256
+    python -m scripts.qkv_rounding --out /tmp/qkv                          # SmolLM2 (scripts/real_model.py), CPU
+    python -m scripts.qkv_rounding --model DIR --data DIR --prompts 8 --max-new-tokens 256
 
 The model samples --samples completions of <= --max-new-tokens tokens for each of --prompts GSM8K-format
 prompts (chat template + configs/gsm8k.yaml's instruction; --data DIR/train.jsonl, or the synthetic rows
-of scripts/kv_mismatch.py). Then each sequence is scored again with attention inputs rounded to e4m3 by
+of scripts/common.py). Then each sequence is scored again with attention inputs rounded to e4m3 by
 the hook the HF engine's FP8 KV emulation uses (fp8/calibrate.py): q only, k only, v only, k and v (the
 FP8 KV cache alone), q, k and v (FP8 attention without P), each with the per-layer scales a calibration
 over these sequences gives (fp8/calibrate.py's percentile and margin) and with unit scales. Static
@@ -29,10 +29,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from kv_mismatch import fail, model_dir, synthetic_gsm8k
+from scripts.common import ROOT, fail, model_dir, synthetic_gsm8k
 
 CASES = ["q", "k", "v", "kv", "qkv"]
 

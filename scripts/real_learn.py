@@ -1,16 +1,16 @@
 """Does a real pretrained model learn with GRPO? SmolLM2-135M-Instruct over seeds, BF16 vs FP8 KV cache.
 
     # one host with 4 GPUs: 4 seeds x {fp8kv, bf16}, 2 runs per GPU
-    python scripts/real_learn.py --model DIR --out OUT --gpus 0,1,2,3 --seeds 0,1,2,3 --steps 30 --deadline-s 540
+    python -m scripts.real_learn --model DIR --out OUT --gpus 0,1,2,3 --seeds 0,1,2,3 --steps 30 --deadline-s 540
     # one GPU (an H200): 3 seeds x {fp8kv, bf16}
-    python scripts/real_learn.py --model DIR --out OUT --seeds 0,1,2 --steps 25 --deadline-s 540
-    python scripts/real_learn.py --model tiny --gpus 0,1,2,3 --dry-run       # each run's GPU and overrides
-    python scripts/real_learn.py --cpu --model tiny --config configs/tiny_cpu.yaml --seeds 0 --steps 2   # the machinery
+    python -m scripts.real_learn --model DIR --out OUT --seeds 0,1,2 --steps 25 --deadline-s 540
+    python -m scripts.real_learn --model tiny --gpus 0,1,2,3 --dry-run       # each run's GPU and overrides
+    python -m scripts.real_learn --cpu --model tiny --config configs/tiny_cpu.yaml --seeds 0 --steps 2   # the machinery
 
-The runs are scripts/learn_gate.py's (its launcher: concurrent processes, each with a small vLLM share,
-rollout.sleep_mode=false, staggered starts, whatever still runs at --deadline-s stopped), on
-configs/gsm8k.yaml scaled down as scripts/kv_mismatch.py does (plain AdamW, eager trainer, no
-checkpoints, no episode dumps), every run starting from the same pretrained model: no warm start. Two modes:
+The runs are scripts/learn_gate.py's (its launcher, in scripts/common.py: concurrent processes, each
+with a small vLLM share, rollout.sleep_mode=false, staggered starts, whatever still runs at --deadline-s
+stopped), on configs/gsm8k.yaml scaled down as scripts/kv_mismatch.py does (plain AdamW, eager trainer,
+no checkpoints, no episode dumps), every run starting from the same pretrained model: no warm start. Two modes:
 
     fp8kv   fp8.kv_cache=true: the engine's KV cache and attention in FP8 (scales recalibrated per rollout)
     bf16    fp8.kv_cache=false
@@ -78,12 +78,8 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-from kv_mismatch import fail, model_dir  # noqa: E402
-from learn_gate import _device, _log, copy_runs, launch_all, write_results  # noqa: E402
-from plot_runs import load_rows  # noqa: E402
+from scripts.common import (ROOT, copy_runs, device_name, fail, launch_all, load_rows, log, model_dir,
+                            write_results)
 
 BF16_LINEARS = ["fp8.train=false", "fp8.rollout=false"]
 MODES = {"fp8kv": [*BF16_LINEARS, "fp8.kv_cache=true"], "bf16": [*BF16_LINEARS, "fp8.kv_cache=false"]}
@@ -282,7 +278,7 @@ def check_args(args) -> None:
 
 
 def launch(args, run: list[str], work: Path, gpu_of: dict, t0: float) -> dict:
-    """learn_gate.launch_all once per GPU (its runs in launch order, CUDA_VISIBLE_DEVICES), concurrently:
+    """common.launch_all once per GPU (its runs in launch order, CUDA_VISIBLE_DEVICES), concurrently:
     each call staggers its own engine starts (a start only races a neighbour on the same GPU) and
     stops what still runs at the deadline. Without --gpus: one call, the environment's GPU."""
     groups: dict[str | None, list] = {}
@@ -335,7 +331,7 @@ def main(argv=None) -> int:
         for m in args.modes:
             print(f"{m}: " + " ".join(MODES[m]))
         return 0
-    _log(f"real_learn: model {args.model}, task {args.task}, {args.steps} steps, seeds {args.seeds}, "
+    log(f"real_learn: model {args.model}, task {args.task}, {args.steps} steps, seeds {args.seeds}, "
          f"modes {args.modes}, GPUs {args.gpus or 'the environment'}, deadline {args.deadline_s:.0f}s, out {out}", t0)
     launched = {} if args.from_work else launch(args, run, work, gpu_of, t0)
     runs = []
@@ -358,11 +354,12 @@ def main(argv=None) -> int:
         "settings": {k: getattr(args, k) for k in ("steps", "prompts", "n", "max_new_tokens", "lr", "gpu_share",
                                                    "gpus", "micro_batch", "grad_ckpt", "deadline_s", "cpu")},
         "overrides": [*run, *args.overrides], "runs": runs, "summary": agg, "unfinished": unfinished,
-        "commands": {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()}, "device": "not recorded (--from-work)" if args.from_work else _device(),
+        "commands": {f"{m}_s{s}": r["cmd"] for (m, s), r in launched.items()},
+        "device": "not recorded (--from-work)" if args.from_work else device_name(),
         "date": datetime.now().isoformat(timespec="seconds"),
         "wall_s": None if args.from_work else round(time.time() - t0, 1)},
         md, files, name="real_learn", archive="real_learn_runs.tgz")
-    _log(f"results in {out}", t0)
+    log(f"results in {out}", t0)
     return 1 if unfinished else 0
 
 

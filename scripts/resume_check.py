@@ -1,8 +1,8 @@
 """A shipped 8B config at full shape saves a checkpoint on N GPUs and resumes on M, as a user kills and resumes a run.
 
-    python scripts/resume_check.py --save-ranks 2 --resume-ranks 1 --out /tmp/resume   # 2 -> 1
-    python scripts/resume_check.py --save-ranks 1 --resume-ranks 1                     # 1 -> 1
-    CUDA_VISIBLE_DEVICES=2,3 python scripts/resume_check.py ...                         # on chosen GPUs
+    python -m scripts.resume_check --save-ranks 2 --resume-ranks 1 --out /tmp/resume   # 2 -> 1
+    python -m scripts.resume_check --save-ranks 1 --resume-ranks 1                     # 1 -> 1
+    CUDA_VISIBLE_DEVICES=2,3 python -m scripts.resume_check ...                         # on chosen GPUs
 
 The run is scripts/flagship_check.py's short run of --config (random-init weights at the real
 shape, synthetic prompts, 8 prompts x 8 samples x 1024 tokens, probe off) for --steps steps, with a
@@ -24,12 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
-import flagship_check  # noqa: E402
-from bench.runner import visible_gpus  # noqa: E402
-from plot_runs import load_rows  # noqa: E402
+from bench.runner import visible_gpus
+from scripts.common import ROOT, SHORT_RUN, full_shape, gpu_name, load_rows
 
 
 def phase(label: str, args: list[str], gpus: list[str], out: Path, run_dir: Path, first_step: int = 0) -> dict:
@@ -81,11 +77,12 @@ def main():
     tag = f"resume_{args.save_ranks}to{args.resume_ranks}"
     name = f"{args.config}_{tag}"
     subprocess.run(["rm", "-rf", str(runs / name)])
-    short = [o for o in flagship_check.SHORT_RUN if not o.startswith("train.probe")] + ["train.probe=false"]
-    first = flagship_check.command(args.config, name, [f"train.ckpt_every={args.steps}"], short, args.steps, runs,
-                                   flagship_check.MOE_LAYERS, args.overrides)[2:]  # without python train_grpo.py
-    result = {"config": args.config, "gpu": flagship_check.gpu_name(), "date": time.strftime("%Y-%m-%d"),
-              "command": " ".join(["python scripts/resume_check.py", "--config", args.config, "--save-ranks",
+    short = [o for o in SHORT_RUN if not o.startswith("train.probe")] + ["train.probe=false"]
+    first = ["--config", str(ROOT / "configs" / f"{args.config}.yaml"), *full_shape(args.config), *short,
+             f"train.steps={args.steps}", f"train.out_dir={runs}", f"train.run_name={name}",
+             f"train.ckpt_every={args.steps}", *args.overrides]
+    result = {"config": args.config, "gpu": gpu_name(), "date": time.strftime("%Y-%m-%d"),
+              "command": " ".join(["python -m scripts.resume_check", "--config", args.config, "--save-ranks",
                                    str(args.save_ranks), "--resume-ranks", str(args.resume_ranks), *args.overrides])}
     result["save"] = phase(f"{tag}_save", first, gpus[:args.save_ranks], out, runs / name)
     print(json.dumps(result["save"]), flush=True)

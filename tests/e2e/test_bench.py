@@ -70,15 +70,15 @@ def test_worker_argv_round_trips():
     args = br.build_parser().parse_args(["--workloads", "8x16->32,4x8:64", "--refits", "2", "--gpu-mem", "0.6",
                                          "--capacity-only", "--seed", "7"])
     argv = br.worker_argv(args, "qwen3-8b", "fp8kv", Path("/tmp/r.jsonl"), 123.0)
-    assert argv[:2] == [sys.executable, str(REPO / "bench/rollout.py")]
-    w = br.build_parser().parse_args(argv[2:])
+    assert argv[:3] == [sys.executable, "-m", "bench.rollout"]
+    w = br.build_parser().parse_args(argv[3:])
     assert w.worker and w.models == ["qwen3-8b"] and w.modes == ["fp8kv"] and w.capacity_only
     assert w.workloads == args.workloads and w.refits == 2 and w.gpu_mem == "0.6" and w.seed == 7
     assert w.result_file == "/tmp/r.jsonl" and w.deadline == 123.0 and not w.dry_run and w.decode_steps == 0
     args = br.build_parser().parse_args(["--decode-steps", "64"])
-    assert br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[2:]).decode_steps == 64
+    assert br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[3:]).decode_steps == 64
     args = br.build_parser().parse_args(["--set", "rollout.block_size=64", "--set", "rollout.seed=3"])
-    w = br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[2:])
+    w = br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[3:])
     assert w.set == ["rollout.block_size=64", "rollout.seed=3"]
     cfg = br.bench_config("fp8kv", args.workloads, 0.8, overrides=tuple(w.set))
     assert cfg.rollout.block_size == 64 and cfg.rollout.seed == 3 and cfg.fp8.kv_cache
@@ -97,7 +97,7 @@ def test_vllm_keywords_reach_the_engine_kwargs_and_the_labels(monkeypatch, tmp_p
         assert e.value.code == 2 and msg in capsys.readouterr().err
     cc = 'compilation_config={"custom_ops": ["-quant_fp8"]}'
     args = br.build_parser().parse_args(["--set", "rollout.seed=3", "--vllm", cc, "--vllm", 'hf_overrides={"x": 1}'])
-    w = br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[2:])
+    w = br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8", Path("/r"), None)[3:])
     assert w.vllm == [cc, 'hf_overrides={"x": 1}']
     assert br.overrides(w) == ["rollout.seed=3", f"vllm.{cc}", 'vllm.hf_overrides={"x": 1}']
     assert br.set_tag(br.overrides(w)[:2]) == "_rolloutseed3_vllmcompilation_configcustom_opsquant_fp8"
@@ -237,7 +237,7 @@ def test_gc_passes_and_the_host_profile(tmp_path):
 def test_no_pdl_reaches_the_children_the_labels_and_flashinfer(monkeypatch):
     """--no-pdl: passed to the children, part of the label, and flashinfer.decode's SM90 default turned off."""
     args = br.build_parser().parse_args(["--no-pdl", "--set", "fp8.kv_attention=xqa"])
-    w = br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8kv", Path("/r"), None)[2:])
+    w = br.build_parser().parse_args(br.worker_argv(args, "llama3.1-8b", "fp8kv", Path("/r"), None)[3:])
     assert w.no_pdl and br.overrides(w) == ["fp8.kv_attention=xqa", "flashinfer.pdl=off"]
     assert br.set_tag(br.overrides(w)) == "_fp8kv_attentionxqa_flashinferpdloff"
     assert not br.build_parser().parse_args([]).no_pdl
@@ -538,7 +538,7 @@ def test_parent_streams_keeps_partial_results_and_kills_at_limit(tmp_path, monke
 
 def test_dry_run_end_to_end(tmp_path):
     """The real CLI and child process (imports, argv, result file, exit) with a stand-in engine."""
-    r = subprocess.run([sys.executable, str(REPO / "bench/rollout.py"), "--dry-run", "--out", str(tmp_path),
+    r = subprocess.run([sys.executable, "-m", "bench.rollout", "--dry-run", "--out", str(tmp_path),
                         "--modes", "fp8kv", "--workloads", "8x16->32", "--stagger-s", "0", "--poll-s", "0.2"],
                        capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -650,7 +650,7 @@ def test_gpu_check_script_parses():
     r = subprocess.run(["bash", "-n", str(REPO / "scripts/gpu_check.sh")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     text = (REPO / "scripts/gpu_check.sh").read_text()
-    assert "bench/rollout.py" in text and "bench/train.py" in text
+    assert "-m bench.rollout" in text and "-m bench.train" in text
 
 
 def test_gpu_check_jobs_run_parts_side_by_side(tmp_path):
@@ -768,7 +768,7 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
     """bench/trainer_pass.py on the CPU (emulated FP8): every variant timed, the padded batch a
     multiple of 128 tokens (as the FP8 trainer collates it), the unpadded one exactly the rows."""
     root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, str(root / "bench/trainer_pass.py"), "--config", str(root / "configs/tiny_cpu.yaml"),
+    p = subprocess.run([sys.executable, "-m", "bench.trainer_pass", "--config", str(root / "configs/tiny_cpu.yaml"),
                         "--rows", "2", "--prompt", "5", "--response", "40", "--iters", "1", "--calib",
                         "--out", str(tmp_path)],
                        capture_output=True, text=True, cwd=root)
@@ -789,7 +789,7 @@ def test_trainer_pass_accumulates_like_the_trainer_with_the_gradient_buffers(tmp
     cached FP8 model (emulated on CPU): the same logprobs as fp8_cached, and the FP8 weights' .grad views of
     the buffers after the timed calls."""
     root = Path(__file__).resolve().parents[2]
-    p = subprocess.run([sys.executable, str(root / "bench/trainer_pass.py"), "--config", str(root / "configs/tiny_cpu.yaml"),
+    p = subprocess.run([sys.executable, "-m", "bench.trainer_pass", "--config", str(root / "configs/tiny_cpu.yaml"),
                         "--rows", "2", "--prompt", "5", "--response", "40", "--iters", "1", "--accumulate",
                         "--modes", "fp8_cached,fp8_acc", "--out", str(tmp_path)], capture_output=True, text=True, cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -803,7 +803,7 @@ def test_trainer_phase_runs_the_trainers_phases_under_fsdp2(tmp_path):
     train_phase on the synthetic batch, each rank its half of the samples in whole micro-batches, step 0
     untimed; a --prompts that does not split into whole micro-batches, or --memory off CUDA, is a one-line
     error, exit 2."""
-    cmd = ["bench/trainer_phase.py", "--config", "configs/tiny_cpu.yaml", "--set", "rollout.max_new_tokens=40",
+    cmd = ["-m", "bench.trainer_phase", "--config", "configs/tiny_cpu.yaml", "--set", "rollout.max_new_tokens=40",
            "rollout.n=4", "train.micro_batch_size=4"]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd,
                         "--prompts", "8", "--prompt", "5", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
@@ -815,7 +815,7 @@ def test_trainer_phase_runs_the_trainers_phases_under_fsdp2(tmp_path):
     assert all(r["workload"].endswith("2 rank(s)") and r["samples_per_rank"] == 16 and r["micro_batches"] == 4
                and r["response_mean"] == 40 and r["train_s"] > 0 and r["logprobs_s"] > 0
                and r["compiled_graphs"] == 0 for r in runs)  # eager on CPU: nothing compiled on either rank
-    bad = subprocess.run([sys.executable, *cmd[:3], "--set", "rollout.n=3", "train.micro_batch_size=4", "--prompts", "3",
+    bad = subprocess.run([sys.executable, *cmd[:4], "--set", "rollout.n=3", "train.micro_batch_size=4", "--prompts", "3",
                           "--out", str(tmp_path / "bad")], capture_output=True, text=True, cwd=REPO)  # 9 samples
     assert bad.returncode == 2 and bad.stderr.startswith("error: --prompts 3:") and len(bad.stderr.splitlines()) == 1
     assert not (tmp_path / "bad").exists()
@@ -831,7 +831,7 @@ def test_trainer_pass_under_fsdp2_computes_the_unsharded_logprobs(tmp_path):
     weights all-gathered in FP8, at a width whose weights split into whole blocks) computes fp8's exactly."""
     wide = ["model.tiny.hidden_size=256", "model.tiny.intermediate_size=512", "model.tiny.num_heads=8",
             "model.tiny.num_kv_heads=8"]
-    cmd = ["bench/trainer_pass.py", "--config", "configs/tiny_cpu.yaml", "--set", *wide, "--rows", "2", "--prompt", "5",
+    cmd = ["-m", "bench.trainer_pass", "--config", "configs/tiny_cpu.yaml", "--set", *wide, "--rows", "2", "--prompt", "5",
            "--response", "40", "--iters", "1", "--modes", "bf16,fp8,fp8_cached"]
     one = subprocess.run([sys.executable, *cmd, "--out", str(tmp_path / "one")], capture_output=True, text=True, cwd=REPO)
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd,
@@ -855,7 +855,7 @@ def test_trainer_pass_builds_a_shipped_config_at_a_named_shape(tmp_path):
     applies after it (here: cut down to one small layer, so the CPU can run it)."""
     small = ["model.tiny.num_layers=1", "model.tiny.hidden_size=128", "model.tiny.intermediate_size=256",
              "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1", "model.tiny.head_dim=64", "model.tiny.vocab_size=0"]
-    p = subprocess.run([sys.executable, str(REPO / "bench/trainer_pass.py"), "--config", str(REPO / "configs/tiny_cpu.yaml"),
+    p = subprocess.run([sys.executable, "-m", "bench.trainer_pass", "--config", str(REPO / "configs/tiny_cpu.yaml"),
                         "--shape", "qwen3", "--set", *small, "--rows", "1", "--prompt", "4", "--response", "8",
                         "--modes", "bf16", "--iters", "1", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -867,7 +867,7 @@ def test_trainer_pass_builds_a_shipped_config_at_a_named_shape(tmp_path):
 def test_checkpoint_bench_runs_on_cpu(tmp_path):
     """bench/checkpoint.py at a tiny shape: the four (format, op) rows, each load restores every
     weight and moment, both formats hold the same bytes to within DCP's index, the dir is cleaned."""
-    r = subprocess.run([sys.executable, str(REPO / "bench/checkpoint.py"), "--tiny", "--layers", "2", "--device", "cpu",
+    r = subprocess.run([sys.executable, "-m", "bench.checkpoint", "--tiny", "--layers", "2", "--device", "cpu",
                         "--out", str(tmp_path / "out"), "--dir", str(tmp_path / "ckpt")],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-3000:]
@@ -883,7 +883,7 @@ def test_checkpoint_bench_runs_on_cpu(tmp_path):
 def test_gemm_bench_names_bad_token_counts_and_needs_hopper(tmp_path):
     """bench/gemm.py: a token count that is not a positive multiple of 128 is a usage error naming the
     value (exit 2, nothing written); on a host without an SM90 GPU it stops with what it needs."""
-    bench = [sys.executable, str(REPO / "bench/gemm.py"), "--out", str(tmp_path)]
+    bench = [sys.executable, "-m", "bench.gemm", "--out", str(tmp_path)]
     for bad in ("100", "8192,abc", "0"):
         p = subprocess.run([*bench, "--tokens", bad], capture_output=True, text=True)
         assert p.returncode == 2 and f"error: --tokens {bad}: each must be a positive multiple of 128" in p.stderr
@@ -897,7 +897,7 @@ def test_gemm_bench_names_bad_token_counts_and_needs_hopper(tmp_path):
 def test_host_speed_prints_one_json_line_of_facts_and_times():
     """bench/host_speed.py: one JSON line with the host's CPU facts and each timing, positive numbers (no
     figure is pinned: they are the host's)."""
-    p = subprocess.run([sys.executable, str(REPO / "bench/host_speed.py")], capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "bench.host_speed"], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     (line,) = p.stdout.strip().splitlines()
     out = json.loads(line)
@@ -910,7 +910,7 @@ def test_host_speed_prints_one_json_line_of_facts_and_times():
 def test_attention_bench_names_bad_counts_and_needs_a_gpu(tmp_path):
     """bench/attention.py: a count below 1 is a usage error naming the flag (exit 2); without CUDA it stops
     with what it needs; nothing written either way."""
-    bench = [sys.executable, str(REPO / "bench/attention.py"), "--out", str(tmp_path)]
+    bench = [sys.executable, "-m", "bench.attention", "--out", str(tmp_path)]
     p = subprocess.run([*bench, "--multiple", "0"], capture_output=True, text=True)
     assert p.returncode == 2 and "error: --multiple 0: give a positive integer" in p.stderr
     p = subprocess.run([*bench, "--steps", "1", "--prompts", "1"], capture_output=True, text=True, timeout=600)

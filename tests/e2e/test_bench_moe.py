@@ -3,7 +3,6 @@ the same shape as model.tiny overrides (scripts/flagship_check.py, bench/alignme
 flagship runs' plan and command lines (router replay on/off, --moe-layers) as the config loader reads
 them, and the rollout worker on the MoE shape (--dry-run engine)."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -17,17 +16,11 @@ from bench import rollout as br
 from bench import runner
 from config import load_config
 from modeling import build_char_tokenizer, build_tiny_model
+from scripts import common
+from scripts import flagship_check as fc
 
-REPO = Path(__file__).resolve().parents[2]
 MOE = "qwen3-30b-a3b"
 LAYER, OUTER = 623_120_640, 622_331_904  # parameters of one decoder layer; embeddings + lm_head + final norm
-
-
-def _flagship():
-    spec = importlib.util.spec_from_file_location("flagship_check", REPO / "scripts/flagship_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_moe_shape_is_qwen3_30b_a3b_cut():
@@ -63,7 +56,6 @@ def test_tiny_override_builds_the_same_model(layers):
 def test_flagship_moe_plan_and_commands(tmp_path):
     """--configs moe expands to the three configs, each run per --router-replay value; the command line a
     run gets loads (train_grpo.py's loader) with the shipped config's settings at the cut shape."""
-    fc = _flagship()
     assert [r[0] for r in fc.plan("moe", ["on", "off"])] == [
         "qwen3_30b_a3b_bf16", "qwen3_30b_a3b_bf16_noreplay", "qwen3_30b_a3b_fp8", "qwen3_30b_a3b_fp8_noreplay",
         "qwen3_30b_a3b_fp8_kv", "qwen3_30b_a3b_fp8_kv_noreplay"]
@@ -86,13 +78,12 @@ def test_flagship_moe_plan_and_commands(tmp_path):
         assert cfg.train.run_name == run and cfg.rollout.max_new_tokens == 1024
     # the 8B configs' command is unchanged: their family's shape, no layer override
     cmd = fc.command("llama31_8b_fp8", "x", [], fc.SHORT_RUN, 2, tmp_path, 8, [])
-    assert cmd[4] == f"model.tiny={fc.SHAPES['llama']}" and cmd[5] == fc.SHORT_RUN[0]
+    assert cmd[4] == f"model.tiny={common.SHAPES['llama']}" and cmd[5] == fc.SHORT_RUN[0]
 
 
 def test_flagship_moe_rows(tmp_path):
     """A MoE run's row carries the routing mismatch; --time-limit too short starts nothing and says so;
     an unknown config is a one-line error before anything is written."""
-    fc = _flagship()
     step = {"time/step": 30.0, "time/rollout": 9.0, "time/refit": 0.5, "mem/peak_gib": 120.0,
             "optim/changed_frac": 0.995, "mismatch/token_mult_prob_error": 1.6, "probe/policy_gain": 0.01,
             "moe/routing_mismatch": 0.0312, "moe/routing_mismatch_tokens": 0.21}
@@ -104,7 +95,7 @@ def test_flagship_moe_rows(tmp_path):
     assert "routing_mismatch" not in fc.row("qwen3_8b_fp8", [{k: v for k, v in step.items()
                                                               if not k.startswith("moe/")}], [], 1.0, 0)
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, str(REPO / "scripts/flagship_check.py"), "--configs", "qwen3_30b_a3b_bf16",
+    p = subprocess.run([sys.executable, "-m", "scripts.flagship_check", "--configs", "qwen3_30b_a3b_bf16",
                         "--router-replay", "on,off", "--time-limit", "5", "--out", str(out)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr
@@ -112,7 +103,7 @@ def test_flagship_moe_rows(tmp_path):
     assert [(x["config"], x["rc"]) for x in rows] == [("qwen3_30b_a3b_bf16", "not started (--time-limit)"),
                                                       ("qwen3_30b_a3b_bf16_noreplay", "not started (--time-limit)")]
     bad = tmp_path / "bad"
-    p = subprocess.run([sys.executable, str(REPO / "scripts/flagship_check.py"), "--configs", "qwen3_30b_a3b_fp9",
+    p = subprocess.run([sys.executable, "-m", "scripts.flagship_check", "--configs", "qwen3_30b_a3b_fp9",
                         "--out", str(bad)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("error: --configs") and "fp9" in p.stderr and not bad.exists()
 
@@ -128,9 +119,9 @@ def test_alignment_moe_shape_and_children():
     assert (dense.arch, dense.num_layers, dense.hidden_size) == ("llama", 8, 1024)
     assert load_config(None, ba.shape(False, 3)).model.tiny.num_layers == 3
     args = ba.build_parser().parse_args(["--moe", "--layers", "6", "--prompts", "8"])
-    child = ba.build_parser().parse_args(ba.child_argv(args, "fp8", Path("/r.jsonl"))[2:])
+    child = ba.build_parser().parse_args(ba.child_argv(args, "fp8", Path("/r.jsonl"))[3:])
     assert child.moe and child.layers == 6 and child.prompts == 8 and child.mode == "fp8" and child.records == "/r.jsonl"
-    assert not ba.build_parser().parse_args(ba.child_argv(ba.build_parser().parse_args([]), "bf16", Path("/r"))[2:]).moe
+    assert not ba.build_parser().parse_args(ba.child_argv(ba.build_parser().parse_args([]), "bf16", Path("/r"))[3:]).moe
 
 
 def test_rollout_worker_on_the_moe_shape(tmp_path):

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.step import add_speedups, first_step_times, summarize
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from bench.step import add_speedups, first_step_times, summarize  # noqa: E402
 
 
 def test_summary_is_the_median_of_timed_steps():
@@ -32,7 +32,7 @@ def test_summary_is_the_median_of_timed_steps():
 
 
 def test_driver_runs_each_mode_and_writes_results(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "bench/step.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"),
+    p = subprocess.run([sys.executable, "-m", "bench.step", "--config", str(ROOT / "configs/tiny_cpu.yaml"),
                         "--modes", "bf16,fp8kv", "--steps", "2", "--out", str(tmp_path), "--runs", str(tmp_path / "runs"),
                         "train.val_every=0", "rollout.prompts_per_step=4", "train.micro_batch_size=32",
                         "log.tensorboard=false", "log.profile_step=1", "log.profile_rollout=false"],
@@ -54,7 +54,7 @@ def test_merge_combines_per_gpu_files_and_recomputes_speedups(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(doc("H200", [{"workload": "w", "mode": "bf16", "step_s": 6.0}])))
     (tmp_path / "b.json").write_text(json.dumps(doc("H200", [{"workload": "w", "mode": "fp8kv", "step_s": 4.0}])))
     (tmp_path / "c.json").write_text(json.dumps(doc("H100", [])))
-    cmd = [sys.executable, str(ROOT / "bench/step.py"), "--out", str(tmp_path / "out"), "--merge"]
+    cmd = [sys.executable, "-m", "bench.step", "--out", str(tmp_path / "out"), "--merge"]
     p = subprocess.run([*cmd, str(tmp_path / "a.json"), str(tmp_path / "b.json")], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     merged = json.loads((tmp_path / "out/step.json").read_text())
@@ -71,7 +71,7 @@ def test_scaling_plot_reads_both_sources_and_reports_speedups(tmp_path):
     recs = [{"step": 0, "time/step": 60.0}, {"step": 1, "time/step": 4.0, "time/train": 1.5},
             {"step": 2, "time/step": 2.0, "time/train": 1.5}]  # median of timed steps: 3.0 s
     (tmp_path / "m.jsonl").write_text("\n".join(map(json.dumps, recs)))
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/plot_scaling.py"), "--one", str(tmp_path / "step.json"),
+    p = subprocess.run([sys.executable, "-m", "scripts.plot_scaling", "--one", str(tmp_path / "step.json"),
                         "--match", "micro-batch 16", "--two", f"2 GPUs={tmp_path / 'm.jsonl'}", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr

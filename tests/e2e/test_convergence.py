@@ -11,9 +11,9 @@ import pytest
 
 from config import load_config
 
+from scripts import plot_runs
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import plot_runs  # noqa: E402
 
 ABLATIONS = {  # name: (fp8.train, fp8.rollout, fp8.kv_cache, loss.is_correction)
     "bf16": (False, False, False, "tis"),

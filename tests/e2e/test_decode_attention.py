@@ -14,7 +14,6 @@ import torch
 
 from bench import decode_attention as da
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("argv, needle", [
@@ -44,7 +43,7 @@ def test_defaults_are_the_8b_decode_shape():
 
 def test_without_cuda_exits_with_its_message(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    r = subprocess.run([sys.executable, str(REPO / "bench/decode_attention.py"), "--out", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "bench.decode_attention", "--out", str(tmp_path)],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1, r.stderr[-2000:]
     assert "needs a CUDA GPU" in r.stderr.strip().splitlines()[-1]

@@ -10,12 +10,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import kv_mismatch  # noqa: E402
-import qkv_rounding  # noqa: E402
+from config import load_config
+from scripts import common, kv_mismatch, qkv_rounding
 
-from config import load_config  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["--cpu", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model", "tiny", "--prompts", "2", "--n", "4",
         "--max-new-tokens", "8", "--steps", "2"]
@@ -27,7 +25,7 @@ TINY = ["--cpu", "--config", str(ROOT / "configs/tiny_cpu.yaml"), "--model", "ti
     ("fp8kv_triton_norecal", True, "triton", False)])
 def test_command_sets_the_variant_on_gsm8k(tmp_path, variant, kv, attention, recalibrate):
     a = kv_mismatch.build_parser().parse_args(["--model", str(tmp_path), "--prompts", "4", "--n", "2"])
-    data = kv_mismatch.synthetic_gsm8k(tmp_path / "data")
+    data = common.synthetic_gsm8k(tmp_path / "data")
     cmd = kv_mismatch.command(variant, Path(a.config), kv_mismatch.short_run(a, data), tmp_path / "runs", ["optim.lr=1e-6"])
     assert cmd[1:4] == [str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs/gsm8k.yaml")]
     cfg = load_config(cmd[3], cmd[4:])
@@ -83,7 +81,7 @@ def test_end_to_end_on_cpu_then_merge(tmp_path):
     run's per-layer amax (from its kv_calibration.jsonl: the calibration before step 0 and after each
     step); then a call that starts nothing (--time-limit) keeps both rows through --merge."""
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/kv_mismatch.py"), *TINY, "--variants", "bf16,fp8kv_fa3",
+    p = subprocess.run([sys.executable, "-m", "scripts.kv_mismatch", *TINY, "--variants", "bf16,fp8kv_fa3",
                         "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     res = json.loads((out / "kv_mismatch.json").read_text())
@@ -104,7 +102,7 @@ def test_end_to_end_on_cpu_then_merge(tmp_path):
     assert "| bf16 | True | 2 |" in md and "| fp8kv_fa3 | True | 2 |" in md and "| 1 | " in md
 
     again = tmp_path / "again"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/kv_mismatch.py"), *TINY, "--variants", "fp8kv_triton",
+    p = subprocess.run([sys.executable, "-m", "scripts.kv_mismatch", *TINY, "--variants", "fp8kv_triton",
                         "--time-limit", "1", "--merge", str(out / "kv_mismatch.json"), "--out", str(again)],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr[-2000:]                                    # fp8kv_triton did not run
@@ -115,7 +113,7 @@ def test_end_to_end_on_cpu_then_merge(tmp_path):
 
 
 def test_run_logged_stops_a_run_past_its_timeout(tmp_path):
-    """flagship_check.run_logged (each variant's run): the whole process group stopped at the timeout (the
+    """common.run_logged (each variant's run): the whole process group stopped at the timeout (the
     child's own child too), rc 124, the metrics it logged so far; the run dir emptied first."""
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 9}\n')
@@ -125,7 +123,7 @@ def test_run_logged_stops_a_run_past_its_timeout(tmp_path):
             f"pathlib.Path({str(tmp_path / 'run' / 'metrics.jsonl')!r}).write_text(json.dumps({{'step': 0}}) + '\\n'); " \
             "print('started', flush=True); time.sleep(600)"
     t0 = time.time()
-    metrics, rc = kv_mismatch.run_logged([sys.executable, "-c", child], tmp_path / "run", tmp_path / "log", 20)
+    metrics, rc = common.run_logged([sys.executable, "-c", child], tmp_path / "run", tmp_path / "log", 20)
     assert rc == 124 and metrics == [{"step": 0}] and time.time() - t0 < 300  # not the child's 600 s
     assert (tmp_path / "log").read_text() == "started\n"
     status = Path(f"/proc/{(tmp_path / 'grandchild').read_text()}/status")
@@ -135,8 +133,8 @@ def test_run_logged_stops_a_run_past_its_timeout(tmp_path):
 def test_qkv_rounding_on_the_real_model(real_model_dir, tmp_path):
     """scripts/qkv_rounding.py: every case (q, k, v, kv, qkv x calibrated / unit scales) scored on the
     sampled completions; a count below 1 is a one-line error."""
-    script = str(ROOT / "scripts/qkv_rounding.py")
-    p = subprocess.run([sys.executable, script, "--model", str(real_model_dir), "--prompts", "1", "--max-new-tokens", "8",
+    script = [sys.executable, "-m", "scripts.qkv_rounding"]
+    p = subprocess.run([*script, "--model", str(real_model_dir), "--prompts", "1", "--max-new-tokens", "8",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads((tmp_path / "qkv_rounding.json").read_text())
@@ -145,5 +143,5 @@ def test_qkv_rounding_on_the_real_model(real_model_dir, tmp_path):
     assert res["tokens"] > 0 and res["sequences"] == 2 and len(res["scales"]) == 30
     assert all(c["token_mult_prob_error"] >= 1.0 for c in res["cases"])
     assert "| kv | unit |" in (tmp_path / "qkv_rounding.md").read_text()
-    p = subprocess.run([sys.executable, script, "--samples", "0"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run([*script, "--samples", "0"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.strip() == "error: --samples 0: must be >= 1"

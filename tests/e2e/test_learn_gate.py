@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from scripts import learn_gate
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import learn_gate  # noqa: E402
 
 STEPS = 20
 
@@ -124,7 +124,7 @@ def test_gate_end_to_end_on_cpu(tmp_path):
     """2 seeds x {fp8, bf16} x 2 steps of a small tiny_cpu: every run finishes and validates; the gate
     FAILs (2 seeds, and 2 steps do not learn) with exit code 1 and writes its results."""
     out, work = tmp_path / "out", tmp_path / "work"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/learn_gate.py"), "--cpu", "--seeds", "0,1", "--steps", "2",
+    p = subprocess.run([sys.executable, "-m", "scripts.learn_gate", "--cpu", "--seeds", "0,1", "--steps", "2",
                         "--out", str(out), "--work", str(work), "rollout.prompts_per_step=4",
                         "train.micro_batch_size=32", "log.dump_episodes_every=0"],
                        capture_output=True, text=True, timeout=900)
@@ -143,7 +143,7 @@ def test_async_gate_end_to_end_on_cpu(tmp_path):
     """--async on CPU (gloo, HF engine): each fp8_async run is a trainer rank and an engine rank under torchrun,
     and finishes beside its fp8 twin; FAIL (1 seed, no bf16)."""
     out, work = tmp_path / "out", tmp_path / "work"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/learn_gate.py"), "--cpu", "--seeds", "0", "--steps", "2",
+    p = subprocess.run([sys.executable, "-m", "scripts.learn_gate", "--cpu", "--seeds", "0", "--steps", "2",
                         "--modes", "fp8", "--async", "--out", str(out), "--work", str(work), "rollout.prompts_per_step=4",
                         "train.micro_batch_size=32", "log.dump_episodes_every=0"],
                        capture_output=True, text=True, timeout=900)

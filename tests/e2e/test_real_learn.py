@@ -1,5 +1,5 @@
 """scripts/real_learn.py: the task files, the per-run rows and per-mode summary from metrics files, bad input,
---gpus' assignment (round-robin, CUDA_VISIBLE_DEVICES per run through learn_gate.launch_all's env hook), the
+--gpus' assignment (round-robin, CUDA_VISIBLE_DEVICES per run through common.launch_all's env hook), the
 micro-batch and gradient checkpointing settings, and the script end to end on CPU (tiny_cpu's model built
 from scratch, HF engine), with one launcher and with one per --gpus group."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from scripts import common, real_learn
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import real_learn  # noqa: E402
 
 
 def test_task_files_are_held_out_and_deterministic(tmp_path):
@@ -62,7 +62,7 @@ def test_summary_gain_std_and_gap():
     (["--model", "tiny", "--micro-batch", "0"], "error: --micro-batch 0"),
     (["--from-work"], "error: --from-work: ")])
 def test_bad_input_exits_2(tmp_path, argv, says):
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_learn.py"), "--cpu", "--config",
+    p = subprocess.run([sys.executable, "-m", "scripts.real_learn", "--cpu", "--config",
                         str(ROOT / "configs/tiny_cpu.yaml"), "--out", str(tmp_path / "out"), "--work",
                         str(tmp_path / "work"), *argv], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and says in p.stderr, p.stderr[-2000:]
@@ -93,7 +93,7 @@ def test_micro_batch_and_gradient_checkpointing():
 
 
 def test_dry_run_prints_each_runs_gpu(tmp_path):
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_learn.py"), "--model", "tiny", "--dry-run", "--gpus",
+    p = subprocess.run([sys.executable, "-m", "scripts.real_learn", "--model", "tiny", "--dry-run", "--gpus",
                         "0,1,2,3", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -107,8 +107,7 @@ def test_dry_run_prints_each_runs_gpu(tmp_path):
 
 
 def test_launch_all_env_hook_and_run_list(tmp_path, monkeypatch):
-    """learn_gate.launch_all with args.runs and args.env (what --gpus passes), its process start faked."""
-    import learn_gate
+    """common.launch_all with args.runs and args.env (what --gpus passes), its process start faked."""
     started = []
 
     class Done:
@@ -119,12 +118,12 @@ def test_launch_all_env_hook_and_run_list(tmp_path, monkeypatch):
 
         def poll(self):
             return 0
-    monkeypatch.setattr(learn_gate.subprocess, "Popen", Done)
+    monkeypatch.setattr(common.subprocess, "Popen", Done)
     gate = argparse.Namespace(seeds=[0, 1], modes=["fp8kv", "bf16"], runs=[("bf16", 1), ("fp8kv", 0)],
                               env={"CUDA_VISIBLE_DEVICES": "3"}, deadline_s=60, threads=1, max_concurrent=8,
                               stagger=False, stagger_timeout_s=1, config=ROOT / "configs/tiny_cpu.yaml",
                               run_overrides=[], mode_overrides={"fp8kv": [], "bf16": []}, extra=[])
-    runs = learn_gate.launch_all(gate, tmp_path, time.time())
+    runs = common.launch_all(gate, tmp_path, time.time())
     assert list(runs) == [("bf16", 1), ("fp8kv", 0)] and all(r["rc"] == 0 for r in runs.values())
     assert [e["CUDA_VISIBLE_DEVICES"] for _, e in started] == ["3", "3"]
     assert "train.run_name=bf16_s1" in started[0][0] and "train.seed=1" in started[0][0]
@@ -133,7 +132,7 @@ def test_launch_all_env_hook_and_run_list(tmp_path, monkeypatch):
 @pytest.mark.parametrize("gpus", [[], ["--gpus", "0,1"]], ids=["one-launcher", "per-gpu-launchers"])
 def test_end_to_end_on_cpu(tmp_path, gpus):
     out, work = tmp_path / "out", tmp_path / "work"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_learn.py"), "--cpu", "--model", "tiny", "--config",
+    p = subprocess.run([sys.executable, "-m", "scripts.real_learn", "--cpu", "--model", "tiny", "--config",
                         str(ROOT / "configs/tiny_cpu.yaml"), "--seeds", "0", "--steps", "2", "--prompts", "4",
                         "--n", "4", "--max-new-tokens", "4", "--out", str(out), "--work", str(work), *gpus,
                         "train.micro_batch_size=16"], capture_output=True, text=True, timeout=600)
@@ -152,7 +151,7 @@ def test_end_to_end_on_cpu(tmp_path, gpus):
         assert {"real_learn.json", "real_learn.md", "fp8kv_s0_metrics.jsonl", "bf16_s0.log"} <= set(tar.getnames())
     # a call cut before its summary: --from-work writes the same table from the run dirs, launching nothing
     again = tmp_path / "again"
-    p = subprocess.run([sys.executable, str(ROOT / "scripts/real_learn.py"), "--from-work", "--config",
+    p = subprocess.run([sys.executable, "-m", "scripts.real_learn", "--from-work", "--config",
                         str(ROOT / "configs/tiny_cpu.yaml"), "--seeds", "0", "--steps", "2", "--out", str(again),
                         "--work", str(work), *gpus], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

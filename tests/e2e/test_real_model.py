@@ -33,7 +33,7 @@ from test_distributed import torchrun
 from test_real_data import _jsonl
 from test_resume import by_step
 
-SCRIPT = ROOT / "scripts/real_model.py"
+SCRIPT = [sys.executable, "-m", "scripts.real_model"]
 # GSM8K's row format, problems a 135M model answers in a few tokens (GSM8K's own take it hundreds)
 ROWS = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does he have now?",
          "answer": f"Tom has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}
@@ -79,7 +79,7 @@ def run(real_model_dir, data, tmp_path_factory) -> Path:
 
 
 def script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=900)
+    return subprocess.run([*SCRIPT, *args], capture_output=True, text=True, timeout=900)
 
 
 # ------------------------------------------------------------------------------ the converted dir

@@ -14,9 +14,9 @@ from data import load_splits, render_prompt, reward_last_number, synthetic_arith
 from modeling import build_char_tokenizer
 from rewards import math_reward
 
+from scripts import sft
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import sft  # noqa: E402
 
 TASK = ROOT / "configs/ablations/base.yaml"
 

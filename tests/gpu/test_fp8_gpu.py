@@ -486,7 +486,7 @@ def test_fp8_all_gather_under_fsdp2_computes_the_same_logprobs(tmp_path):
     wide = ["model.tiny.hidden_size=256", "model.tiny.intermediate_size=512", "model.tiny.num_heads=8",
             "model.tiny.num_kv_heads=8"]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "bench/trainer_pass.py", "--config", "configs/tiny_cpu.yaml", "--set", *wide, "--rows", "2",
+                        "-m", "bench.trainer_pass", "--config", "configs/tiny_cpu.yaml", "--set", *wide, "--rows", "2",
                         "--prompt", "5", "--response", "250", "--iters", "2", "--compile", "--modes", "fp8,fp8_cached",
                         "--out", str(tmp_path)], capture_output=True, text=True, cwd=repo, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]

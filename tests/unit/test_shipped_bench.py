@@ -2,27 +2,19 @@
 (n, generation budget, micro-batch, optimizer steps per step), and the pair rows of
 bench/results/shipped_<gpu>.json."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from config import load_config
+from scripts import flagship_check as fc
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _flagship():
-    spec = importlib.util.spec_from_file_location("flagship_check", REPO / "scripts/flagship_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.parametrize("config", ["llama31_8b_fp8", "llama31_8b_bf16", "qwen3_8b_fp8_kv", "qwen3_8b_bf16"])
 def test_shipped_run_keeps_the_configs_own_workload(config):
-    fc = _flagship()
     own = load_config(REPO / "configs" / f"{config}.yaml")
     cfg = load_config(REPO / "configs" / f"{config}.yaml", fc.shipped_run(config, 8))
     r, t = cfg.rollout, cfg.train
@@ -36,7 +28,6 @@ def test_shipped_run_keeps_the_configs_own_workload(config):
 
 
 def test_shipped_rows_pair_runs_of_one_gpu_kind():
-    fc = _flagship()
     run = {"ok": True, "step_s": 100.0, "rollout_s": 60.0, "mem_peak_gib": 120.0, "gpu": "H200", "workload": "w",
            "date": "2026-11-26", "command": "c"}
     results = [{**run, "config": "llama31_8b_bf16", "step_s": 125.0}, {**run, "config": "llama31_8b_fp8"},
@@ -59,7 +50,6 @@ def test_a_run_row_holds_steps_that_moved_no_weight():
     """A step with no gradient to move the weights (all advantages 0) logs no optim/changed_frac: the
     run's row says None (the smallest share over the steps that have one) instead of stopping the whole
     bench, whose other runs' rows would be lost."""
-    fc = _flagship()
     step = {"time/step": 10.0, "time/rollout": 4.0, "mismatch/token_mult_prob_error": 1.5}
     assert fc.row("a", [step], [], 12.0, 0)["changed_frac"] is None
     r = fc.row("a", [step, {**step, "optim/changed_frac": 0.98}, {**step, "optim/changed_frac": 0.99}], [], 12.0, 0)
@@ -71,7 +61,6 @@ def test_a_run_row_carries_the_memory_models_peaks(tmp_path):
     import memory
     from test_memory import QWEN3_8B, H100, cfg
 
-    fc = _flagship()
     e = memory.estimate(QWEN3_8B, cfg("qwen3_8b_fp8_kv", "rollout.gpu_memory_utilization=0.4"), 2, H100)
     log = tmp_path / "run.log"
     log.write_text("INFO vllm noise\n" + "\n".join(f"[rank0]: {line}" for line in memory.describe(e).splitlines()))
@@ -89,7 +78,6 @@ def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
     import json
     import sys
 
-    fc = _flagship()
     fake = tmp_path / "fake_train.py"
     fake.write_text(
         "import json, os, sys, time\n"
@@ -117,7 +105,6 @@ def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
 
 
 def test_ranks_launch_through_torchrun_and_group_the_gpus():
-    fc = _flagship()
     one = fc.command("llama31_8b_fp8", "a", [], [], 2, Path("/r"), 12, [])
     two = fc.command("llama31_8b_fp8", "a", [], [], 2, Path("/r"), 12, [], ranks=2)
     assert one[1].endswith("train_grpo.py") and two[1:5] == ["-m", "torch.distributed.run", "--standalone",
@@ -133,7 +120,7 @@ def test_merge_names_an_override_it_swallowed(tmp_path):
     import sys
 
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, str(REPO / "scripts/flagship_check.py"), "--shipped", "--out", str(out),
+    p = subprocess.run([sys.executable, "-m", "scripts.flagship_check", "--shipped", "--out", str(out),
                         "--configs", "qwen3_8b_bf16", "--merge", "rollout.gpu_memory_utilization=0.4"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and not out.exists()
@@ -147,7 +134,6 @@ def test_async_runs_each_config_synchronous_and_async_on_two_gpus(tmp_path, monk
     import json
     import sys
 
-    fc = _flagship()
     assert fc.plan("llama31_8b_fp8", ["on"], 0.9) == [
         ("llama31_8b_fp8", "llama31_8b_fp8", []),
         ("llama31_8b_fp8_async", "llama31_8b_fp8", ["rollout.mode=async", "rollout.gpu_memory_utilization=0.9"])]
@@ -179,7 +165,7 @@ def test_async_needs_shipped(tmp_path):
     import subprocess
     import sys
 
-    p = subprocess.run([sys.executable, str(REPO / "scripts/flagship_check.py"), "--async", "--out", str(tmp_path / "o"),
+    p = subprocess.run([sys.executable, "-m", "scripts.flagship_check", "--async", "--out", str(tmp_path / "o"),
                         "--configs", "llama31_8b_fp8"], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.startswith("error: --async compares") and not (tmp_path / "o").exists()
 
@@ -199,13 +185,13 @@ def test_plot_shipped_draws_the_last_pair_of_each_config_and_gpu(tmp_path):
            "command": f"{cmd} qwen3_8b_fp8_kv train.micro_batch_size=4 ; {cmd} qwen3_8b_bf16 rollout.gpu_memory_utilization=0.4"}
     path = tmp_path / "shipped_h100.json"
     path.write_text(json.dumps([{**row, "ratio": 0.9, "date": "2026-11-26"}, row]))
-    script = str(REPO / "scripts/plot_shipped.py")
-    out = subprocess.run([sys.executable, script, "--results", str(path), "--out", str(tmp_path / "figs")],
+    script = [sys.executable, "-m", "scripts.plot_shipped"]
+    out = subprocess.run([*script, "--results", str(path), "--out", str(tmp_path / "figs")],
                          capture_output=True, text=True, check=True).stdout
     assert "| qwen3_8b_fp8_kv | 2 x H100 | 2026-11-28 | micro_batch_size=4 | 60.0 | 30.00 | 6.00 | 22.00 | 2.00 | 1.5 |" in out
     assert "| qwen3_8b_bf16 | 2 x H100 | 2026-11-28 | gpu_memory_utilization=0.4 | 90.0 |" in out  # its own
     assert "2026-11-26" not in out and (tmp_path / "figs/shipped_pairs.png").stat().st_size > 0
-    bad = subprocess.run([sys.executable, script, "--results", str(tmp_path / "missing.json")],
+    bad = subprocess.run([*script, "--results", str(tmp_path / "missing.json")],
                          capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --results") and len(bad.stderr.splitlines()) == 1
 
