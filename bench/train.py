@@ -22,7 +22,7 @@ a set of FP8Config overrides (STACK_MODES), built and timed one after another in
                and gate/up one GEMM each (fuse_projections), silu*mul inside the FP8 quantization of
                down_proj's input (fuse_swiglu)
   fp8_unfused  fp8 with fuse_projections=False: one GEMM (and one input quantization) per linear; as
-               in the trainer, no fp8/fast kernels then (trainer.fp8_model)
+               in the trainer, no fp8/fast kernels then (run_setup.fp8_model)
   fp8_two_pass (ablation) torchao's separate 1x128 and 128x1 quantizers (two reads of x and of
                grad_out) instead of fp8/fast/kernels.py's quant_dual (one), without fuse_swiglu
   fp8_cached   fp8.cache_weights: each weight quantized once per optimizer step, not in every

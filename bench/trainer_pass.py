@@ -21,7 +21,7 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
                  pass's default): its time and memory against the fused head
   <mode> calib   (--calib) the `<mode>` variant with its logprobs calls inside one q/k/v amax capture
                  (fp8.calib_pass=logprobs: what recording costs the logprobs pass; the train pass as `<mode>`)
-Modes: bf16, then fp8 (trainer.fp8_model of the same model; torchao on Hopper),
+Modes: bf16, then fp8 (run_setup.fp8_model of the same model; torchao on Hopper),
 then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps),
 then fp8_acc (fp8_cached + fp8.fuse_grad_accum: each FP8 wgrad GEMM adds into the weight's gradient buffer).
 --accumulate: the gradients are kept from one train call to the next, so each call after the first adds
@@ -33,7 +33,7 @@ only the `<mode>` variant (the others would add graphs); the first calls of a mo
 variant first runs both passes 128 tokens shorter, so compiled layers time their length-generic graphs (the
 trainer's: its micro-batches differ in length) instead of graphs specialized to this one length.
 Under torchrun with several ranks (FSDP2, the 80 GB recipe), each mode builds its own model and prepares
-it as the trainer does (trainer.prepare_trainer: FP8 conversion, compile, fully_shard; fp8_cached: with
+it as the trainer does (run_setup.prepare_trainer: FP8 conversion, compile, fully_shard; fp8_cached: with
 fp8.cache_weights, i.e. the weights all-gathered in FP8 from shards quantized once, fp8/fast/gather.py),
 and only the padded variants run: every rank the same micro-batch, the times rank 0's, the all-gathers
 and gradient reduce-scatters of each pass inside them, e.g.

@@ -6,7 +6,7 @@ a shipped config's workload: what those two phases cost apart from the rollout, 
         --prompts 8 --set rollout.gpu_memory_utilization=0.4 train.micro_batch_size=4 train.fused_head=true
     ... --engine     # the config's vLLM engine built first and left asleep in the process, as train_grpo.py has it
 
-What runs is the trainer's own code: trainer.prepare_trainer (FP8, compile, FSDP2), the optimizer,
+What runs is the trainer's own code: run_setup.prepare_trainer (FP8, compile, FSDP2), the optimizer,
 trainer.assemble_batch, trainer.old_logprob_phase and trainer.train_phase, unchanged. The batch:
 --prompts prompts (split over the ranks) x the config's rollout.n samples, --prompt random prompt tokens
 each, response lengths log-normal as `scripts/flagship_check.py --shipped` draws them (median 1,400,

@@ -36,7 +36,7 @@ accuracy on the first train.val_max_prompts GRPO validation problems (what GRPO'
 val/accuracy should reproduce), and on the validation sets GRPO would use at each level of the
 mix (also never trained on), written with the loss history to <out>/sft_metrics.json.
 
---warm-fp8: build the same-shaped model, convert it as the trainer does (trainer.fp8_model) and
+--warm-fp8: build the same-shaped model, convert it as the trainer does (run_setup.fp8_model) and
 run forward/backward passes, so that torchao's Triton kernels are compiled and autotuned into
 Triton's disk cache (fp8.torchao.keep_triton_autotuning). scripts/convergence.sh runs it next to the
 SFT so the FP8 GRPO runs skip the ~100 s first-step autotune.

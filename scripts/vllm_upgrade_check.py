@@ -1,8 +1,8 @@
 """Would the recipe start on another vLLM? Checked from that release's source, without importing it.
 
-    python -m scripts.vllm_upgrade_check                        # the installed vLLM
-    pip download vllm==0.34.0 --no-deps -d /tmp/w                 # a newer release, any torch
-    python -m scripts.vllm_upgrade_check --wheel /tmp/w/vllm-0.34.0-*.whl
+    python -m scripts.vllm_upgrade_check                          # the installed vLLM
+    pip download vllm==0.34.0 --no-deps -d wheels                  # a newer release, any torch
+    python -m scripts.vllm_upgrade_check --wheel wheels/vllm-0.34.0-*.whl
 
 1. The engine arguments every shipped config builds (engines.vllm.vllm_engine_kwargs, single GPU and under
    torchrun) against that release's EngineArgs fields, and the SamplingParams keywords of
