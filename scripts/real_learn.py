@@ -28,6 +28,9 @@ the last at +366 s, and no run finished in 540 s):
     run, one learn_gate launcher per GPU so the one-engine-start-at-a-time stagger holds per GPU.
     --max-concurrent counts per GPU. The ids are physical: each run's CUDA_VISIBLE_DEVICES replaces
     the caller's.
+  - --kv-cache-gib (rollout.kv_cache_gib): each engine gets a fixed KV cache, so no start profiles free
+    memory (a neighbour's allocation during that profile lost a run before) and all engines start at once
+    instead of one after another (6 staggered starts took over 5 minutes on an H200).
 Not yet measured with these settings.
 
 Step 0's greedy validation is the same for every seed of a mode (one model, the same held-out
@@ -146,7 +149,8 @@ def run_overrides(args, data: Path) -> list[str]:
            "log.dump_episodes_every=0"]
     if args.model == "tiny":  # a char tokenizer: no chat template, and the task's characters in its vocabulary
         run += ["data.template=plain", "model.tiny.vocab=" + "".join(map(chr, range(32, 127))) + "\n"]
-    return run + (CPU if args.cpu else [f"rollout.gpu_memory_utilization={args.gpu_share}", "rollout.sleep_mode=false"])
+    return run + (CPU if args.cpu else [f"rollout.gpu_memory_utilization={args.gpu_share}", "rollout.sleep_mode=false",
+                                        f"rollout.kv_cache_gib={args.kv_cache_gib}"])
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -227,6 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work", default="/tmp/real_learn_runs", help="run dirs (emptied first)")
     p.add_argument("--deadline-s", type=float, default=570, help="stop runs still going this long after the start")
     p.add_argument("--gpu-share", type=float, default=0.06, help="rollout.gpu_memory_utilization of each run")
+    p.add_argument("--kv-cache-gib", type=float, default=1.5,
+                   help="rollout.kv_cache_gib of each run: a fixed KV cache, so an engine's start skips vLLM's\n"
+                   "free-memory profile, which a neighbour's allocation can fail, and starts need no stagger\n"
+                   "(1.5 GiB holds a step's 32 x 8 sequences of 176 tokens at SmolLM2's 22.5 KiB a token);\n"
+                   "0: sized by --gpu-share, starts staggered one at a time")
     p.add_argument("--gpus", default="", help="GPU ids, like 0,1,2,3: runs round-robin over them (CUDA_VISIBLE_DEVICES\n"
                    "per run), engine starts staggered per GPU (default: one GPU, the environment's)")
     p.add_argument("--micro-batch", type=int, default=64,
@@ -263,6 +272,8 @@ def check_args(args) -> None:
             fail(f"--{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     if not args.lr > 0:
         fail(f"--lr {args.lr}: must be > 0")
+    if args.kv_cache_gib < 0:
+        fail(f"--kv-cache-gib {args.kv_cache_gib}: must be >= 0 (0 = sized by --gpu-share)")
     if args.micro_batch < 1:
         fail(f"--micro-batch {args.micro_batch}: must be >= 1")
     args.gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
@@ -290,7 +301,8 @@ def launch(args, run: list[str], work: Path, gpu_of: dict, t0: float) -> dict:
         gate = argparse.Namespace(seeds=args.seeds, modes=args.modes, runs=runs, deadline_s=args.deadline_s,
                                   threads=args.threads, env={} if g is None else {"CUDA_VISIBLE_DEVICES": g},
                                   max_concurrent=min(args.max_concurrent, 2) if args.cpu else args.max_concurrent,
-                                  stagger=not args.cpu, stagger_timeout_s=args.stagger_timeout_s,
+                                  stagger=not args.cpu and not args.kv_cache_gib,
+                                  stagger_timeout_s=args.stagger_timeout_s,
                                   config=Path(args.config).resolve(), run_overrides=run, mode_overrides=MODES,
                                   extra=args.overrides)
         calls.append(gate)
