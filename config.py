@@ -9,7 +9,9 @@
 * Unknown keys, wrong types and bad enum values raise `ConfigError` naming the key, so a typo
   fails at start-up instead of an hour into a run.
 
-Every field carries its doc as an attribute docstring (the string on the line below it).
+Every field carries its doc as an attribute docstring (the string on the line below it). A component's
+settings live beside it (`fp8/config.py`, `rollout.py`'s RolloutConfig, `losses/`'s LossConfig and
+AdvantageConfig); this module assembles them into `Config`, loads and checks them.
 """
 
 import dataclasses
@@ -27,7 +29,9 @@ from errors import UserError
 from losses.advantages import AdvantageConfig
 from losses.grpo import LossConfig
 from models import FAMILIES
+from fp8.config import FP8Config
 from rewards import REWARDS
+from rollout import RolloutConfig
 
 
 class ConfigError(UserError):
@@ -139,165 +143,6 @@ class DataConfig:
     (datasets streaming + take), so a 1M-row dataset is not downloaded whole."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     seed: int = 0
-
-
-@dataclass
-class RolloutConfig:
-    engine: Literal["hf", "vllm"] = "hf"
-    prompts_per_step: int = 32
-    n: int = 8
-    """Samples per prompt (the GRPO group size)."""
-    temperature: float = 1.0
-    top_p: float = 1.0
-    """Keep 1.0 for RL: the trainer scores tokens without the top-p mask."""
-    max_new_tokens: int = 256
-    ignore_eos: bool = False
-    """Benchmarks only: every sample runs to max_new_tokens (vLLM engine; fixed-length workloads)."""
-    ignore_eos_median: int = 0
-    """Benchmarks with ignore_eos: 0 = every sample is max_new_tokens long; N > 0 = each sample's
-    length is drawn from a log-normal with median N tokens and sigma ignore_eos_sigma, cut at
-    max_new_tokens (the cut tail is the truncated share), the same draw for every engine and precision
-    (seeded by the step's seed): a reasoning-RL length distribution on random weights."""
-    ignore_eos_sigma: float = 0.6
-    # vLLM knobs
-    gpu_memory_utilization: float = 0.5
-    """vLLM's share of the GPU's memory while it is awake (weights + activations + KV cache; the KV
-    cache gets the rest). With sleep_mode the trainer then holds only parameters and optimizer
-    states: gradients are freed after the update and PyTorch's cached blocks are returned before
-    vLLM wakes. So on one GPU up to ~1 - (params + optimizer states [+ KL reference] + 3 GB) / total (8B, bf16
-    params + AdamW on 80 GB: ~0.35; on 141 GB: ~0.6); the more, the more sequences decode at once."""
-    sleep_mode: bool = True
-    """Release vLLM's weights and KV cache while the trainer runs (colocated on one GPU)."""
-    enforce_eager: bool = False
-    max_model_len: int = 0
-    """0 = max prompt tokens + max_new_tokens."""
-    block_size: int = 0
-    """vLLM's KV-cache page in tokens, a multiple of 16; 0 = vLLM's default (16)."""
-    max_num_seqs: int = 0
-    """vLLM's cap on sequences decoding at once; 0 = vLLM's default (1024 on 80-141 GB cards). A batch
-    larger than the KV cache holds makes vLLM preempt and recompute sequences, so the 8B configs, with
-    2048 samples per step, cap it below vLLM's default
-    (docs/results.md#capping-the-decode-batch-rolloutmax_num_seqs-2026-11-26-4-x-nvidia-h200)."""
-    kv_cache_gib: float = 0.0
-    """vLLM's KV cache in GiB (its kv_cache_memory_bytes); 0 = what gpu_memory_utilization leaves. A fixed
-    size skips vLLM's free-memory profile at start, so engines started side by side on one GPU (several
-    runs, or a neighbour allocating) cannot fail its "memory changed during profiling" check; weights +
-    activations + this must fit. vLLM still refuses to start unless gpu_memory_utilization x the card is
-    free at that moment, so beside neighbours set that share to what this engine needs, not more."""
-    tensor_parallel_size: int = 1
-    """vLLM tensor parallelism over consecutive torchrun ranks (a group of this many ranks holds one
-    engine, sharded; for a model whose weights + KV do not fit one GPU's share). The group generates
-    its ranks' prompts together and each rank trains on its own; must divide the world size. The HF
-    engine (CPU) runs the same data flow with every rank of a group generating the group's prompts."""
-    mode: Literal["colocated", "async"] = "colocated"
-    """colocated: every rank generates its own prompts, then trains on them (engine and trainer take
-    turns on each GPU). async: the last rollout.engine_ranks ranks only generate, the others only
-    train, and the engines generate the next step's batch while the trainer trains on this one, with
-    weights up to rollout.max_staleness optimizer steps old (engines/remote.py; a vLLM engine rank
-    holds a whole GPU, so set rollout.gpu_memory_utilization for that). The importance
-    weight already uses the engine's own logprobs, so the one-step-old policy is corrected like any
-    engine/trainer mismatch (loss.is_correction); rollout/staleness logs the lag. That covers a small
-    policy step, not a large one: on tiny_cpu the lag cost nothing at lr 3e-4 but lost final
-    accuracy at lr 1e-3 (docs/results.md#asynchronous-rollouts-on-cpu-2026-11-27-2-core-dev-machine)."""
-    engine_ranks: int = 1
-    """rollout.mode=async: how many of the torchrun ranks (the last ones) run engines; each serves the
-    trainer ranks r with r % engine_ranks == its index."""
-    max_staleness: int = 1
-    """rollout.mode=async: optimizer steps the generating weights may lag the trainer's. 1: the
-    engines generate step t+1 with the weights of step t while the trainer trains step t. 0: they wait
-    for the newest weights (the synchronous loop's samples, on separate ranks). One batch is in flight
-    at a time, so larger values would not overlap more."""
-    hf_cpu_threads: int = 1
-    """HF engine on CPU: intra-op threads while it generates (the trainer keeps torch's setting);
-    0 = torch's setting. Decoding runs hundreds of small ops per token (a few rows each), where
-    OpenMP's fork/join costs more than a second core gains, and on a host shared with other work a
-    descheduled thread stalls every op by a time slice
-    (docs/results.md#the-hf-engine-on-cpu-one-intra-op-thread-2026-11-26-2-core-dev-machine)."""
-    seed: int = 0
-
-
-@dataclass
-class FP8Config:
-    train: bool = False
-    """Trainer linears in block-wise FP8 (torchao on SM90, exact emulation elsewhere)."""
-    rollout: bool = False
-    """Engine linears in block-wise W8A8 FP8, weights quantized by fp8/quant.py."""
-    kv_cache: bool = False
-    """FP8 KV cache + FP8 attention in the engine (needs q/k/v scales: see recalibrate)."""
-    kv_attention: Literal["fa3", "triton", "xqa"] = "fa3"
-    """Engine attention over the FP8 KV cache. fa3: FlashAttention 3 in FP8 (q and P quantized too).
-    triton: vLLM's Triton attention (q/k/v scales read from device tensors, so per-step
-    recalibration reaches it inside CUDA graphs), slower than fa3 at decode
-    (docs/results.md#the-decode-step-by-kernel-kind). Not BF16 math: in vLLM 0.26's source its CUDA
-    path also takes q in FP8 (supports_quant_query_input), computes q.K^T on the FP8 tiles and casts P
-    to FP8 for P.V.
-    xqa: vLLM's FlashInfer backend, decode by FlashInfer's XQA kernel with the scales read from device
-    tensors (engines/vllm_internals.py patch_xqa_scales; SM90 only, q scale fixed at 1). It reads the FP8 cache faster than fa3's
-    FP8 kernel at the same mismatch, and the learning gate passes with it
-    (docs/results.md#fp8-decode-attention-kernels-with-scales-on-the-device-2026-11-26-nvidia-h200,
-    docs/results.md#qwen3-with-xqa-decode-at-16-prompts-2026-11-27-4-x-nvidia-h200-141-gb-one-config-per-gpu)."""
-    recalibrate: bool = True
-    """Recompute q/k/v scales from the trainer's attention inputs after every step."""
-    calib_pass: Literal["separate", "logprobs"] = "separate"
-    """Where the per-step q/k/v amax comes from. separate: a no-grad forward of the updated weights
-    over calib_samples rows after the optimizer step (fresh, costs a forward). logprobs: captured in
-    the old_logp forward that runs anyway (free, all rows of the step, but measured on the weights
-    before this step's update, so the next rollout's scales are one optimizer step old)."""
-    keep_bf16: list[str] = field(default_factory=list)
-    """fnmatch patterns of module names kept in BF16 (e.g. '*.down_proj')."""
-    keep_first_layers: int = 0
-    keep_last_layers: int = 0
-    fuse_projections: bool = True
-    """Trainer: q/k/v and gate/up of a layer as ONE FP8 GEMM each on the concatenated weights, as
-    vLLM computes qkv_proj/gate_up_proj (the input is quantized once per group; same numerics up
-    to accumulation order; parameter names unchanged). False: one GEMM per linear (ablation)."""
-    fuse_swiglu: bool = True
-    """Trainer, with fuse_projections: a SwiGLU MLP (Llama, Qwen, Mistral) computes silu(gate) * up
-    inside the FP8 quantization of down_proj's input, and its gradient inside the quantization of
-    gate/up's output gradient (fp8/fast/kernels.py on Hopper), so neither is written in BF16 and read back.
-    Same numerics (h rounded to BF16 once, as torch.compile does). False: HF's MLP forward (ablation)."""
-    cache_weights: bool = False
-    """Trainer: keep each FP8 weight's quantized copies until the optimizer changes it, so the weight
-    quantization runs once per optimizer step, not in every forward and backward of every
-    micro-batch. Costs 2 bytes per FP8 parameter (torchao's two GEMM layouts). Over FSDP2 ranks each
-    rank keeps its shard's FP8 bytes (1 byte per parameter / ranks) and FSDP2 all-gathers those instead
-    of the bf16 weight (fp8/fast/gather.py; weights whose rows split into whole 128-row blocks per rank;
-    off with train.probe, whose BF16 reference needs the bf16 weights)."""
-    fuse_grad_accum: bool = False
-    """Trainer, one GPU: each FP8 weight-gradient GEMM adds its product into the weight's gradient itself
-    (fp8/fast/accum.py; on SM90 DeepGEMM's wgrad kernel accumulates into the fp32 gradient in its epilogue),
-    so autograd's BF16 weight gradient, its cast to the master weights' dtype and the add across
-    micro-batches are gone. The gradients of the FP8 linears then live in one buffer per GEMM, zeroed at
-    each mini-batch; the sum is not rounded to BF16 on the way. Off over FSDP2 ranks (their gradients are
-    reduce-scattered as autograd makes them)."""
-    emulate: bool = False
-    """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
-    the emulation (same numerics, slower than BF16), with a warning unless this is set."""
-    deep_gemm: bool = False
-    """Trainer, MoE experts on SM90: torchao's grouped block-FP8 GEMM through DeepGEMM's FP8 kernels
-    (forward, dgrad and wgrad; an installed `deep_gemm`, else the copy vLLM vendors) instead of torchao's
-    emulated backend, which dequantizes both operands to BF16 and runs a BF16 grouped GEMM (no faster
-    than BF16). Same FP8 operands; the products are summed in FP8 tensor cores with fp32 scales, as the
-    dense linears' cuBLAS GEMMs do, so the CPU emulation no longer follows the experts bit for bit."""
-    linear_backend: Literal["auto", "cutlass", "deep_gemm", "triton"] = "cutlass"
-    """vLLM block-FP8 GEMM backend. cutlass: the configs' choice. deep_gemm JIT-compiles its kernels
-    with nvcc at the first engine start on a host (minutes; cached on disk); its decode step is faster at
-    small batches, but the 8B configs' rollout, bound by vLLM's host loop, takes as long
-    (docs/results.md#deepgemm-linears-in-the-configs-rollout-and-the-hosts-cpu-2026-11-28-2-x-nvidia-h200-141-gb-two-hosts).
-    triton: vLLM's Triton block-FP8 GEMM, slower than cutlass at decode
-    (docs/results.md#the-decode-step-by-kernel-kind)."""
-    calib_percentile: float = 99.9
-    """Percentile over micro-batches of the per-layer amax of q/k/v."""
-    calib_margin: float = 1.05
-    calib_samples: int = 64
-    """Samples of the step's batch the recalibration forward runs over (calib_pass=separate; also
-    the prompts of the calibration before the first rollout)."""
-
-    @property
-    def uses_fast(self) -> bool:
-        """A speed-only switch is on, so the trainer's FP8 model gets fp8/fast's structure (fp8.fast.apply);
-        with all of them off the recipe runs without fp8/fast."""
-        return self.train and (self.fuse_projections or self.cache_weights or self.fuse_grad_accum)
 
 
 @dataclass
