@@ -46,6 +46,7 @@ import math
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -407,11 +408,13 @@ def run_worker(args) -> int:
                 continue
             prompts = random_prompts(w, hf_cfg.vocab_size, args.seed + k)
             preempted, t0 = getattr(engine, "preemptions", None), time.perf_counter()
-            with timed_host(engine) as totals:  # whether the GPU or vLLM's host loop bounds the generation
+            # whether the GPU or vLLM's host loop bounds the generation: the host's time per part, the GPU's busy share
+            with timed_host(engine) as totals, gpu_busy() as busy:
                 samples = engine.generate(prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=w.gen_len,
                                           seed=args.seed + 1000 * (k + 1))
             dt = time.perf_counter() - t0
             row["host_ms_per_step"], row["python_threads"] = host_ms_per_step(totals), other_threads()
+            row.update(busy)
             if "error" not in totals:
                 row["engine_steps"] = totals["step"][1]
             if preempted is not None:  # sequences vLLM recomputed for KV-cache room
@@ -425,7 +428,7 @@ def run_worker(args) -> int:
                 say(f"WARNING {w.name}: {len(samples)} samples, lengths {min(lens)}..{max(lens)} (ignore_eos?)")
             say(f"{w.name}: {gen:,} tokens in {dt:.1f} s = {gen / dt:,.0f} out tok/s "
                 f"(KV fits {row['seqs_fit']} of these sequences); {row.get('engine_steps', '?')} engine steps, host ms "
-                f"per step {row['host_ms_per_step']}")
+                f"per step {row['host_ms_per_step']}; GPU busy {row.get('gpu_busy_frac', '?')}")
             emit(args.result_file, row)
         return 0
     except Exception as e:  # recorded for the parent; the traceback goes to the log
@@ -584,6 +587,36 @@ def gc_timed(totals: dict[str, list]):
         yield totals
     finally:
         gc.callbacks.remove(on_gc)
+
+
+@contextlib.contextmanager
+def gpu_busy(period_ms: int = 100):
+    """Inside: NVML's utilization.gpu sampled every period_ms by `nvidia-smi -lms` on this process's first
+    visible GPU, the share of each sample period in which some kernel ran (any process on that GPU). Yields
+    a dict that gets on exit gpu_busy_frac (the mean over the samples) and gpu_busy_samples, or
+    gpu_busy_error. Over a whole rollout, 1 - gpu_busy_frac is the time no kernel runs: what the GPU waits on
+    the host for, which host milliseconds per step cannot say when the host loop overlaps the GPU's work
+    (async scheduling). Coarse per sample (NVML averages over its own window), meaningful over seconds."""
+    out: dict = {}
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    cmd = ["nvidia-smi", "-i", gpu, "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+           "-lms", str(period_ms)]
+    try:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    except OSError as e:
+        out["gpu_busy_error"] = f"nvidia-smi: {e}"
+        yield out
+        return
+    try:
+        yield out
+    finally:
+        p.terminate()
+        text = p.communicate(timeout=10)[0]
+        samples = [float(x) for x in text.split() if re.fullmatch(r"\d+(\.\d+)?", x)]
+        if samples:
+            out.update(gpu_busy_frac=round(statistics.fmean(samples) / 100, 3), gpu_busy_samples=len(samples))
+        else:
+            out["gpu_busy_error"] = f"no samples from {' '.join(cmd)}: {text.strip()[:200]!r}"
 
 
 @contextlib.contextmanager

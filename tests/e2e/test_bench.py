@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -211,6 +212,35 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
         with pytest.raises(SystemExit) as e:
             br.build_parser().parse_args(["--decode-repeats", bad])
         assert e.value.code == 2 and "--decode-repeats" in capsys.readouterr().err
+
+
+def test_gpu_busy_averages_nvml_samples_and_says_why_when_there_are_none(tmp_path, monkeypatch):
+    """gpu_busy: the mean of `nvidia-smi -lms` utilization samples taken while inside, as a fraction; its
+    command names this process's first visible GPU; a missing or silent nvidia-smi gives gpu_busy_error."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nprintf '100\\n50\\n0\\n90\\n'\necho \"$@\" > " + str(tmp_path / "argv") + "\n"
+                    "exec sleep 30\n")  # the samples, then a sign they are out, then running on as nvidia-smi does
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    with br.gpu_busy(period_ms=50) as busy:
+        for _ in range(200):  # until the fake has printed its samples
+            if (tmp_path / "argv").exists():
+                break
+            time.sleep(0.05)
+    assert busy == {"gpu_busy_frac": 0.6, "gpu_busy_samples": 4}
+    assert (tmp_path / "argv").read_text().split()[:2] == ["-i", "3"] and "50" in (tmp_path / "argv").read_text()
+    fake.write_text("#!/bin/sh\necho 'No devices were found'\ntouch " + str(tmp_path / "done") + "\n")
+    with br.gpu_busy() as busy:
+        for _ in range(200):
+            if (tmp_path / "done").exists():
+                break
+            time.sleep(0.05)
+    assert "no samples" in busy["gpu_busy_error"] and "No devices" in busy["gpu_busy_error"]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with br.gpu_busy() as busy:
+        pass
+    assert busy["gpu_busy_error"].startswith("nvidia-smi:")
 
 
 def test_gc_passes_and_the_host_profile(tmp_path):
