@@ -20,6 +20,10 @@ Where this departs from textbook GRPO:
   separate, detached importance weight w = exp(old_logp - rollout_logp), truncated (TIS).
 - Loss aggregation, KL and IS variants are config knobs (losses/grpo.py documents each).
 - Validation is greedy (temperature 0) accuracy on a held-out split.
+- `train.old_logp=rollout` (off by default) skips the old_logp forward: the engine's logprobs are the
+  behaviour policy, decoupled PPO's "bypass" form (verl), and the IS weight is 1.
+
+FP8_GRPO_CACHE_DIR=DIR keeps every compile and JIT cache in one directory that later runs reuse (caches.py).
 """
 
 import argparse
@@ -30,6 +34,7 @@ from pathlib import Path
 import torch
 import yaml
 
+import caches
 import distributed
 import memory
 import observe
@@ -45,7 +50,8 @@ from probe import WeightChange
 
 
 def train(args) -> Path:
-    # ---- setup: config, ranks, run dir
+    # ---- setup: caches, config, ranks, run dir
+    caches.use_cache_dir()  # before anything compiles
     cfg, resume_dir = run_setup.read_config(args)
     d = distributed.init(cfg)
     if d.engine >= 0:  # rollout.mode=async: an engine rank generates until the trainer stops it

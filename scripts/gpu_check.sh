@@ -109,7 +109,9 @@ export PYTHONUNBUFFERED=1 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$OUT/env.log"
 # several GPUs: how they are linked (NV# = NVLink, else PCIe paths), which multi-GPU step times depend on
 [ "$(nvidia-smi -L 2>/dev/null | wc -l)" -gt 1 ] && nvidia-smi topo -m >>"$OUT/env.log" 2>&1
-TRITON_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}  # fp8.torchao.keep_triton_autotuning's dir
+# fp8.torchao.keep_triton_autotuning's dir; with FP8_GRPO_CACHE_DIR, where caches.py points Triton
+TRITON_DIR=${TRITON_CACHE_DIR:-${FP8_GRPO_CACHE_DIR:+$FP8_GRPO_CACHE_DIR/triton}}
+TRITON_DIR=${TRITON_DIR:-$HOME/.triton/cache}
 for seed in bench/triton_autotune_h100.tgz bench/triton_autotune_h200.tgz bench/triton_autotune_moe_h200.tgz; do
   mkdir -p "$TRITON_DIR" && tar -xzf $seed -C "$TRITON_DIR" && echo "seeded $TRITON_DIR with $seed" | tee -a "$OUT/env.log"
 done
