@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
-from bench.runner import RESULTS, fail, kill_group, markdown_table, write_json
+from bench.runner import RESULTS, device_name, fail, kill_group, markdown_table, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = {"trl": None, "ours_bf16": "llama31_8b_bf16", "ours_fp8": "llama31_8b_fp8"}  # system -> our config
@@ -358,16 +358,6 @@ def run_system(system: str, args, out: Path, samples: int) -> tuple[dict, float,
     return {"records": records, "run_dir": run_dir, "log": log}, time.time() - t0, rc
 
 
-def gpu_name() -> str:
-    """nvidia-smi's first GPU name (the parent never touches CUDA), or 'cpu'."""
-    try:
-        lines = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=60).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        return "cpu"
-    return lines[0].strip() if lines and lines[0].strip() else "cpu"
-
-
 def gpu_tag(name: str) -> str:
     """'NVIDIA H200' -> 'h200' (the results file's suffix); 'cpu' stays."""
     words = [w for w in name.replace("NVIDIA", "").split() if any(c.isdigit() for c in w)]
@@ -428,7 +418,7 @@ def check_args(args) -> list[str]:
              f"{'' if args.tiny else ', at least 2'})")
     if args.timeout < 0:
         fail(f"--timeout {args.timeout}: seconds per system, > 0 (0 = none)")
-    if not args.tiny and not args.prepare and gpu_name() == "cpu":
+    if not args.tiny and not args.prepare and device_name() == "cpu":
         fail("no GPU (nvidia-smi finds none): the 8B workload needs one; --tiny runs the CPU version")
     from config import ConfigError, load_config
     for system in systems:  # typos in overrides fail here, not minutes into a run
@@ -475,7 +465,7 @@ def main():
             sys.exit(f"prepare failed: {' '.join(cmd)}")
     from config import load_config
 
-    gpu = "cpu" if args.tiny else gpu_name()
+    gpu = "cpu" if args.tiny else device_name().splitlines()[0]
     w = workload(args)
     command = " ".join(["python -m bench.peer", *sys.argv[1:]])
     failed = 0

@@ -155,6 +155,15 @@ def emit(path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def device_name() -> str:
+    """nvidia-smi's GPU names, a line each ("NVIDIA H200"), or "cpu" (the caller never touches CUDA)."""
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30).stdout.strip() or "cpu"
+    except (OSError, subprocess.SubprocessError):
+        return "cpu"
+
+
 def fail(why: str) -> None:
     """A benchmark's bad input: one line `error: ...` on stderr, exit 2."""
     print(f"error: {why}", file=sys.stderr)

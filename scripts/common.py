@@ -17,13 +17,9 @@ import tarfile
 import time
 from pathlib import Path
 
+from bench.runner import device_name, fail  # noqa: F401 (the scripts' too: bad input, the GPU's name)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def fail(msg: str) -> None:
-    """Bad input: `error: msg` on stderr, exit 2."""
-    print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
 
 
 def log(msg: str, t0: float) -> None:
@@ -50,15 +46,6 @@ def tail_mean(rows: list[dict], key: str, n: int = 5) -> float | None:
 
 
 # ----------------------------------------------------------------------------- the GPU
-
-def device_name() -> str:
-    """nvidia-smi's GPU names, a line each ("NVIDIA H200"), or "cpu"."""
-    try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.strip() or "cpu"
-    except (OSError, subprocess.SubprocessError):
-        return "cpu"
-
 
 def gpu_name() -> str:
     """'H200' / 'H100' (the first GPU's name without 'NVIDIA' and the memory suffix), '' without one."""
