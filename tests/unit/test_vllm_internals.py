@@ -168,3 +168,21 @@ def test_kv_scales_written_in_place_with_their_mirrors():
     assert vi.read_kv_scales(attn) == (0.5, 2.0, 3.0) and ids == [id(getattr(attn, f"_{x}_scale")) for x in "qkv"]
     assert (attn._q_scale_float, attn._k_scale_float, attn._v_scale_float) == (0.5, 2.0, 3.0)
     assert (attn._k_scale_cpu.item(), attn._v_scale_cpu.item()) == (2.0, 3.0)
+
+
+def test_an_engine_stops_before_starting_when_an_internal_is_missing(cut_vllm, monkeypatch, tmp_path):
+    """VLLMEngine checks the installed vLLM before building vllm.LLM: a missing internal is one UserError
+    (train_grpo.py prints it as `error: ...`, exit 2), not an AttributeError minutes into the start."""
+    pytest.importorskip("vllm")
+    from engines.vllm import VLLMEngine, vllm_env
+    from modeling import build_char_tokenizer, build_tiny_model
+
+    cfg = load_config(None, ["rollout.engine=vllm"])
+    for k, v in vllm_env(cfg).items():  # the engine sets them; restored after the test
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(vi, "installed_source", lambda: cut_vllm)
+    monkeypatch.setattr("vllm.LLM", lambda **kw: pytest.fail("vllm.LLM built despite a missing internal"))
+    tok = build_char_tokenizer(cfg.model.tiny.vocab)
+    model = build_tiny_model(cfg.model.tiny, tok, torch.float32)
+    with pytest.raises(UserError, match=r"^vLLM .*: vllm\.v1\.worker\.gpu_worker\.Worker has no reload_weights"):
+        VLLMEngine(cfg, model, tok, torch.device("cpu"), model_dir=str(tmp_path))
