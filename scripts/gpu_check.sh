@@ -69,6 +69,11 @@
 #                                      lengths, FlashAttention-2 vs cuDNN, cached and first call -> $OUT/attention.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
 #                                      configurations -> $OUT/quant.json (quant_swiglu.json)
+#   bash scripts/gpu_check.sh peer [ARGS]  bench/peer.py: TRL's GRPOTrainer beside our BF16 twin and FP8 recipe on one
+#                                      workload, one system per call (e.g. --prepare, then --systems ours_bf16, trl,
+#                                      ours_fp8 in consecutive calls on one warm host; each stops at WAIT_S): rows kept in
+#                                      $BG_DIR/peer across calls -> $OUT/peer_<gpu>.{json,md} with every row so far,
+#                                      the systems' logs in $OUT/peer_logs.tgz
 #   bash scripts/gpu_check.sh ckpt [ARGS]  bench/checkpoint.py: save/load time and peak host RSS of the
 #                                      single-file full-gather checkpoint vs sharded DCP at 8B shape
 #                                      (default: up to 8 of 32 layers, fp32 + AdamW) -> $OUT/checkpoint.json
@@ -213,6 +218,10 @@ case "$1" in
               && launch=(-m torch.distributed.run --standalone --nproc_per_node "$RANKS" -m "bench.trainer_$1")
             $PY "${launch[@]}" --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' | tee "$OUT/trainer_$1.log" ;;
   quant)    $PY -m bench.quant --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
+  peer)     mkdir -p "$BG_DIR/peer"  # the rows of earlier calls on this host stay beside the new ones
+            $PY -m bench.peer --out "$BG_DIR/peer" --timeout $((WAIT_S - SECONDS)) "${@:2}" 2>&1 | tee -a "$OUT/peer.log"
+            cp "$BG_DIR"/peer/peer_*.json "$BG_DIR"/peer/peer_*.md "$OUT"/ 2>/dev/null
+            tar czf "$OUT/peer_logs.tgz" -C "$BG_DIR" peer ;;
   ckpt)     $PY -m bench.checkpoint --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
   jobs) limit=${JOBS_LIMIT:-$WAIT_S}; end=$(( $(date +%s) + limit )); i=0; pids=()
          for spec in "${@:2}"; do
