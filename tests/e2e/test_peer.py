@@ -61,3 +61,27 @@ def test_the_trl_methods_the_gpu_run_times_exist():
     for owner, name in [(GRPOTrainer, "_generate_single_turn"), (GRPOTrainer, "_generate_and_score_completions"),
                         (VLLMGeneration, "sync_weights"), (VLLMGeneration, "generate")]:
         assert callable(getattr(owner, name, None)), f"{owner.__name__}.{name}"
+
+
+def test_the_gpu_rows_trl_settings_are_accepted_by_trl(tmp_path, monkeypatch):
+    """The 8B workload's GRPOConfig (vLLM colocated, sleep mode, 8-bit AdamW, bf16) as TRL validates it, with
+    only its bf16-GPU probe answered: 256 samples a generation in groups of 32, 4 optimizer steps each,
+    TRL's IS correction on, fixed-length generations."""
+    pytest.importorskip("trl")
+    import argparse
+
+    import transformers.training_args as ta
+    from trl import GRPOConfig
+
+    from bench import peer as bp
+    from config import load_config
+
+    monkeypatch.setattr(ta, "is_torch_bf16_gpu_available", lambda *a, **k: True)
+    args = argparse.Namespace(tiny=False, model_dir=str(tmp_path / "m"), steps=3, overrides=[])
+    cfg = load_config(ROOT / "configs" / f"{bp.TWIN}.yaml", bp.workload_overrides(args))
+    c = GRPOConfig(**bp.trl_args(cfg, tmp_path / "run", cuda=True))
+    assert (c.generation_batch_size, c.num_generations, c.max_completion_length) == (256, 32, 1024)
+    assert c.steps_per_generation // c.gradient_accumulation_steps == 4 and c.num_iterations == 1
+    assert c.use_vllm and c.vllm_mode == "colocate" and c.vllm_enable_sleep_mode and c.gradient_checkpointing
+    assert c.vllm_importance_sampling_correction and c.generation_kwargs == {"ignore_eos": True}
+    assert c.learning_rate == cfg.optim.lr and "8bit" in getattr(c.optim, "value", c.optim)
