@@ -86,6 +86,14 @@ INTERNALS = (
     Internal("KV capacity read-back", WORKER, "Worker", "available_kv_cache_memory_bytes", "bench"),
     Internal("host time per decode step", "vllm.v1.engine.core", "EngineCore", "step_fn", "bench"),
     Internal("host time per decode step", ENGINE, "LLMEngine", "output_processor", "bench"),
+    # the engine's weights read back by the GPU tests (VLLMEngine.internal_weight / internal_expert_weight)
+    Internal("weight read-back", "vllm.model_executor.layers.linear", "ColumnParallelLinear", "output_partition_sizes",
+             "test"),
+    Internal("weight read-back", "vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding",
+             "org_vocab_size", "test"),
+    Internal("weight read-back", "vllm.model_executor.layers.quantization.fp8", "Fp8LinearMethod", "weight_scale_inv",
+             "test"),
+    Internal("weight read-back", "vllm.model_executor.layers.quantization.fp8", "Fp8MoEMethod", "w13_weight", "test"),
 )
 
 
@@ -111,7 +119,8 @@ def installed_source() -> Path:
 def _names(path: Path) -> tuple[dict[str, set[str]], set[str]]:
     """({top-level name: its members}, attribute names the module assigns anywhere) for one file.
     A class's members are its methods, class attributes and `self.x` assignments; other top-level
-    names (functions, imports, assignments) have none."""
+    names (functions, imports, assignments) have none. Assigned anywhere: `obj.x = ...` and the names given
+    to register_buffer / register_parameter."""
     tree = ast.parse(path.read_text())
     top: dict[str, set[str]] = {}
     for node in tree.body:
@@ -139,8 +148,9 @@ def _names(path: Path) -> tuple[dict[str, set[str]], set[str]]:
     for sub in ast.walk(tree):
         if isinstance(sub, ast.Attribute) and isinstance(sub.ctx, ast.Store):
             assigned.add(sub.attr)
-        elif (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "register_buffer"
-              and sub.args and isinstance(sub.args[0], ast.Constant)):
+        elif (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute)
+              and sub.func.attr in ("register_buffer", "register_parameter") and sub.args
+              and isinstance(sub.args[0], ast.Constant)):
             assigned.add(sub.args[0].value)
     return top, assigned
 
