@@ -329,7 +329,8 @@ def run_system(system: str, args, out: Path, samples: int) -> tuple[dict, float,
                 str(args.model_dir), "--steps", str(args.steps), *(["--tiny"] if args.tiny else []), *args.overrides]
     else:
         config = ROOT / "configs" / f"{SYSTEMS[system]}.yaml"
-        argv = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(config), *workload_overrides(args), f"train.out_dir={args.runs}", f"train.run_name=peer_{system}"]
+        argv = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(config), *workload_overrides(args),
+                f"train.out_dir={args.runs}", f"train.run_name=peer_{system}"]
     log = out / f"peer_{system}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH", "")] if p)}

@@ -307,7 +307,8 @@ def install_reload_filter(tied_head: bool) -> quiet_reload:
 # again. The trainer recalibrates q/k/v scales every step by writing the device tensors in place
 # (write_kv_scales), so both must come from those tensors; flashinfer's trtllm_batch_decode_with_kv_cache takes
 # a float or a 0-d fp32 tensor for each. No vLLM option passes tensors, hence the patch. Why XQA: its decode
-# over the FP8 cache is the fastest measured (docs/results.md#fp8-decode-attention-kernels-with-scales-on-the-device-2026-11-26-nvidia-h200).
+# over the FP8 cache is the fastest measured (docs/results.md, "FP8 decode attention kernels with scales on
+# the device").
 #
 # XQA on SM90 casts the BF16 q to e4m3 with no scale (flashinfer's mha_sm90.cu), so in this mode the engine sets
 # q_scale to 1: FlashInfer's FP8 prefill, which quantizes q with it, then agrees with decode.
