@@ -22,8 +22,7 @@ class FP8Config:
     to FP8 for P.V.
     xqa: vLLM's FlashInfer backend, decode by FlashInfer's XQA kernel with the scales read from device
     tensors (engines/vllm_internals.py patch_xqa_scales; SM90 only, q scale fixed at 1). It reads the FP8
-    cache faster than fa3's
-    FP8 kernel at the same mismatch, and the learning gate passes with it
+    cache faster than fa3's FP8 kernel at the same mismatch, and the learning gate passes with it
     (docs/results.md#fp8-decode-attention-kernels-with-scales-on-the-device-2026-11-26-nvidia-h200,
     docs/results.md#qwen3-with-xqa-decode-at-16-prompts-2026-11-27-4-x-nvidia-h200-141-gb-one-config-per-gpu)."""
     recalibrate: bool = True
