@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
-from bench.runner import RESULTS, device_name, fail, kill_group, markdown_table, write_json
+from bench.runner import RESULTS, device_name, fail, kill_group, markdown_table, read_records, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEMS = {"trl": None, "ours_bf16": "llama31_8b_bf16", "ours_fp8": "llama31_8b_fp8"}  # system -> our config
@@ -300,17 +300,6 @@ def summarize(records: list[dict]) -> dict:
             "timed_steps": len(timed)}
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    out = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:  # a line cut by a kill
-                pass
-    return out
-
-
 def progress(system: str, r: dict) -> str:
     def s(key):
         return "-" if r.get(key) is None else f"{r[key]:.1f}"
@@ -341,7 +330,7 @@ def run_system(system: str, args, out: Path, samples: int) -> tuple[dict, float,
     try:
         while True:
             rc = proc.poll()
-            records = normalized(system, read_jsonl(run_dir / "metrics.jsonl"), samples)
+            records = normalized(system, read_records(run_dir / "metrics.jsonl"), samples)
             for r in records[shown:]:
                 print(progress(system, r), flush=True)
             shown = len(records)
@@ -355,7 +344,7 @@ def run_system(system: str, args, out: Path, samples: int) -> tuple[dict, float,
             time.sleep(1.0)
     finally:  # an interrupt: no child outlives the parent
         kill_group(proc, grace=2.0)
-    records = normalized(system, read_jsonl(run_dir / "metrics.jsonl"), samples)
+    records = normalized(system, read_records(run_dir / "metrics.jsonl"), samples)
     return {"records": records, "run_dir": run_dir, "log": log}, time.time() - t0, rc
 
 
