@@ -65,19 +65,27 @@ def test_fp8_kv_cache_recalibrated_every_step(tmp_path):
         assert 1.0005 < m["mismatch/token_mult_prob_error"] < 1.1  # without kv emulation: ~1.00001
 
 
+def frozen_runs(tmp_path, key: str, values, *extra: str) -> dict[str, list[dict]]:
+    """{value: metrics} of 2-step tiny_cpu runs with an FP8 KV cache whose weights never move (lr=1e-30:
+    lr=0 is refused, and every Adam update, <= ~lr, is below the fp32 resolution of every weight), one per
+    value of `key`."""
+    common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=2",
+              "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "fp8.kv_cache=true",
+              "optim.lr=1e-30", "rollout.prompts_per_step=4", *extra]
+    runs = {}
+    for value in values:
+        p = run([*common, f"train.run_name={value}", f"{key}={value}"], cwd=tmp_path)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs[value] = read_metrics(tmp_path / value)
+    return runs
+
+
 def test_calib_pass_logprobs_equals_separate_pass_when_weights_do_not_move(tmp_path):
     """fp8.calib_pass=logprobs takes the q/k/v amax from the old_logp forward instead of a separate
     forward after the update. With lr=1e-30 (lr=0 is refused) every Adam update (<= ~lr) is below the fp32
     resolution of every weight, so the weights never move, and the separate pass covers every row
     (calib_samples >= batch), so both must give the same scales, step by step, exactly."""
-    common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=2",
-              "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "fp8.kv_cache=true",
-              "optim.lr=1e-30", "fp8.calib_samples=100000", "rollout.prompts_per_step=4"]
-    runs = {}
-    for calib_pass in ("separate", "logprobs"):
-        p = run([*common, f"train.run_name={calib_pass}", f"fp8.calib_pass={calib_pass}"], cwd=tmp_path)
-        assert p.returncode == 0, p.stderr[-3000:]
-        runs[calib_pass] = read_metrics(tmp_path / calib_pass)
+    runs = frozen_runs(tmp_path, "fp8.calib_pass", ("separate", "logprobs"), "fp8.calib_samples=100000")
     for sep, lp in zip(runs["separate"], runs["logprobs"]):
         for k in ("fp8/q_scale_mean", "fp8/k_scale_mean", "fp8/v_scale_mean", "mismatch/token_mult_prob_error"):
             assert sep[k] == lp[k], (k, sep[k], lp[k])
@@ -89,14 +97,7 @@ def test_old_logp_from_the_rollout_skips_the_pass_and_measures_in_the_first_mini
     q/k/v amax (fp8.calib_pass=logprobs) come from the first mini-batch's training forward. With weights
     that never move (lr=1e-30, as above) and one mini-batch, they match what the skipped forward gives,
     up to the batch shapes' float rounding."""
-    common = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=2",
-              "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "fp8.kv_cache=true",
-              "optim.lr=1e-30", "fp8.calib_pass=logprobs", "rollout.prompts_per_step=4"]
-    runs = {}
-    for source in ("trainer", "rollout"):
-        p = run([*common, f"train.run_name={source}", f"train.old_logp={source}"], cwd=tmp_path)
-        assert p.returncode == 0, p.stderr[-3000:]
-        runs[source] = read_metrics(tmp_path / source)
+    runs = frozen_runs(tmp_path, "train.old_logp", ("trainer", "rollout"), "fp8.calib_pass=logprobs")
     for old, new in zip(runs["trainer"], runs["rollout"]):
         for k in ("fp8/q_scale_mean", "fp8/k_scale_mean", "fp8/v_scale_mean"):
             assert new[k] == pytest.approx(old[k], rel=1e-3), k
