@@ -6,7 +6,6 @@ Llama dir (config.json + char tokenizer). Tests needing vLLM skip when it does n
 """
 
 import importlib
-import logging
 import os
 import subprocess
 import sys
