@@ -36,12 +36,13 @@ def run(mode):
     model = build_tiny_model(cfg.model.tiny, tok, torch.bfloat16).cuda()
     model.config.tie_word_embeddings = True  # as SmolLM2's config.json says; vLLM ties at build
     model.lm_head.weight = model.model.embed_tokens.weight
+    engine = VLLMEngine(cfg, model, tok, torch.device("cuda"))
+    # the handler goes on after the engine is up: importing vllm runs logging's dictConfig for the "vllm"
+    # logger, which empties the handlers of every existing child logger (logging.config._handle_existing_loggers)
     seen = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: seen.append(record.getMessage())
     logging.getLogger(vllm_internals.RELOAD_LOGGER).addHandler(handler)
-
-    engine = VLLMEngine(cfg, model, tok, torch.device("cuda"))
     assert engine.tied_head, "vLLM's head does not share its embedding's storage in a tied model"
     for refit in range(2):
         with torch.no_grad():
