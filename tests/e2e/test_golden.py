@@ -105,9 +105,78 @@ def test_golden_catches(probe, tmp_path):
     print(f"{probe}: {len(bad)} differences, first: {bad[0]}")
 
 
+# Per-op checksums of the golden run: every ATen op's inputs and outputs hashed, in order, with the repo line
+# that called it. Run on two hosts and compare: the first op whose inputs agree and outputs differ is the one
+# that takes another path on the other host.
+OP_TRACE = """
+import atexit, gzip, hashlib, json, os, traceback
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+def _digest(x):
+    if isinstance(x, torch.Tensor) and x.device.type != "meta":
+        t = x.detach().cpu().contiguous().reshape(-1)
+        return hashlib.blake2b(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"", digest_size=6).hexdigest()
+    if isinstance(x, (list, tuple)):
+        return [_digest(y) for y in x]
+    return None
+
+class _Trace(TorchDispatchMode):
+    rows = []
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        where = next((f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno}" for f in reversed(traceback.extract_stack(limit=14))
+                      if f.filename.startswith(os.environ["GOLDEN_ROOT"]) and "/.venv/" not in f.filename), "?")
+        uninitialized = "empty" in str(func)  # memory as the allocator left it
+        self.rows.append({"op": str(func), "where": where, "in": _digest(list(args)),
+                          "out": None if uninitialized else _digest(out)})
+        return out
+
+_trace = _Trace()
+_trace.__enter__()
+def _write():
+    with gzip.open(os.environ["GOLDEN_OP_TRACE"], "wt") as f:
+        f.writelines(json.dumps(r) + "\\n" for r in _trace.rows)
+atexit.register(_write)
+"""
+
+
+def compare_traces(a: Path, b: Path, show: int = 5) -> None:
+    """Prints the first ops whose inputs agree and outputs differ between two traces (an op that computes
+    differently), after the first op whose outputs differ at all."""
+    import gzip
+    rows = [[json.loads(line) for line in gzip.open(p, "rt")] for p in (a, b)]
+    print(f"{len(rows[0])} vs {len(rows[1])} ops")
+    first, shown = None, 0
+    for i, (x, y) in enumerate(zip(*rows)):
+        if x["op"] != y["op"]:
+            print(f"op {i}: the runs part ({x['op']} at {x['where']} vs {y['op']} at {y['where']})")
+            return
+        if x["out"] != y["out"]:
+            if first is None:
+                first = i
+                print(f"first output difference: op {i}, {x['op']} at {x['where']}")
+            if x["in"] == y["in"]:
+                print(f"op {i}: {x['op']} at {x['where']}: same inputs, other outputs")
+                shown += 1
+                if shown == show:
+                    return
+    if first is None:
+        print("no output differs")
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: python tests/e2e/test_golden.py --write")
-    with tempfile.TemporaryDirectory() as d:
-        GOLDEN.write_text(json.dumps(run_tiny_cpu(Path(d)), indent=1) + "\n")
-    print(f"wrote {GOLDEN}")
+    args = sys.argv[1:]
+    if args == ["--write"]:
+        with tempfile.TemporaryDirectory() as d:
+            GOLDEN.write_text(json.dumps(run_tiny_cpu(Path(d)), indent=1) + "\n")
+        print(f"wrote {GOLDEN}")
+    elif len(args) == 2 and args[0] == "--op-trace":  # the golden run, every op hashed -> FILE (.jsonl.gz)
+        os.environ.update(GOLDEN_OP_TRACE=str(Path(args[1]).resolve()), GOLDEN_ROOT=str(ROOT))
+        with tempfile.TemporaryDirectory() as d:
+            run_tiny_cpu(Path(d), OP_TRACE)
+        print(f"wrote {args[1]}")
+    elif len(args) == 3 and args[0] == "--compare":
+        compare_traces(Path(args[1]), Path(args[2]))
+    else:
+        sys.exit("usage: python tests/e2e/test_golden.py --write | --op-trace FILE | --compare FILE FILE")
