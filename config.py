@@ -26,7 +26,7 @@ from typing import Literal
 import yaml
 
 from errors import UserError
-from losses.advantages import AdvantageConfig
+from losses.advantages import ADVANTAGE_REGISTRY, AdvantageConfig
 from losses.grpo import LossConfig
 from models import FAMILIES
 from fp8.config import FP8Config
@@ -476,6 +476,8 @@ def validate(cfg: Config) -> None:
         ("data.path", d.path, d.source == "synthetic" or d.path,
          f"set for data.source={d.source} (a JSONL file or an HF datasets id)"),
         ("data.reward", d.reward, d.reward in REWARDS, f"one of {', '.join(map(repr, REWARDS))} (rewards.REWARDS)"),
+        ("advantage.estimator", a.estimator, a.estimator in ADVANTAGE_REGISTRY,
+         f"one of {ADVANTAGE_REGISTRY.choices()} (losses.advantages.ADVANTAGE_REGISTRY)"),
         ("advantage.eps", a.eps, a.eps > 0, "> 0 (a group whose rewards are all equal has std 0)"),
         ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
         ("rollout.n", r.n, r.n >= 2, ">= 2: group-normalised advantages need 2+ samples per prompt "

@@ -125,10 +125,12 @@ BAD_INPUT = [
     (["train.device=foo"], "train.device='foo': must be auto, cpu, cuda or cuda:N"),
     # names chosen from a registry, and the advantage settings
     (["data.reward=maths"], "data.reward='maths': must be one of 'math', 'format' (rewards.REWARDS)"),
+    (["advantage.estimator=rloo"], "advantage.estimator='rloo': must be one of 'grpo' "
+                                   "(losses.advantages.ADVANTAGE_REGISTRY)"),
     (["advantage.eps=0"], "advantage.eps=0.0: must be > 0"),
     (["advantage.eps=inf"], "advantage.eps=inf: must be a finite number"),
     (["advantage.normalise_std=false"], "unknown config key 'advantage.normalise_std' (valid keys in this section: "
-                                        "normalize_std, eps)"),
+                                        "estimator, normalize_std, eps)"),
     # overrides are YAML, and the error says so
     (["optim.lr=fast"], "optim.lr: expected float, got str 'fast' (override values are read as YAML"),
     (["rollout.n=8: 4"], "rollout.n: expected int, got dict {8: 4} (override values are read as YAML"),

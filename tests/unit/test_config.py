@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 
 from config import Config, ConfigError, load_config
+from losses.advantages import ADVANTAGE_ESTIMATORS
+from losses.grpo import AGGS, IS_CORRECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,6 +63,19 @@ def test_int_and_exponent_strings_accepted_for_float():
 def test_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override)
+
+
+@pytest.mark.parametrize("key, names", [("loss.is_correction", IS_CORRECTIONS), ("loss.agg", AGGS),
+                                        ("advantage.estimator", ADVANTAGE_ESTIMATORS)])
+def test_variant_names_come_from_the_registry(key, names):
+    """Every registered name loads; any other is refused naming the key and every registered name."""
+    section, field = key.split(".")
+    for name in names:
+        assert getattr(getattr(load_config(None, [f"{key}={name}"]), section), field) == name
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}=no_such_variant"])
+    assert field in str(e.value) and "no_such_variant" in str(e.value)
+    assert all(repr(name) in str(e.value) for name in names), str(e.value)
 
 
 def test_file_errors(tmp_path):
