@@ -72,7 +72,9 @@ class LossConfig:
     is_cap: float = 2.0
     """Upper bound C on the importance weight (the truncation of TIS, the band top of IcePop)."""
     is_floor: float = 0.0
-    """Lower bound on the weight for icepop / seq_mask_tis (IcePop's band bottom, e.g. 0.5)."""
+    """Lower bound on the weight for icepop / seq_mask_tis (IcePop's band bottom, e.g. 0.5). Their
+    window [is_floor, is_cap] must hold 1, the weight of a token engine and trainer agree on
+    (config.validate refuses one without it: every token would be masked)."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL penalty to a reference policy (Schulman 2020 "Approximating KL
     divergence", as in GRPO, Shao et al. 2024); 0 disables it, as in DAPO / Dr. GRPO."""
