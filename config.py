@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import torch
 import yaml
 
 from errors import UserError
-from losses.advantages import AdvantageConfig
-from losses.grpo import LossConfig
+from losses.advantages import ADVANTAGE_REGISTRY, AdvantageConfig
+from losses.grpo import LossConfig, is_weights
 from models import FAMILIES
 from fp8.config import FP8Config
 from rewards import REWARDS
@@ -452,10 +453,14 @@ def _finite(x) -> bool:
 def validate(cfg: Config) -> None:
     """Reject settings that would crash late, or stop or reverse learning without a word (a negative lr
     ascends the loss; is_cap=0 or max_grad_norm=0 zero every update). One row per rule:
-    (key, value, ok, what it must be). LossConfig checks its clip and IS bounds itself."""
+    (key, value, ok, what it must be). LossConfig checks its names, clip and 0 <= is_floor <= is_cap itself."""
     m, d, r, f, lo, o, t, lg = cfg.model, cfg.data, cfg.rollout, cfg.fp8, cfg.loss, cfg.optim, cfg.train, cfg.log
     a = cfg.advantage
     samples = r.n * r.prompts_per_step
+    on_policy_weight = _on_policy_weight(lo)
+    window = (f"with loss.is_correction={lo.is_correction}: a token engine and trainer agree on has weight 1 (nearly "
+              "every other one is near it), so a window [loss.is_floor, loss.is_cap] without 1 takes every token out "
+              "of the gradient")
     mb = t.mini_batch_size or samples
     rules = [
         ("model.tiny.arch", m.tiny.arch, m.tiny.arch in FAMILIES,
@@ -476,6 +481,8 @@ def validate(cfg: Config) -> None:
         ("data.path", d.path, d.source == "synthetic" or d.path,
          f"set for data.source={d.source} (a JSONL file or an HF datasets id)"),
         ("data.reward", d.reward, d.reward in REWARDS, f"one of {', '.join(map(repr, REWARDS))} (rewards.REWARDS)"),
+        ("advantage.estimator", a.estimator, a.estimator in ADVANTAGE_REGISTRY,
+         f"one of {ADVANTAGE_REGISTRY.choices()} (losses.advantages.ADVANTAGE_REGISTRY)"),
         ("advantage.eps", a.eps, a.eps > 0, "> 0 (a group whose rewards are all equal has std 0)"),
         ("rollout.prompts_per_step", r.prompts_per_step, r.prompts_per_step >= 1, ">= 1"),
         ("rollout.n", r.n, r.n >= 2, ">= 2: group-normalised advantages need 2+ samples per prompt "
@@ -508,6 +515,13 @@ def validate(cfg: Config) -> None:
         ("fp8.keep_last_layers", f.keep_last_layers, f.keep_last_layers >= 0, ">= 0"),
         ("loss.is_cap", lo.is_cap, lo.is_cap > 0 or lo.is_correction == "none",
          "> 0 (0 zeroes every importance weight, so every update; loss.is_correction=none turns IS off)"),
+        # A token engine and trainer agree on has weight 1, and the mismatch keeps nearly every other one near
+        # 1. icepop and seq_mask_tis zero a weight outside [is_floor, is_cap]: a window without 1 zeroes them
+        # all and nothing is learned. tis and seq_tis only cap (a cap < 1 scales every weight down, as a
+        # smaller lr would; the floor is unused) and none uses neither, so those are left alone. Rather than
+        # list the masking variants, validate asks the configured one what it gives such a token.
+        ("loss.is_floor", lo.is_floor, lo.is_floor <= 1 or on_policy_weight > 0, f"<= 1 {window}"),
+        ("loss.is_cap", lo.is_cap, lo.is_cap >= 1 or on_policy_weight > 0, f">= 1 {window}"),
         ("loss.kl_coef", lo.kl_coef, lo.kl_coef >= 0, ">= 0"),
         ("loss.entropy_coef", lo.entropy_coef, lo.entropy_coef >= 0, ">= 0 (a negative bonus drives entropy down)"),
         ("train.old_logp", t.old_logp, t.old_logp == "trainer" or lo.entropy_target is None,
@@ -561,6 +575,13 @@ def validate(cfg: Config) -> None:
         if not _finite(value):
             raise ConfigError(f"{key}={value}: must be a finite number")
     _check_updates_survive(cfg)
+
+
+def _on_policy_weight(lo: LossConfig) -> float:
+    """The weight lo.is_correction gives a token whose engine and trainer logprobs agree (raw weight 1)."""
+    zero = torch.zeros(1, 1)  # [B=1, T=1] logprobs
+    w, _, _ = is_weights(zero, zero, torch.ones(1, 1), lo)
+    return float(w)
 
 
 def _tiny_moe_rules(t: TinyModelConfig) -> list:

@@ -38,7 +38,7 @@ from fp8.calibrate import QKVCalibrator, send_kv_scales, token_mask
 from fp8.export import export_weights
 from fp8.linear import bf16_reference
 from losses import collapse
-from losses.advantages import group_advantages
+from losses.advantages import compute_advantages
 from losses.grpo import LossInputs, MiniBatchTotals, micro_batch_loss
 from losses.mismatch import mismatch_metrics
 from observe import RunLogger, gc_timer, mismatch_guard, save_step_batch, update_guard
@@ -180,7 +180,7 @@ def assemble_batch(run: Run, rounds: list[collapse.Groups], metrics: dict) -> St
     cfg, d, n = run.cfg, run.d, run.cfg.rollout.n
     t0 = time.perf_counter()
     groups, keep = collapse.assemble(rounds, n, cfg.train.dynamic_sampling)  # keep: bool [B / n]
-    advantages = group_advantages(groups.rewards, n, cfg.advantage.normalize_std, cfg.advantage.eps)  # [B]
+    advantages = compute_advantages(groups.rewards, n, cfg.advantage)  # [B]
     signals = {"reward/zero_std_groups": (~collapse.has_variance(rounds[0].rewards, n)).float(),
                "reward/distinct_answers": collapse.distinct_answers(rounds[0].texts, n),
                "reward/unsolved_groups": (rounds[0].correct.view(-1, n).amax(1) == 0).float(),

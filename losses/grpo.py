@@ -17,7 +17,8 @@ off-policy RL training"):
     w    = IS(exp(old_logp - rollout_logp))      detached; non-finite -> 0
     loss = agg(w * pg + kl_coef * k3),   k3 = exp(ref - logp) - (ref - logp) - 1
 
-IS(.) by is_correction (C = is_cap, F = is_floor; "mean_t" / "sum_t" run over masked tokens):
+IS(.) by is_correction, a function of IS_REGISTRY below (C = is_cap, F = is_floor; "mean_t" /
+"sum_t" run over masked tokens):
     none          w = 1
     tis           w = min(w, C)                                  truncated IS, token level
     icepop        w = w * [F <= w <= C]                          mask tokens outside the band
@@ -25,7 +26,7 @@ IS(.) by is_correction (C = is_cap, F = is_floor; "mean_t" / "sum_t" run over ma
     seq_tis       w = min(exp(sum_t(old - rollout)), C)          one weight per sequence
 In the sequence-level modes a sequence that contains a non-finite token weight gets w = 0.
 
-agg over the masked [B, T] per-token loss:
+agg over the masked [B, T] per-token loss, a function of AGG_REGISTRY below:
     token_mean            sum(loss * mask) / sum(mask)
     seq_mean_token_mean   mean_b( mean_t loss )   (original GRPO)
     seq_mean_token_sum    mean_b( sum_t loss )    (Dr. GRPO: no length normalisation)
@@ -34,8 +35,8 @@ Sequences with no masked token contribute 0 and are left out of the mean over se
 The trainer backpropagates micro_batch_loss, micro-batch by micro-batch; summed over the micro-batches
 (and ranks) of a mini-batch it is that mini-batch's objective:
     L_micro = weight * (loss + aux_coef * aux)  -  entropy_coef * sum(H * response_mask) / N_response
-    weight  = sum(mask) / N_tokens                      token_mean: the mini-batch's token mean
-            = rows with a masked token / N_rows         seq_mean_*: its mean over sequences
+    weight  = sum(mask) / N_tokens                      an agg whose mean runs over tokens (token_mean)
+            = rows with a masked token / N_rows         one whose mean runs over sequences (seq_mean_*)
 where loss is the agg above over the micro-batch, N_tokens, N_rows and N_response count the whole
 mini-batch (MiniBatchTotals), H is the policy's token entropy, averaged over every response token,
 kept group or not (entropy_coef: loss.entropy_coef or its adaptive value), and aux is the MoE
@@ -50,9 +51,7 @@ import torch
 from torch import Tensor
 
 from losses.mismatch import masked_mean
-
-IS_CORRECTIONS = ("none", "tis", "icepop", "seq_mask_tis", "seq_tis")
-AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
+from losses.registry import Registry
 
 
 @dataclass
@@ -73,7 +72,9 @@ class LossConfig:
     is_cap: float = 2.0
     """Upper bound C on the importance weight (the truncation of TIS, the band top of IcePop)."""
     is_floor: float = 0.0
-    """Lower bound on the weight for icepop / seq_mask_tis (IcePop's band bottom, e.g. 0.5)."""
+    """Lower bound on the weight for icepop / seq_mask_tis (IcePop's band bottom, e.g. 0.5). Their
+    window [is_floor, is_cap] must hold 1, the weight of a token engine and trainer agree on
+    (config.validate refuses one without it: every token would be masked)."""
     kl_coef: float = 0.0
     """Coefficient of the k3 KL penalty to a reference policy (Schulman 2020 "Approximating KL
     divergence", as in GRPO, Shao et al. 2024); 0 disables it, as in DAPO / Dr. GRPO."""
@@ -94,11 +95,11 @@ class LossConfig:
     Liu et al. 2025, removes that length bias)."""
 
     def __post_init__(self):
-        if self.is_correction not in IS_CORRECTIONS:
+        if self.is_correction not in IS_REGISTRY:
             raise ValueError(f"LossConfig.is_correction={self.is_correction!r} is not valid; "
-                             f"expected one of {IS_CORRECTIONS}")
-        if self.agg not in AGGS:
-            raise ValueError(f"LossConfig.agg={self.agg!r} is not valid; expected one of {AGGS}")
+                             f"expected one of {IS_REGISTRY.choices()}")
+        if self.agg not in AGG_REGISTRY:
+            raise ValueError(f"LossConfig.agg={self.agg!r} is not valid; expected one of {AGG_REGISTRY.choices()}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0):
             raise ValueError(f"LossConfig: need 0 <= clip_low < 1 and clip_high >= 0, "
                              f"got clip_low={self.clip_low}, clip_high={self.clip_high}")
@@ -109,52 +110,114 @@ class LossConfig:
                              f"got is_floor={self.is_floor}, is_cap={self.is_cap}")
 
 
-def aggregate(x: Tensor, mask: Tensor, agg: str) -> Tensor:
-    """Reduce a per-token [B, T] quantity to a scalar by `agg` (see the module docstring)."""
-    if agg == "token_mean":
-        return masked_mean(x, mask)
-    if agg not in AGGS:
-        raise ValueError(f"unknown agg {agg!r}; expected one of {AGGS}")
-    n_tok = (mask != 0).to(x.dtype).sum(-1)                        # [B]
-    per_seq = masked_mean(x, mask, dim=-1)                         # [B]
-    if agg == "seq_mean_token_sum":
-        per_seq = per_seq * n_tok                                  # [B] token sum
+# ---------------------------------------------------------------- IS corrections (loss.is_correction)
+# f(w, log_ratio, mask, nonfinite, cfg) -> (weights [B, T], truncated bool [B, T]), all detached.
+#   w          [B, T]  the raw weight exp(old_logp - rollout_logp), its non-finite entries set to 0
+#   log_ratio  [B, T]  old_logp - rollout_logp as it is (non-finite entries included)
+#   mask       [B, T]  bool, the tokens that count;  nonfinite [B, T] bool, where w was inf or NaN
+# truncated: the correction changed the weight of a token whose raw weight was finite.
+IS_REGISTRY = Registry("loss.is_correction")
+
+
+@IS_REGISTRY.register("none")
+def no_correction(w: Tensor, log_ratio: Tensor, mask: Tensor, nonfinite: Tensor, cfg: LossConfig):
+    """w = 1: no correction"""
+    return torch.ones_like(w), torch.zeros_like(mask)
+
+
+@IS_REGISTRY.register("tis")
+def tis(w: Tensor, log_ratio: Tensor, mask: Tensor, nonfinite: Tensor, cfg: LossConfig):
+    """w = min(w, C): truncated IS, token level"""
+    return w.clamp(max=cfg.is_cap), w > cfg.is_cap
+
+
+@IS_REGISTRY.register("icepop")
+def icepop(w: Tensor, log_ratio: Tensor, mask: Tensor, nonfinite: Tensor, cfg: LossConfig):
+    """w = w * [F <= w <= C]: tokens outside the band leave the gradient"""
+    keep = ((w >= cfg.is_floor) & (w <= cfg.is_cap)) | nonfinite   # [B, T] (nonfinite: w is 0)
+    return w * keep, ~keep
+
+
+def _sequence_log_ratio(log_ratio: Tensor, mask: Tensor, nonfinite: Tensor) -> tuple[Tensor, Tensor]:
+    """mean_t of the masked log ratio [B, 1], and [B, 1] bool: no masked token of the row is non-finite."""
+    seq_ok = ~(nonfinite & mask).any(-1, keepdim=True)             # [B, 1]
+    d = torch.where(nonfinite, torch.zeros_like(log_ratio), log_ratio)  # [B, T]
+    return masked_mean(d, mask, dim=-1).unsqueeze(-1), seq_ok      # [B, 1] x2
+
+
+@IS_REGISTRY.register("seq_mask_tis")
+def seq_mask_tis(w: Tensor, log_ratio: Tensor, mask: Tensor, nonfinite: Tensor, cfg: LossConfig):
+    """w = w * [F <= exp(mean_t(old - rollout)) <= C]: mask whole sequences"""
+    mean_d, seq_ok = _sequence_log_ratio(log_ratio, mask, nonfinite)  # [B, 1] x2
+    r_seq = mean_d.exp()                                           # [B, 1] geometric mean ratio
+    in_band = (r_seq >= cfg.is_floor) & (r_seq <= cfg.is_cap)      # [B, 1]
+    return w * (seq_ok & in_band), (seq_ok & ~in_band).expand_as(mask)
+
+
+@IS_REGISTRY.register("seq_tis")
+def seq_tis(w: Tensor, log_ratio: Tensor, mask: Tensor, nonfinite: Tensor, cfg: LossConfig):
+    """w = min(exp(sum_t(old - rollout)), C): one weight per sequence"""
+    mean_d, seq_ok = _sequence_log_ratio(log_ratio, mask, nonfinite)  # [B, 1] x2
+    r_seq = (mean_d * mask.sum(-1, keepdim=True)).exp()            # [B, 1] sum_t = mean_t * n_tokens
+    w = (r_seq.clamp(max=cfg.is_cap) * seq_ok).expand_as(w)        # [B, T]
+    return w, (seq_ok & (r_seq > cfg.is_cap)).expand_as(mask)
+
+
+# ---------------------------------------------------------------- aggregations (loss.agg)
+# f(x [B, T], mask [B, T]) -> scalar. mean_over ("tokens" | "sequences"): what the outer mean runs
+# over, so what a micro-batch's share of a mini-batch is (micro_batch_loss).
+AGG_REGISTRY = Registry("loss.agg")
+
+
+def _per_sequence(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The per-sequence token mean [B] and the masked token count [B] (in x's dtype)."""
+    return masked_mean(x, mask, dim=-1), (mask != 0).to(x.dtype).sum(-1)
+
+
+@AGG_REGISTRY.register("token_mean", mean_over="tokens")
+def token_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """sum(loss * mask) / sum(mask)"""
+    return masked_mean(x, mask)
+
+
+@AGG_REGISTRY.register("seq_mean_token_mean", mean_over="sequences")
+def seq_mean_token_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """mean_b( mean_t loss )   (original GRPO)"""
+    per_seq, n_tok = _per_sequence(x, mask)                        # [B] x2
     return masked_mean(per_seq, n_tok > 0)
 
 
+@AGG_REGISTRY.register("seq_mean_token_sum", mean_over="sequences")
+def seq_mean_token_sum(x: Tensor, mask: Tensor) -> Tensor:
+    """mean_b( sum_t loss )    (Dr. GRPO: no length normalisation)"""
+    per_seq, n_tok = _per_sequence(x, mask)                        # [B] x2
+    return masked_mean(per_seq * n_tok, n_tok > 0)                 # [B] token sums
+
+
+IS_CORRECTIONS = tuple(IS_REGISTRY)  # the names, in registration order
+AGGS = tuple(AGG_REGISTRY)
+
+
+def aggregate(x: Tensor, mask: Tensor, agg: str) -> Tensor:
+    """Reduce a per-token [B, T] quantity to a scalar by the registered aggregation `agg`."""
+    return AGG_REGISTRY[agg](x, mask)
+
+
 def is_weights(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cfg: LossConfig):
-    """Detached importance weights [B, T] plus bool [B, T] maps (truncated, nonfinite).
+    """Detached importance weights [B, T] plus bool [B, T] maps (truncated, nonfinite), by the
+    registered correction cfg.is_correction.
 
     truncated: the cap / floor / mask changed the weight of a token whose raw weight was
     finite; nonfinite: the raw weight exp(old - rollout) was inf or NaN (it becomes 0).
     """
+    correction = IS_REGISTRY[cfg.is_correction]
     m = mask != 0                                                  # [B, T]
     d = (old_logp - rollout_logp).detach()                         # [B, T]
     w_raw = d.exp()                                                # [B, T]
     nonfinite = ~torch.isfinite(w_raw)                             # [B, T]
     w = torch.where(nonfinite, torch.zeros_like(w_raw), w_raw)     # [B, T]
-    kind, cap, floor = cfg.is_correction, cfg.is_cap, cfg.is_floor
-    if kind == "none":
-        return torch.ones_like(w), torch.zeros_like(m), nonfinite
-    if kind == "tis":
-        return w.clamp(max=cap), w > cap, nonfinite
-    if kind == "icepop":
-        keep = ((w >= floor) & (w <= cap)) | nonfinite             # [B, T] (nonfinite: w is 0)
-        return w * keep, ~keep, nonfinite
-    if kind not in IS_CORRECTIONS:
-        raise ValueError(f"unknown is_correction {kind!r}; expected one of {IS_CORRECTIONS}")
-    seq_ok = ~(nonfinite & m).any(-1, keepdim=True)                # [B, 1]
-    d = torch.where(nonfinite, torch.zeros_like(d), d)             # [B, T]
-    mean_d = masked_mean(d, m, dim=-1).unsqueeze(-1)               # [B, 1]
-    if kind == "seq_mask_tis":
-        r_seq = mean_d.exp()                                       # [B, 1] geometric mean ratio
-        in_band = (r_seq >= floor) & (r_seq <= cap)                # [B, 1]
-        w = w * (seq_ok & in_band)                                 # [B, T]
-        return w, (seq_ok & ~in_band).expand_as(m), nonfinite
-    # seq_tis: sum_t = mean_t * n_tokens
-    r_seq = (mean_d * m.sum(-1, keepdim=True)).exp()               # [B, 1]
-    w = (r_seq.clamp(max=cap) * seq_ok).expand_as(w)               # [B, T]
-    return w, (seq_ok & (r_seq > cap)).expand_as(m), nonfinite
+    w, truncated = correction(w, d, m, nonfinite, cfg)             # [B, T] x2
+    return w, truncated, nonfinite
 
 
 def _check_shapes(logp, advantages, **others):
@@ -257,8 +320,13 @@ def micro_batch_loss(x: LossInputs, totals: MiniBatchTotals, cfg: LossConfig, en
     give its aggregate, the entropy bonus and the MoE auxiliary loss. Nothing in it waits for the GPU."""
     loss, metrics = grpo_loss(x.logp, x.old_logp, x.rollout_logp, x.advantages, x.mask, cfg, ref_logp=x.ref_logp,
                               on_device=True)
-    weight = x.mask.sum() / totals.tokens if cfg.agg == "token_mean" else \
-        x.mask.amax(1).sum() / max(totals.rows, 1.0)
+    mean_over = AGG_REGISTRY[cfg.agg].mean_over
+    if mean_over == "tokens":
+        weight = x.mask.sum() / totals.tokens
+    elif mean_over == "sequences":  # rows with a masked token
+        weight = x.mask.amax(1).sum() / max(totals.rows, 1.0)
+    else:
+        raise ValueError(f"loss.agg={cfg.agg!r}: mean_over={mean_over!r} is neither 'tokens' nor 'sequences'")
     loss = loss * weight
     if entropy_coef > 0:
         loss = loss - entropy_coef * (x.entropy * x.response_mask).sum() / totals.response_tokens

@@ -113,6 +113,13 @@ BAD_INPUT = [
     (["loss.clip_low=-0.1"], "loss: LossConfig: need 0 <= clip_low < 1 and clip_high >= 0, got clip_low=-0.1"),
     (["loss.is_correction=icepop", "loss.is_floor=3"], "loss: LossConfig: need 0 <= is_floor <= is_cap, got "
                                                        "is_floor=3.0, is_cap=2.0"),
+    # a masking window without ratio 1 takes every token out of the gradient (tis / seq_tis only cap: allowed)
+    (["loss.is_correction=icepop", "loss.is_floor=0.5", "loss.is_cap=0.9"],
+     "loss.is_cap=0.9: must be >= 1 with loss.is_correction=icepop: a token engine and trainer agree on has weight 1"),
+    (["loss.is_correction=seq_mask_tis", "loss.is_floor=1.5", "loss.is_cap=3"],
+     "loss.is_floor=1.5: must be <= 1 with loss.is_correction=seq_mask_tis: a token engine and trainer agree on has "
+     "weight 1 (nearly every other one is near it), so a window [loss.is_floor, loss.is_cap] without 1 takes every "
+     "token out of the gradient"),
     (["loss.entropy_coef=-0.01"], "loss.entropy_coef=-0.01: must be >= 0 (a negative bonus drives entropy down)"),
     (["loss.entropy_target=0"], "loss.entropy_target=0.0: must be > 0 nats, or null"),
     (["model.tiny.arch=gpt2"], "model.tiny.arch='gpt2': must be one of 'llama', 'qwen3', 'qwen3_moe' (a family file in models/)"),
@@ -125,10 +132,12 @@ BAD_INPUT = [
     (["train.device=foo"], "train.device='foo': must be auto, cpu, cuda or cuda:N"),
     # names chosen from a registry, and the advantage settings
     (["data.reward=maths"], "data.reward='maths': must be one of 'math', 'format' (rewards.REWARDS)"),
+    (["advantage.estimator=rloo"], "advantage.estimator='rloo': must be one of 'grpo' "
+                                   "(losses.advantages.ADVANTAGE_REGISTRY)"),
     (["advantage.eps=0"], "advantage.eps=0.0: must be > 0"),
     (["advantage.eps=inf"], "advantage.eps=inf: must be a finite number"),
     (["advantage.normalise_std=false"], "unknown config key 'advantage.normalise_std' (valid keys in this section: "
-                                        "normalize_std, eps)"),
+                                        "estimator, normalize_std, eps)"),
     # overrides are YAML, and the error says so
     (["optim.lr=fast"], "optim.lr: expected float, got str 'fast' (override values are read as YAML"),
     (["rollout.n=8: 4"], "rollout.n: expected int, got dict {8: 4} (override values are read as YAML"),

@@ -12,7 +12,7 @@ import torch
 
 import analysis as A
 import observe
-from losses.grpo import LossConfig, grpo_loss
+from losses.grpo import IS_CORRECTIONS, IS_REGISTRY, LossConfig, grpo_loss
 from losses.mismatch import mismatch_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +66,7 @@ def test_is_weights_by_variant_match_the_loss():
     mask[1, 4:] = 0
     batch = make_batch(old.tolist(), rollout.tolist(), mask.tolist(), config={"loss": {"is_cap": 1.2, "is_floor": 0.8}})
     variants = A.is_weights_by_variant(batch)
-    assert set(variants) == {"none", "tis", "icepop", "seq_mask_tis", "seq_tis"}
+    assert list(variants) == list(IS_CORRECTIONS)  # every registered correction, in order
     for kind, v in variants.items():
         cfg = LossConfig(is_correction=kind, is_cap=1.2, is_floor=0.8)
         _, m = grpo_loss(old.clone().requires_grad_(), old, rollout, torch.ones(4), mask, cfg)
@@ -272,7 +272,10 @@ def test_notebooks_run_top_to_bottom(tmp_path):
     """mismatch_analysis makes its own tiny batch; fp8_sensitivity is given it through BATCH_PATH."""
     fig_dir, run_dir = tmp_path / "figs", tmp_path / "runs"
     env = {"FIG_DIR": str(fig_dir), "RUN_DIR": str(run_dir), "BATCH_PATH": ""}
-    execute("mismatch_analysis", env, tmp_path)
+    nb = execute("mismatch_analysis", env, tmp_path)
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    for kind, correction in IS_REGISTRY.items():  # the registry's formulas, one line per correction
+        assert f"{kind:14s}{correction.__doc__.splitlines()[0]}" in text, kind
     (batch_path,) = run_dir.glob("batch-*/batches/step_000029.pt")
     nb = execute("fp8_sensitivity", {**env, "BATCH_PATH": str(batch_path)}, tmp_path)
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)

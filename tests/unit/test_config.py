@@ -1,10 +1,13 @@
 """Config: inheritance, overrides, errors naming the key; every YAML in configs/ and bench/ loads."""
 
+import re
 from pathlib import Path
 
 import pytest
 
 from config import Config, ConfigError, load_config
+from losses.advantages import ADVANTAGE_ESTIMATORS
+from losses.grpo import AGGS, IS_CORRECTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,6 +64,37 @@ def test_int_and_exponent_strings_accepted_for_float():
 def test_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override)
+
+
+@pytest.mark.parametrize("key, names", [("loss.is_correction", IS_CORRECTIONS), ("loss.agg", AGGS),
+                                        ("advantage.estimator", ADVANTAGE_ESTIMATORS)])
+def test_variant_names_come_from_the_registry(key, names):
+    """Every registered name loads; any other is refused naming the key and every registered name."""
+    section, field = key.split(".")
+    for name in names:
+        assert getattr(getattr(load_config(None, [f"{key}={name}"]), section), field) == name
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"{key}=no_such_variant"])
+    assert field in str(e.value) and "no_such_variant" in str(e.value)
+    assert all(repr(name) in str(e.value) for name in names), str(e.value)
+
+
+ZERO_OUTSIDE_WINDOW = ("icepop", "seq_mask_tis")  # the IS corrections that zero weights outside [is_floor, is_cap]
+
+
+@pytest.mark.parametrize("correction", IS_CORRECTIONS)
+def test_an_is_window_must_hold_ratio_1(correction):
+    """[is_floor, is_cap] without 1 is refused where the correction zeroes weights outside it: a token engine and
+    trainer agree on has weight 1. tis and seq_tis only cap (a cap below 1 scales every weight) and none uses
+    neither, so those load."""
+    for floor, cap, key in [(0.5, 0.9, "loss.is_cap=0.9"), (1.5, 3.0, "loss.is_floor=1.5")]:
+        overrides = [f"loss.is_correction={correction}", f"loss.is_floor={floor}", f"loss.is_cap={cap}"]
+        if correction in ZERO_OUTSIDE_WINDOW:
+            with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: must be [<>]= 1 with loss.is_correction="):
+                load_config(None, overrides)
+        else:
+            assert load_config(None, overrides).loss.is_cap == cap
+    load_config(None, [f"loss.is_correction={correction}", "loss.is_floor=1", "loss.is_cap=1"])  # [1, 1] holds 1
 
 
 def test_file_errors(tmp_path):

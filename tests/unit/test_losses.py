@@ -1,14 +1,25 @@
 """Hand-computed checks of losses/ (advantages, GRPO loss, IS corrections, the micro-batch objective,
-mismatch metrics)."""
+mismatch metrics).
+
+The variants' tests run over the registries (ADVANTAGE_REGISTRY, IS_REGISTRY, AGG_REGISTRY): a registered
+variant without its row in the tables below fails them, and so does a row without a variant.
+"""
 
 import math
+import re
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from losses.advantages import group_advantages
-from losses.grpo import LossConfig, LossInputs, MiniBatchTotals, grpo_loss, micro_batch_loss
+from losses import grpo
+from losses.advantages import (ADVANTAGE_ESTIMATORS, ADVANTAGE_REGISTRY, AdvantageConfig, compute_advantages,
+                              group_advantages)
+from losses.grpo import (AGG_REGISTRY, AGGS, IS_CORRECTIONS, IS_REGISTRY, LossConfig, LossInputs, MiniBatchTotals,
+                         aggregate, grpo_loss, is_weights, micro_batch_loss)
 from losses.mismatch import masked_mean, mismatch_metrics
+from losses.registry import Registry
 
 LN2, LN4 = math.log(2.0), math.log(4.0)
 approx = lambda x: pytest.approx(x, rel=1e-5, abs=1e-6)  # noqa: E731
@@ -48,6 +59,21 @@ def test_group_advantages_mean_only():
     assert group_advantages(t([1, 2]), group_size=1).tolist() == [0.0, 0.0]
 
 
+# rewards [0, 0, 3 | 5, 5, 5] in groups of 3 -> advantages, per estimator: [(cfg changes, expected A), ...]
+S3 = math.sqrt(3) + 1e-6
+ADVANTAGE_CASES = {
+    "grpo": [(dict(), [-1 / S3, -1 / S3, 2 / S3, 0, 0, 0]),
+             (dict(normalize_std=False), [-1, -1, 2, 0, 0, 0])],
+}
+
+
+@pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS)
+def test_advantage_estimators(name):
+    for changes, want in ADVANTAGE_CASES[name]:
+        A = compute_advantages(t([0, 0, 3, 5, 5, 5]), 3, AdvantageConfig(estimator=name, **changes))
+        assert A.tolist() == approx(want), changes
+
+
 def test_group_advantages_errors():
     with pytest.raises(ValueError, match=r"group_size 4 does not divide the batch size B=6"):
         group_advantages(t([0, 0, 3, 5, 5, 5]), group_size=4)
@@ -64,59 +90,65 @@ def test_group_advantages_errors():
 #   seq 1: w_raw = [0.1, 0.5, 1]  prod 0.05,  geometric mean 0.05^(1/3) = 0.368
 W_RAW = [[0.5, 1.0, 3.0], [0.1, 0.5, 1.0]]
 IS_CASES = {
-    # name: (cfg, expected w, truncated_frac)
-    "none": (dict(is_correction="none"), [[1, 1, 1], [1, 1, 1]], 0.0),
+    # name: [(cfg, expected w, truncated_frac), ...]
+    "none": [(dict(), [[1, 1, 1], [1, 1, 1]], 0.0)],
     # min(w, 2): only the 3 is capped
-    "tis": (dict(is_correction="tis", is_cap=2.0), [[0.5, 1, 2], [0.1, 0.5, 1]], 1 / 6),
+    "tis": [(dict(is_cap=2.0), [[0.5, 1, 2], [0.1, 0.5, 1]], 1 / 6)],
     # keep 0.4 <= w <= 2: drops 3 and 0.1
-    "icepop": (dict(is_correction="icepop", is_floor=0.4, is_cap=2.0),
-               [[0.5, 1, 0], [0, 0.5, 1]], 2 / 6),
+    "icepop": [(dict(is_floor=0.4, is_cap=2.0), [[0.5, 1, 0], [0, 0.5, 1]], 2 / 6)],
     # seq 0 geo-mean 1.145 in [0.4, 1.2] keeps the raw w (3 stays 3); seq 1 0.368 < 0.4 -> 0
     #   (seq 0's product 1.5 would be out of the band: the test tells mean from sum)
-    "seq_mask_tis": (dict(is_correction="seq_mask_tis", is_floor=0.4, is_cap=1.2),
-                     [[0.5, 1, 3], [0, 0, 0]], 3 / 6),
-    # w_seq = min(prod, 2): 1.5 and 0.05, nothing capped
-    "seq_tis": (dict(is_correction="seq_tis", is_cap=2.0), [[1.5] * 3, [0.05] * 3], 0.0),
-    # cap 1.2: seq 0 -> 1.2 (its 3 tokens count as truncated), seq 1 stays 0.05
-    "seq_tis_capped": (dict(is_correction="seq_tis", is_cap=1.2), [[1.2] * 3, [0.05] * 3], 0.5),
+    "seq_mask_tis": [(dict(is_floor=0.4, is_cap=1.2), [[0.5, 1, 3], [0, 0, 0]], 3 / 6)],
+    "seq_tis": [
+        # w_seq = min(prod, 2): 1.5 and 0.05, nothing capped
+        (dict(is_cap=2.0), [[1.5] * 3, [0.05] * 3], 0.0),
+        # cap 1.2: seq 0 -> 1.2 (its 3 tokens count as truncated), seq 1 stays 0.05
+        (dict(is_cap=1.2), [[1.2] * 3, [0.05] * 3], 0.5)],
 }
 
 
-@pytest.mark.parametrize("name", list(IS_CASES))
+@pytest.mark.parametrize("name", IS_CORRECTIONS)
 def test_is_corrections(name):
-    cfg, w, trunc = IS_CASES[name]
+    for cfg, w, trunc in IS_CASES[name]:
+        old = torch.full((2, 3), -1.0)
+        rollout = old - torch.log(t(W_RAW))
+        loss, m, grad = run(old, old, rollout, t([-1, -1]), torch.ones(2, 3), is_correction=name, **cfg)
+        w = t(w)
+        assert grad.flatten().tolist() == approx((w / 6).flatten().tolist())
+        assert loss == approx(w.mean().item())
+        assert m["loss/policy"] == approx(w.mean().item())
+        assert m["is/weight_mean"] == approx(w.mean().item())
+        assert m["is/truncated_frac"] == approx(trunc)
+        assert m["is/nonfinite_frac"] == 0.0
+        assert m["loss/clip_frac"] == 0.0
+
+
+@pytest.mark.parametrize("name", IS_CORRECTIONS)
+def test_is_corrections_leave_on_policy_tokens_alone(name):
+    """Engine and trainer agree (raw weight 1 everywhere): every variant's default window keeps w = 1."""
     old = torch.full((2, 3), -1.0)
-    rollout = old - torch.log(t(W_RAW))
-    loss, m, grad = run(old, old, rollout, t([-1, -1]), torch.ones(2, 3), **cfg)
-    w = t(w)
-    assert grad.flatten().tolist() == approx((w / 6).flatten().tolist())
-    assert loss == approx(w.mean().item())
-    assert m["loss/policy"] == approx(w.mean().item())
-    assert m["is/weight_mean"] == approx(w.mean().item())
-    assert m["is/truncated_frac"] == approx(trunc)
-    assert m["is/nonfinite_frac"] == 0.0
-    assert m["loss/clip_frac"] == 0.0
+    w, truncated, nonfinite = is_weights(old, old.clone(), torch.ones(2, 3), LossConfig(is_correction=name))
+    assert w.tolist() == [[1.0] * 3] * 2 and not truncated.any() and not nonfinite.any()
 
 
 # Same setup, but seq 1's engine logprobs are [-1 - ln 1.5, NaN, -inf]:
 #   w_raw seq 1 = [1.5, NaN, inf] -> the two non-finite tokens get w = 0 (2 of 6 tokens);
 #   sequence-level modes give the whole of seq 1 weight 0.
 NONFINITE_CASES = {
-    "none": (dict(is_correction="none"), [[1, 1, 1], [1, 1, 1]]),
-    "tis": (dict(is_correction="tis", is_cap=2.0), [[0.5, 1, 2], [1.5, 0, 0]]),
-    "icepop": (dict(is_correction="icepop", is_floor=0.4, is_cap=2.0), [[0.5, 1, 0], [1.5, 0, 0]]),
-    "seq_mask_tis": (dict(is_correction="seq_mask_tis", is_floor=0.4, is_cap=1.2),
-                     [[0.5, 1, 3], [0, 0, 0]]),
-    "seq_tis": (dict(is_correction="seq_tis", is_cap=2.0), [[1.5] * 3, [0, 0, 0]]),
+    "none": (dict(), [[1, 1, 1], [1, 1, 1]]),
+    "tis": (dict(is_cap=2.0), [[0.5, 1, 2], [1.5, 0, 0]]),
+    "icepop": (dict(is_floor=0.4, is_cap=2.0), [[0.5, 1, 0], [1.5, 0, 0]]),
+    "seq_mask_tis": (dict(is_floor=0.4, is_cap=1.2), [[0.5, 1, 3], [0, 0, 0]]),
+    "seq_tis": (dict(is_cap=2.0), [[1.5] * 3, [0, 0, 0]]),
 }
 
 
-@pytest.mark.parametrize("name", list(NONFINITE_CASES))
+@pytest.mark.parametrize("name", IS_CORRECTIONS)
 def test_is_nonfinite_rollout_gets_zero_weight(name):
     cfg, w = NONFINITE_CASES[name]
     old = torch.full((2, 3), -1.0)
     rollout = t([[-1 + LN2, -1.0, -1 - math.log(3.0)], [-1 - math.log(1.5), math.nan, -math.inf]])
-    loss, m, grad = run(old, old, rollout, t([-1, -1]), torch.ones(2, 3), **cfg)
+    loss, m, grad = run(old, old, rollout, t([-1, -1]), torch.ones(2, 3), is_correction=name, **cfg)
     assert math.isfinite(loss) and torch.isfinite(grad).all()
     assert grad.flatten().tolist() == approx((t(w) / 6).flatten().tolist())
     assert m["is/nonfinite_frac"] == approx(2 / 6)
@@ -178,7 +210,7 @@ AGG_CASES = {
 }
 
 
-@pytest.mark.parametrize("agg", list(AGG_CASES))
+@pytest.mark.parametrize("agg", AGGS)
 def test_aggregation_unequal_mask(agg):
     want_loss, want_grad = AGG_CASES[agg]
     old = torch.full((3, 3), -1.0)
@@ -211,7 +243,7 @@ def test_sequence_level_is_uses_masked_tokens_only():
     assert m["is/weight_mean"] == approx(2.25) and m["is/truncated_frac"] == 0.0
 
 
-@pytest.mark.parametrize("agg", list(AGG_CASES))
+@pytest.mark.parametrize("agg", AGGS)
 def test_all_empty_mask_gives_zero_loss_with_grad(agg):
     logp = torch.full((2, 3), -1.0, requires_grad=True)
     loss, m = grpo_loss(logp, logp.detach(), logp.detach(), t([1, -1]), torch.zeros(2, 3),
@@ -239,7 +271,7 @@ def test_kl_term():
     assert grad.flatten().tolist() == approx([-0.025, 0, 0.0125, 0, 0, 0])
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+@pytest.mark.parametrize("agg", AGGS)
 def test_micro_batches_sum_to_the_mini_batch_objective(agg):
     """micro_batch_loss over micro-batches of 1 and 3 rows sums to the 4-row mini-batch's grpo_loss, minus
     entropy_coef x the mean entropy over every response token, plus aux_coef x the aux losses weighted
@@ -266,7 +298,8 @@ def test_micro_batches_sum_to_the_mini_batch_objective(agg):
     loss, weights, grad = total([slice(0, 1), slice(1, 4)])
     whole, _ = grpo_loss(logp0, old, rollout, adv, mask, cfg)
     bonus = coef * (entropy0 * response).sum() / response.sum()
-    assert weights == approx([3 / 6, 3 / 6] if agg == "token_mean" else [1 / 3, 2 / 3])  # masked tokens / rows
+    # a micro-batch's share: of the masked tokens (3 + 3) for a mean over tokens, of the rows (1 + 2) over sequences
+    assert weights == approx({"tokens": [3 / 6, 3 / 6], "sequences": [1 / 3, 2 / 3]}[AGG_REGISTRY[agg].mean_over])
     assert loss == approx(whole.item() - bonus.item() + aux_coef * (weights[0] * 0.5 + weights[1] * 2.0))
     assert torch.allclose(grad, total([slice(0, 4)])[2], atol=1e-7)
 
@@ -320,6 +353,55 @@ def test_metric_names_and_types():
     for key in ["loss/policy", "loss/kl", "loss/total", "loss/clip_frac", "is/weight_mean",
                 "is/truncated_frac", "is/nonfinite_frac"]:
         assert type(m[key]) is float, key
+
+
+# ---------------------------------------------------------------- registries
+
+ROOT = Path(__file__).resolve().parents[2]
+REGISTRIES = {"advantage.estimator": (ADVANTAGE_REGISTRY, [ADVANTAGE_CASES]),
+              "loss.is_correction": (IS_REGISTRY, [IS_CASES, NONFINITE_CASES]),
+              "loss.agg": (AGG_REGISTRY, [AGG_CASES])}
+
+
+@pytest.mark.parametrize("key", REGISTRIES)
+def test_every_variant_has_its_test_rows(key):
+    registry, tables = REGISTRIES[key]
+    assert registry.key == key
+    for table in tables:
+        assert set(table) == set(registry), f"{key}: test rows {sorted(table)} vs registered {sorted(registry)}"
+
+
+@pytest.mark.parametrize("key", REGISTRIES)
+def test_docs_name_every_variant(key):
+    """docs/design.md's contract names every registered variant ("tis" | ...), and losses/grpo.py's docstring
+    gives each IS correction and aggregation its line."""
+    registry, _ = REGISTRIES[key]
+    design = (ROOT / "docs/design.md").read_text()
+    assert [n for n in registry if f'"{n}"' not in design] == [], f"{key}: not in docs/design.md"
+    if key.startswith("loss."):
+        assert [n for n in registry if not re.search(rf"^ +{n} ", grpo.__doc__, re.M)] == [], key
+
+
+def test_registry_dispatch_is_exhaustive():
+    reg = Registry("loss.example")
+
+    @reg.register("a", mean_over="tokens")
+    def a():
+        """x = 1"""
+
+    assert reg["a"] is a and a.mean_over == "tokens" and reg.choices() == "'a'"
+    with pytest.raises(ValueError, match=r"loss.example='b' is not registered; expected one of 'a'"):
+        reg["b"]
+    with pytest.raises(ValueError, match=r"loss.example: 'a' is registered twice"):
+        reg.register("a")(lambda: None)
+    # the loss's own dispatch, past LossConfig's checks
+    x = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match=r"loss.is_correction='tiss' is not registered; expected one of 'none', 'tis'"):
+        is_weights(x, x, x, SimpleNamespace(is_correction="tiss"))
+    with pytest.raises(ValueError, match=r"loss.agg='mean' is not registered; expected one of 'token_mean'"):
+        aggregate(x, x, "mean")
+    with pytest.raises(ValueError, match=r"advantage.estimator='rloo' is not registered; expected one of 'grpo'"):
+        compute_advantages(t([0, 1]), 2, AdvantageConfig(estimator="rloo"))
 
 
 def test_config_errors():
