@@ -141,7 +141,6 @@ def train(args) -> Path:
     final = {"val/accuracy": trainer.validate(run)} if cfg.train.val_every else {}
     if final:
         logger.log(cfg.train.steps, final)
-    logger.print(f"done: {cfg.train.steps} steps; final {final}; run_dir {run_dir}")
     if cfg.train.save_final and state.start_step < cfg.train.steps and not (
             cfg.train.ckpt_every and cfg.train.steps % cfg.train.ckpt_every == 0):
         run_setup.save(run, state, cfg.train.steps)  # (else the loop has just saved this step, or nothing ran)
@@ -149,6 +148,7 @@ def train(args) -> Path:
     if cfg.rollout.mode == "async":
         engine.close()  # the engine ranks stop
     distributed.close(d)
+    logger.print(f"done: {cfg.train.steps} steps; final {final}; run_dir {run_dir}")  # the last line on stdout
     return run_dir
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoint import latest_checkpoint
-from conftest import ROOT, read_metrics, run_train, train_cmd
+from conftest import ROOT, TINY_RUN, read_metrics, run_train, train_cmd
 
 
 def run(args, cwd):
@@ -50,6 +50,19 @@ def test_bad_input_exits_with_one_line(tmp_path, args, message):
     assert lines[-1].startswith("error: ") and message in lines[-1], p.stderr[-2000:]
     assert "Traceback" not in p.stderr
     assert [f.name for f in tmp_path.iterdir()] == ["d.jsonl"]  # no run dir left behind
+
+
+def test_done_is_the_last_line_on_stdout(tmp_path):
+    """The run interface: `run_dir: PATH` first, `done: ...` last, also when the end-of-run checkpoint
+    (steps not a multiple of train.ckpt_every) comes after the loop's."""
+    run = run_train(*TINY_RUN, f"train.out_dir={tmp_path}", "train.run_name=r", "train.steps=3", "train.ckpt_every=2",
+                    "train.val_every=0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0] == f"run_dir: {tmp_path / 'r'}"
+    saved = [line for line in lines if line.startswith("checkpoint: ")]
+    assert len(saved) == 2 and "step_000003" in saved[-1], saved
+    assert lines[-1] == f"done: 3 steps; final {{}}; run_dir {tmp_path / 'r'}", lines[-3:]
 
 
 def test_fp8_kv_cache_recalibrated_every_step(tmp_path):
