@@ -15,8 +15,10 @@ AdvantageConfig); this module assembles them into `Config`, loads and checks the
 """
 
 import dataclasses
+import functools
 import math
 import re
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -585,6 +587,39 @@ def _tiny_moe_rules(t: TinyModelConfig) -> list:
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """{field: its attribute docstring} of a config dataclass (fields without one are left out)."""
+    import ast
+    import inspect
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {node.target.id: inspect.cleandoc(doc.value.value) for node, doc in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+
+
+def describe(cfg) -> str:
+    """The config as YAML, each field's doc as a comment above it (train_grpo.py --print-config): a file
+    that load_config reads back to the same config."""
+    lines = []
+
+    def walk(section, indent: str) -> None:
+        docs = field_docs(type(section))
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            lines.extend(f"{indent}# {line}".rstrip() for line in docs.get(f.name, "").splitlines())
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{indent}{f.name}:")
+                walk(value, indent + "  ")
+            else:
+                text = yaml.safe_dump(value, default_flow_style=True, width=math.inf).rstrip("\n")
+                lines.append(f"{indent}{f.name}: {text.removesuffix(chr(10) + '...')}")  # one line: a scalar, [...]
+
+    walk(cfg, "")
+    return "\n".join(lines) + "\n"
 
 
 BF16_MIN_LR = 1e-4

@@ -65,6 +65,22 @@ def test_done_is_the_last_line_on_stdout(tmp_path):
     assert lines[-1] == f"done: 3 steps; final {{}}; run_dir {tmp_path / 'r'}", lines[-3:]
 
 
+def test_print_config_shows_each_key_with_its_doc_and_trains_nothing(tmp_path):
+    """--print-config: the resolved config (file, then overrides) as YAML with each field's doc above it,
+    exit 0, no run dir; bad input is still one line and exit 2."""
+    from config import load_config, to_dict
+
+    args = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path / 'runs'}", "rollout.n=4"]
+    run = run_train("--print-config", *args, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rollout:\n" in run.stdout and "  # Samples per prompt (the GRPO group size).\n  n: 4\n" in run.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing trained, no run dir
+    (tmp_path / "printed.yaml").write_text(run.stdout)
+    assert to_dict(load_config(tmp_path / "printed.yaml")) == to_dict(load_config(args[1], args[2:]))
+    bad = run_train("--print-config", *args, "train.steps=ten", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.error == "error: train.steps: expected an integer, got 'ten'"
+
+
 def test_fp8_kv_cache_recalibrated_every_step(tmp_path):
     """fp8.kv_cache on the CPU loop: scales recalibrated each step, FP8 attention emulated in the
     engine only, so the engine/trainer mismatch grows but stays small."""
