@@ -55,7 +55,7 @@ ORDER = ["bf16", "fp8_tis", "fp8_nois", "fp8kv_tis", "fp8rollout_tis"]
 _NAME = re.compile(r"^(?:conv_)?(?P<config>.+?)(?:_s(?P<seed>\d+))?(?:_metrics)?$")
 
 
-SCRATCH = "notebooks"  # the notebooks' scratch runs go under runs/notebooks/ (analysis.make_rollout_batch)
+SCRATCH = "notebooks"  # the notebooks' scratch runs go under runs/notebooks/ (analysis.scratch_rollout_batch)
 
 
 def find_files(paths: list[str]) -> list[Path]:
