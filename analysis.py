@@ -1,7 +1,8 @@
 """Mismatch and FP8-sensitivity analysis: the engine behind notebooks/ (tests/e2e/test_notebooks.py).
 
     python train_grpo.py --config configs/llama31_8b_fp8.yaml log.save_batch_every=50   # GPU: save batches
-    BATCH_PATH=runs/<run>/batches/step_000050.pt FIG_DIR=figs jupyter execute notebooks/mismatch_analysis.ipynb
+    mkdir -p runs/notebooks && BATCH_PATH=runs/<run>/batches/step_000050.pt FIG_DIR=figs \
+        jupyter execute notebooks/mismatch_analysis.ipynb --output="$PWD/runs/notebooks/mismatch_analysis"
 
 A *rollout batch* is one step's whole batch as the trainer saw it, written by the trainer
 (log.save_batch_every) to <run_dir>/batches/step_NNNNNN.pt with observe.save_rollout_batch. Rows are
@@ -32,9 +33,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import hashlib
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -47,7 +51,7 @@ from torch import Tensor
 
 from batch import logprob_pass
 from checkpoint import is_checkpoint, latest_checkpoint, load_checkpoint
-from config import load_config
+from config import load_config, to_dict
 from engines.hf import fp8_attention
 from fp8.calibrate import QKVCalibrator, scales_from_amax
 from fp8.linear import bf16_reference, is_fp8_linear
@@ -69,14 +73,14 @@ PAIRS = {  # name -> (a, b): d = a - b
 # written by the trainer (trainer.save_batch -> observe.save_step_batch), read by observe.load_rollout_batch
 
 def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "configs" / "tiny_cpu.yaml",
-                       quiet: bool = True, threads: int | None = 1) -> Path:
-    """Train the tiny CPU model for `steps` steps in a new run dir under out_dir; return the batch
-    path of the last step.
+                       quiet: bool = True, threads: int | None = 1, name: str | None = None) -> Path:
+    """Train the tiny CPU model for `steps` steps in a new run dir under out_dir (`name`, default
+    batch-<random>); return the batch path of the last step.
 
-    Batches are saved at step 0 and at the last step; a checkpoint is written after steps - 1
+    Batches are saved at step 0 and at the last step; the one checkpoint is written after steps - 1
     updates, i.e. the exact weights that sampled the last batch (load_batch_model finds it).
-    Validation, TensorBoard and episode dumps are off; `overrides` ("key.sub=value") win.
-    The run is train_grpo.py in a child process.
+    Validation, TensorBoard, episode dumps and the end-of-run checkpoint are off; `overrides`
+    ("key.sub=value") win. The run is train_grpo.py in a child process.
     threads: its torch intra-op threads (OMP_NUM_THREADS; None = torch's default). The tiny model's GEMMs
     are too small to gain from threads, and on a busy 2-core machine 2 threads spin-waiting
     for each other made 12 steps take 300 s instead of 20 s.
@@ -85,10 +89,11 @@ def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "co
         raise ValueError(f"steps={steps}: need >= 2 (the last batch's checkpoint is written after steps - 1)")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    run_dir = out_dir / f"batch-{uuid.uuid4().hex[:8]}"  # train_grpo creates it (and refuses one that exists)
+    run_dir = out_dir / (name or f"batch-{uuid.uuid4().hex[:8]}")  # train_grpo creates it (never one that exists)
     argv = ["--config", str(config), f"train.out_dir={out_dir}", f"train.run_name={run_dir.name}",
             f"train.steps={steps}", f"log.save_batch_every={steps - 1}", f"train.ckpt_every={steps - 1}",
-            "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", *overrides]
+            "train.save_final=false", "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0",
+            *overrides]
     env = {**os.environ, **({} if threads is None else {"OMP_NUM_THREADS": str(threads)})}
     p = subprocess.run([sys.executable, str(ROOT / "train_grpo.py"), *argv], env=env, text=True,
                        capture_output=quiet)
@@ -101,9 +106,44 @@ def make_rollout_batch(out_dir, steps: int = 12, overrides=(), config=ROOT / "co
     return path
 
 
+SCRATCH = "scratch.json"  # in a scratch run's dir, once it is complete: the settings it was made with
+
+
+def scratch_rollout_batch(out_dir, steps: int = 30, overrides=(), config=ROOT / "configs" / "tiny_cpu.yaml") -> Path:
+    """The notebooks' tiny run (make_rollout_batch), kept under out_dir and reused: a later call with the
+    same settings (the resolved config and steps) returns its batch without training again, one with other
+    settings replaces it. So executing the notebooks, one after the other or again, leaves one run behind
+    (scratch-<hash of the settings>), not one per execution; delete it to make a fresh one."""
+    out_dir = Path(out_dir)
+    resolved = to_dict(load_config(config, list(overrides)))
+    settings = {"config": str(config), "overrides": list(overrides), "steps": steps}
+    key = hashlib.sha256(json.dumps([resolved, steps], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    run_dir = out_dir / f"scratch-{key}"
+    path = run_dir / "batches" / f"step_{steps - 1:06d}.pt"
+    if (run_dir / SCRATCH).is_file() and path.is_file():
+        return path
+    for old in out_dir.glob("scratch-*"):  # other settings' run, or one cut short
+        if re.fullmatch(r"scratch-[0-9a-f]{12}", old.name) and old.is_dir():
+            shutil.rmtree(old)
+    path = make_rollout_batch(out_dir, steps, overrides, config, name=run_dir.name)
+    (run_dir / SCRATCH).write_text(json.dumps(settings, indent=1) + "\n")
+    return path
+
+
 def find_batches(run_dir) -> list[Path]:
     """Every saved batch of a run, in step order."""
     return sorted(Path(run_dir).glob("batches/step_*.pt"))
+
+
+def save_figure(fig, path) -> Path:
+    """A notebook figure as PNG at `path`, laid out first (tight_layout: panels side by side otherwise put
+    one's y label, beside wide tick labels such as -0.00075, over its neighbour), then closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return Path(path)
 
 
 # ----------------------------------------------------------------------------- mismatch

@@ -15,8 +15,10 @@ AdvantageConfig); this module assembles them into `Config`, loads and checks the
 """
 
 import dataclasses
+import functools
 import math
 import re
+import textwrap
 import types
 import typing
 from dataclasses import dataclass, field
@@ -367,9 +369,13 @@ def _check_type(key: str, value, tp):
             return float(value)
         except ValueError:
             pass
-    if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
-        raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+    if tp in _EXPECTED and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        got = repr(value) if isinstance(value, str) else f"{type(value).__name__} {value!r}"
+        raise ConfigError(f"{key}: expected {_EXPECTED[tp]}, got {got}")
     return value
+
+
+_EXPECTED = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
 def _build(cls, data: dict, prefix: str = ""):
@@ -425,7 +431,7 @@ def parse_override(text: str) -> tuple[list[str], object]:
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
     """Config from a YAML file (with `base:` inheritance) plus `key.sub=value` overrides."""
     data = _read_yaml(Path(path)) if path else {}
-    cli_keys = []
+    cli_values = {}
     for text in overrides:
         keys, value = parse_override(text)
         node = data
@@ -434,14 +440,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: '{k}' is not a section")
         node[keys[-1]] = value
-        cli_keys.append(".".join(keys))
+        cli_values[".".join(keys)] = value
     try:
         cfg = _build(Config, data)
-    except ConfigError as e:
-        key = next((k for k in cli_keys if str(e).startswith((k + ":", k + "["))), None)
-        if key is None or "expected" not in str(e):
-            raise
-        raise ConfigError(f"{e} (override values are read as YAML: quote a string, e.g. {key}=\"'...'\")") from None
+    except ConfigError as e:  # an override of the wrong type: say how YAML read it where that is the cause
+        key = next((k for k in cli_values if str(e).startswith((k + ":", k + "["))), None)
+        if key is not None and "expected a string" in str(e):  # a str item of a list, read as a number
+            example = "['...']" if isinstance(cli_values[key], list) else "'...'"
+            raise ConfigError(f"{e} (override values are read as YAML: quote a string, e.g. {key}=\"{example}\")") \
+                from None
+        if key is not None and str(e).startswith(key + ": expected") and isinstance(cli_values[key], (dict, list)):
+            raise ConfigError(f"{e} (override values are read as YAML)") from None  # e.g. `8: 4`, a mapping
+        raise
     validate(cfg)
     return cfg
 
@@ -598,6 +608,39 @@ def _tiny_moe_rules(t: TinyModelConfig) -> list:
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
+
+
+@functools.cache
+def field_docs(cls) -> dict[str, str]:
+    """{field: its attribute docstring} of a config dataclass (fields without one are left out)."""
+    import ast
+    import inspect
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {node.target.id: inspect.cleandoc(doc.value.value) for node, doc in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)}
+
+
+def describe(cfg) -> str:
+    """The config as YAML, each field's doc as a comment above it (train_grpo.py --print-config): a file
+    that load_config reads back to the same config."""
+    lines = []
+
+    def walk(section, indent: str) -> None:
+        docs = field_docs(type(section))
+        for f in dataclasses.fields(section):
+            value = getattr(section, f.name)
+            lines.extend(f"{indent}# {line}".rstrip() for line in docs.get(f.name, "").splitlines())
+            if dataclasses.is_dataclass(value):
+                lines.append(f"{indent}{f.name}:")
+                walk(value, indent + "  ")
+            else:
+                text = yaml.safe_dump(value, default_flow_style=True, width=math.inf).rstrip("\n")
+                lines.append(f"{indent}{f.name}: {text.removesuffix(chr(10) + '...')}")  # one line: a scalar, [...]
+
+    walk(cfg, "")
+    return "\n".join(lines) + "\n"
 
 
 BF16_MIN_LR = 1e-4

@@ -26,12 +26,9 @@ the top-p mask, so with top_p < 1 the engine's logprobs are renormalised over th
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Literal, Protocol
+from typing import Iterable, Literal, Protocol
 
 import torch
-
-if TYPE_CHECKING:  # config.py imports RolloutConfig from here
-    from config import Config
 
 
 @dataclass
@@ -141,7 +138,8 @@ class Engine(Protocol):
     def wake(self) -> None: ...
 
 
-def step_seed(cfg: Config, step: int, r: int = 0) -> int:
-    """The seed of round r of `step`'s first sample: sample j of global prompt i gets step_seed + i*n + j,
-    disjoint across steps and ranks (a resample round r >= 1 adds r * 2**40, past every step's range)."""
-    return (cfg.train.seed * 1_000_003 + step) * cfg.rollout.prompts_per_step * cfg.rollout.n + (r << 40)
+def step_seed(rollout: RolloutConfig, train_seed: int, step: int, r: int = 0) -> int:
+    """The seed of round r of `step`'s first sample (train_seed: train.seed): sample j of global prompt i
+    gets step_seed + i*n + j, disjoint across steps and ranks (a resample round r >= 1 adds r * 2**40, past
+    every step's range)."""
+    return (train_seed * 1_000_003 + step) * rollout.prompts_per_step * rollout.n + (r << 40)

@@ -4,6 +4,7 @@
     torchrun --nproc_per_node 1 train_grpo.py --config configs/llama31_8b_fp8.yaml
     python train_grpo.py --config configs/tiny_cpu.yaml loss.is_cap=5 fp8.train=false
     python train_grpo.py --resume runs/tiny_cpu-20261122-101500           # continue a run
+    python train_grpo.py --config configs/tiny_cpu.yaml --print-config   # every knob, its value and doc
     torchrun --nproc_per_node 2 train_grpo.py --config configs/tiny_cpu.yaml rollout.mode=async  # engine on rank 1
 
 Each step: rollout (engine samples n completions per prompt, with each token's logprob) ->
@@ -41,7 +42,7 @@ import observe
 import run_setup
 import trainer
 from checkpoint import remove_unstarted_run
-from config import to_dict
+from config import describe, to_dict
 from data import PromptSampler, load_data
 from errors import UserError
 from fp8.calibrate import make_calibrator
@@ -141,7 +142,6 @@ def train(args) -> Path:
     final = {"val/accuracy": trainer.validate(run)} if cfg.train.val_every else {}
     if final:
         logger.log(cfg.train.steps, final)
-    logger.print(f"done: {cfg.train.steps} steps; final {final}; run_dir {run_dir}")
     if cfg.train.save_final and state.start_step < cfg.train.steps and not (
             cfg.train.ckpt_every and cfg.train.steps % cfg.train.ckpt_every == 0):
         run_setup.save(run, state, cfg.train.steps)  # (else the loop has just saved this step, or nothing ran)
@@ -149,6 +149,7 @@ def train(args) -> Path:
     if cfg.rollout.mode == "async":
         engine.close()  # the engine ranks stop
     distributed.close(d)
+    logger.print(f"done: {cfg.train.steps} steps; final {final}; run_dir {run_dir}")  # the last line on stdout
     return run_dir
 
 
@@ -156,11 +157,17 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", help="YAML config (default: configs/tiny_cpu.yaml)")
     p.add_argument("--resume", help="run dir to continue from its latest checkpoint")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (after --config or --resume and the overrides) as YAML,\n"
+                        "each key with its doc, and exit without training or making a run dir")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. loss.is_cap=5")
     args = p.parse_args(argv)
     if not args.config and not args.resume:
         args.config = str(Path(__file__).parent / "configs" / "tiny_cpu.yaml")
     try:
+        if args.print_config:
+            print(describe(run_setup.read_config(args)[0]), end="")
+            return None
         return train(args)
     except BaseException as e:
         if getattr(args, "new_run_dir", None) is not None:  # a new run that failed before its first step

@@ -108,7 +108,7 @@ def rollout_round(run: Run, step: int, r: int, metrics: dict) -> collapse.Groups
     with torch.profiler.record_function("rollout"):  # a named span in the profile's trace
         samples = run.engine.generate([ex["prompt_ids"] for ex in prompts], n=n, temperature=cfg.rollout.temperature,
                                       top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
-                                      seed=step_seed(cfg, step, r) + gen.start * n)
+                                      seed=step_seed(cfg.rollout, cfg.train.seed, step, r) + gen.start * n)
     batch = prompts[own]  # this rank's prompts and their samples (all of them without TP)
     samples = [dataclasses.replace(s, prompt_index=s.prompt_index - own.start)
                for s in samples[own.start * n: own.stop * n]]

@@ -226,7 +226,7 @@ def serve(cfg: Config, d: distributed.Dist) -> None:
             calls[r] = ([ex["prompt_ids"] for ex in batch[gen]],
                         {"n": r_cfg.n, "temperature": r_cfg.temperature, "top_p": r_cfg.top_p,
                          "max_new_tokens": r_cfg.max_new_tokens,
-                         "seed": step_seed(cfg, step) + gen.start * r_cfg.n})
+                         "seed": step_seed(r_cfg, t_cfg.seed, step) + gen.start * r_cfg.n})
         made, seconds = generate(calls, used)
         print(f"engine {d.engine}: step {step} generated with version {used} in {seconds:.1f} s", flush=True)
         weights.pull(step)  # the trainer asks for step t once it has sent version t

@@ -1,12 +1,16 @@
-"""Convergence plots and a summary table from GRPO runs' metrics.jsonl files.
+"""Compare GRPO runs: convergence plots and a summary table from their metrics.jsonl files.
 
-    python -m scripts.plot_runs /tmp/conv_out                         # every *metrics.jsonl under it
+    python -m scripts.plot_runs runs                                  # every run under runs/ -> runs/compare/
     python -m scripts.plot_runs runs/bf16_s0/metrics.jsonl runs/fp8_tis_s0/metrics.jsonl --out /tmp/figs
 
-A run's name is <config>_s<seed>, read from the file name (conv_fp8_tis_s1_metrics.jsonl, as
+A directory is searched for *metrics.jsonl files, except under a notebooks/ folder in it (the
+notebooks' scratch runs, runs/notebooks/ by default; name that folder, or its files, to include
+them). A run's name is <config>_s<seed>, read from the file name (conv_fp8_tis_s1_metrics.jsonl, as
 scripts/convergence.sh writes them) or from its run dir (runs/fp8_tis_s1/metrics.jsonl); a name
 without _s<seed> is seed 0. Runs of one config are averaged over seeds: a line for the mean, a
-band from min to max. Writes, into --out (default docs/figures):
+band from min to max. Writes, into --out (default: compare/ in the directory holding the runs
+given, e.g. runs/compare/ for `runs` or for runs/a/metrics.jsonl and runs/b/metrics.jsonl; the
+committed figures are redrawn with --out docs/figures, docs/results.md has each command):
 
     <prefix>_val_accuracy.png   val/accuracy (greedy, held-out) vs step
     <prefix>_reward.png         reward/mean vs step (trailing mean over --smooth steps)
@@ -34,10 +38,11 @@ Table, per config (mean ± half the min-max range over seeds, from the raw logge
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 
-from scripts.common import ROOT, load_rows, tail_mean
+from scripts.common import load_rows, tail_mean
 
 PANELS = [  # (metric key, file suffix, y label, smoothed)
     ("val/accuracy", "val_accuracy", "validation accuracy (greedy)", False),
@@ -50,11 +55,16 @@ ORDER = ["bf16", "fp8_tis", "fp8_nois", "fp8kv_tis", "fp8rollout_tis"]
 _NAME = re.compile(r"^(?:conv_)?(?P<config>.+?)(?:_s(?P<seed>\d+))?(?:_metrics)?$")
 
 
+SCRATCH = "notebooks"  # the notebooks' scratch runs go under runs/notebooks/ (analysis.scratch_rollout_batch)
+
+
 def find_files(paths: list[str]) -> list[Path]:
+    """The metrics files named, and those under each directory named (none under a notebooks/ folder of it)."""
     files = []
     for p in map(Path, paths):
         if p.is_dir():
-            files += sorted(f for f in p.rglob("*metrics.jsonl") if f.is_file())
+            files += sorted(f for f in p.rglob("*metrics.jsonl")
+                            if f.is_file() and SCRATCH not in f.relative_to(p).parts[:-1])
         elif p.is_file():
             files.append(p)
         else:
@@ -62,6 +72,14 @@ def find_files(paths: list[str]) -> list[Path]:
     if not files:
         raise SystemExit(f"error: no *metrics.jsonl under {' '.join(paths)}")
     return files
+
+
+def default_out(paths: list[str]) -> Path:
+    """compare/ in the directory that holds the runs given: a directory itself, a run dir's metrics.jsonl its
+    run dir's parent, another metrics file its own directory (the deepest one common to them all)."""
+    def holder(p: Path) -> Path:
+        return p if p.is_dir() else p.parent.parent if p.name == "metrics.jsonl" else p.parent
+    return Path(os.path.commonpath([holder(Path(p).absolute()) for p in paths])) / "compare"
 
 
 def run_key(path: Path) -> tuple[str, int]:
@@ -213,14 +231,15 @@ def plot(runs, out: Path, prefix: str, k: int) -> list[Path]:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("paths", nargs="+", help="metrics.jsonl files or directories to search")
-    p.add_argument("--out", default=str(ROOT / "docs/figures"), help="directory for the PNGs and the table")
+    p.add_argument("paths", nargs="+", help="metrics.jsonl files or directories to search (not their notebooks/)")
+    p.add_argument("--out", help="directory for the PNGs and the table (default: compare/ in the directory\n"
+                                 "holding the runs given, e.g. runs/compare/ for `runs`)")
     p.add_argument("--prefix", default="convergence")
     p.add_argument("--table", help="markdown table path (default <out>/<prefix>_table.md)")
     p.add_argument("--smooth", type=int, default=5, help="trailing mean over this many steps for per-step metrics")
     args = p.parse_args(argv)
     runs = load_runs(find_files(args.paths))
-    out = Path(args.out)
+    out = Path(args.out) if args.out else default_out(args.paths)
     out.mkdir(parents=True, exist_ok=True)
     table, S = summarize(runs)
     md = markdown(table, S)

@@ -102,6 +102,31 @@ def test_plot_runs_routing_mismatch_of_moe_runs(tmp_path):
     assert "moe/routing_mismatch |" in (tmp_path / "figs/moe_table.md").read_text()
 
 
+def test_plot_runs_writes_under_the_runs_it_compares_and_skips_notebook_runs(tmp_path, capsys):
+    """Without --out the plots and table go to compare/ beside the runs (never the repo's docs/figures, and
+    --help says where); the notebooks' scratch runs under runs/notebooks/ are left out unless named."""
+    runs = tmp_path / "runs"
+    for name, vals in (("fp8_s0", [0.2, 0.4]), ("fp8_s1", [0.3, 0.5]), ("notebooks/batch-1a2b3c4d", [0.0, 0.0])):
+        (runs / name).mkdir(parents=True)
+        write_run(runs / name / "metrics.jsonl", rows(vals, [1.0] * 4, [0.0] * 4))
+    figures = {p: p.stat().st_mtime_ns for p in (ROOT / "docs/figures").iterdir()}
+    table, _ = plot_runs.main([str(runs)])
+    assert [(r["config"], r["seeds"]) for r in table] == [("fp8", [0, 1])]
+    out = runs / "compare"
+    assert {p.name for p in out.iterdir()} >= {"convergence_table.md", "convergence_summary.png"}
+    assert f"wrote {out / 'convergence_table.md'}" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in (ROOT / "docs/figures").iterdir()} == figures
+    assert plot_runs.main([str(runs / "notebooks")])[0][0]["config"] == "batch-1a2b3c4d"  # named: included
+    assert (runs / "notebooks/compare/convergence_table.md").is_file()
+    # two run dirs' files: compare/ in the directory holding both; a script's metrics files: their own dir
+    files = [str(runs / "fp8_s0/metrics.jsonl"), str(runs / "fp8_s1/metrics.jsonl")]
+    assert plot_runs.default_out(files) == runs / "compare"
+    assert plot_runs.default_out([str(tmp_path / "conv_out/conv_bf16_s0_metrics.jsonl")]) == tmp_path / "conv_out/compare"
+    help_text = subprocess.run([sys.executable, "-m", "scripts.plot_runs", "--help"], cwd=ROOT, capture_output=True,
+                               text=True).stdout
+    assert "--out" in help_text and "runs/compare/" in help_text
+
+
 def test_run_key_names():
     assert plot_runs.run_key(Path("x/conv_fp8kv_tis_s12_metrics.jsonl")) == ("fp8kv_tis", 12)
     assert plot_runs.run_key(Path("runs/fp8_nois_s1/metrics.jsonl")) == ("fp8_nois", 1)

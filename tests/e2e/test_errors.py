@@ -138,9 +138,10 @@ BAD_INPUT = [
     (["advantage.eps=inf"], "advantage.eps=inf: must be a finite number"),
     (["advantage.normalise_std=false"], "unknown config key 'advantage.normalise_std' (valid keys in this section: "
                                         "estimator, normalize_std, eps)"),
-    # overrides are YAML, and the error says so
-    (["optim.lr=fast"], "optim.lr: expected float, got str 'fast' (override values are read as YAML"),
-    (["rollout.n=8: 4"], "rollout.n: expected int, got dict {8: 4} (override values are read as YAML"),
+    # wrong types name the type expected; where YAML read the override as a mapping, the error says so
+    (["optim.lr=fast"], "optim.lr: expected a number, got 'fast'"),
+    (["train.steps=ten"], "train.steps: expected an integer, got 'ten'"),
+    (["rollout.n=8: 4"], "rollout.n: expected an integer, got dict {8: 4} (override values are read as YAML"),
     # rollout.mode=async: what it cannot run yet, and a launch without engine ranks
     (["rollout.mode=async", "rollout.max_staleness=2"], "rollout.max_staleness=2: must be 0 or 1"),
     (["rollout.mode=async", "train.dynamic_sampling=resample"],

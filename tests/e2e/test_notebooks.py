@@ -1,9 +1,11 @@
 """analysis.py (the notebooks' engine) with hand-checkable values, the trainer's
-log.save_batch_every knob, and both notebooks executed top to bottom on CPU."""
+log.save_batch_every knob, and both notebooks executed top to bottom on CPU, as docs/notebooks.md says."""
 
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -168,6 +170,47 @@ def test_load_rejects_what_is_not_a_batch(tmp_path):
         observe.load_rollout_batch(tmp_path / "nothing.pt")
 
 
+def test_scratch_run_is_made_once_and_reused(tmp_path):
+    """The notebooks' tiny run: made once per setting, reused by later calls, and a run of other settings
+    (or one cut short) under the same dir replaced, so executions do not pile runs up; other dirs stay."""
+    (tmp_path / "scratch-0123456789ab" / "batches").mkdir(parents=True)  # cut short: no scratch.json
+    (tmp_path / "batch-1a2b3c4d").mkdir()  # not a scratch run
+    path = A.scratch_rollout_batch(tmp_path, steps=3, overrides=["rollout.prompts_per_step=2"])
+    run_dir = path.parent.parent
+    assert path.is_file() and (run_dir / A.SCRATCH).is_file() and run_dir.name.startswith("scratch-")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["batch-1a2b3c4d", run_dir.name]
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_000002"]  # the batch's weights only
+    made = path.stat().st_mtime_ns
+    assert A.scratch_rollout_batch(tmp_path, steps=3, overrides=["rollout.prompts_per_step=2"]) == path
+    assert path.stat().st_mtime_ns == made  # reused, not trained again
+
+
+def test_figures_are_laid_out_before_saving(tmp_path):
+    """analysis.save_figure (the notebooks' show): side-by-side panels leave room for each other's labels.
+    mismatch_by_step's right panel (kl, tick labels like -0.00075) put its y label over the left panel."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.5))
+    axes[0].plot(range(30), [1.004 + 1e-3 * (i % 7) / 7 for i in range(30)])
+    axes[1].plot(range(30), [5e-4 * (i % 3) - 1.1e-3 for i in range(30)])
+    axes[0].set_ylabel("token_mult_prob_error")
+    axes[1].set_ylabel("kl")
+
+    def crowded() -> list[str]:
+        """Y labels and tick labels that run into another panel."""
+        r = FigureCanvasAgg(fig).get_renderer()  # (save_figure closes the figure: pyplot lets go of its canvas)
+        fig.draw(r)
+        return [t.get_text() for a in axes for t in (a.yaxis.label, *a.get_yticklabels()) if t.get_text()
+                for b in axes if b is not a and t.get_window_extent(r).overlaps(b.get_window_extent(r))]
+
+    assert crowded() == ["kl"]  # matplotlib's default layout
+    assert A.save_figure(fig, tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    assert crowded() == []
+
+
 # ----------------------------------------------------------------------------- the trainer knob
 
 @pytest.fixture(scope="module")
@@ -252,33 +295,32 @@ def test_committed_notebooks_have_no_outputs():
                 assert cell.outputs == [] and cell.execution_count is None, (name, cell.source[:60])
 
 
-def execute(name, env, tmp_path):
-    from nbclient import NotebookClient
+def execute(name, env, out_dir):
+    """The notebook run as docs/notebooks.md runs it (`jupyter execute ... --output=`); its executed copy."""
+    out = out_dir / name
+    p = subprocess.run([str(Path(sys.executable).parent / "jupyter"), "execute", f"notebooks/{name}.ipynb",
+                        "--timeout=300", f"--output={out}"], cwd=ROOT, env={**os.environ, **env},
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return nbformat.read(out.with_suffix(".ipynb"), as_version=4)
 
-    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the kernel inherits this process's environment
-    try:
-        NotebookClient(nb, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    nbformat.write(nb, tmp_path / f"{name}.executed.ipynb")  # for a look when something breaks
-    return nb
+
+def printed(nb) -> str:
+    return "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
 
 
 def test_notebooks_run_top_to_bottom(tmp_path):
-    """mismatch_analysis makes its own tiny batch; fp8_sensitivity is given it through BATCH_PATH."""
+    """Both notebooks without BATCH_PATH: mismatch_analysis trains the tiny run, fp8_sensitivity reuses
+    it; each executed copy holds the tables it printed."""
     fig_dir, run_dir = tmp_path / "figs", tmp_path / "runs"
     env = {"FIG_DIR": str(fig_dir), "RUN_DIR": str(run_dir), "BATCH_PATH": ""}
-    nb = execute("mismatch_analysis", env, tmp_path)
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+    mismatch = printed(execute("mismatch_analysis", env, tmp_path))
     for kind, correction in IS_REGISTRY.items():  # the registry's formulas, one line per correction
-        assert f"{kind:14s}{correction.__doc__.splitlines()[0]}" in text, kind
-    (batch_path,) = run_dir.glob("batch-*/batches/step_000029.pt")
-    nb = execute("fp8_sensitivity", {**env, "BATCH_PATH": str(batch_path)}, tmp_path)
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+        assert f"{kind:14s}{correction.__doc__.splitlines()[0]}" in mismatch, kind
+    (batch_path,) = run_dir.glob("scratch-*/batches/step_000029.pt")
+    assert f"{batch_path}\nstep 29:" in mismatch and "trainer vs engine" in mismatch and "truncated" in mismatch
+    text = printed(execute("fp8_sensitivity", env, tmp_path))
+    assert f"{batch_path}\nstep 29:" in text and len(list(run_dir.iterdir())) == 1  # the same run, reused
     assert "'exact': True" in text and "max |logp - bf16_logp| on response tokens: 0.0" in text
     for names in NOTEBOOKS.values():
         for fig in names:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from checkpoint import latest_checkpoint
-from conftest import ROOT, read_metrics, run_train, train_cmd
+from conftest import ROOT, TINY_RUN, read_metrics, run_train, train_cmd
 
 
 def run(args, cwd):
@@ -50,6 +50,35 @@ def test_bad_input_exits_with_one_line(tmp_path, args, message):
     assert lines[-1].startswith("error: ") and message in lines[-1], p.stderr[-2000:]
     assert "Traceback" not in p.stderr
     assert [f.name for f in tmp_path.iterdir()] == ["d.jsonl"]  # no run dir left behind
+
+
+def test_done_is_the_last_line_on_stdout(tmp_path):
+    """The run interface: `run_dir: PATH` first, `done: ...` last, also when the end-of-run checkpoint
+    (steps not a multiple of train.ckpt_every) comes after the loop's."""
+    run = run_train(*TINY_RUN, f"train.out_dir={tmp_path}", "train.run_name=r", "train.steps=3", "train.ckpt_every=2",
+                    "train.val_every=0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0] == f"run_dir: {tmp_path / 'r'}"
+    saved = [line for line in lines if line.startswith("checkpoint: ")]
+    assert len(saved) == 2 and "step_000003" in saved[-1], saved
+    assert lines[-1] == f"done: 3 steps; final {{}}; run_dir {tmp_path / 'r'}", lines[-3:]
+
+
+def test_print_config_shows_each_key_with_its_doc_and_trains_nothing(tmp_path):
+    """--print-config: the resolved config (file, then overrides) as YAML with each field's doc above it,
+    exit 0, no run dir; bad input is still one line and exit 2."""
+    from config import load_config, to_dict
+
+    args = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path / 'runs'}", "rollout.n=4"]
+    run = run_train("--print-config", *args, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "rollout:\n" in run.stdout and "  # Samples per prompt (the GRPO group size).\n  n: 4\n" in run.stdout
+    assert list(tmp_path.iterdir()) == []  # nothing trained, no run dir
+    (tmp_path / "printed.yaml").write_text(run.stdout)
+    assert to_dict(load_config(tmp_path / "printed.yaml")) == to_dict(load_config(args[1], args[2:]))
+    bad = run_train("--print-config", *args, "train.steps=ten", cwd=tmp_path)
+    assert bad.returncode == 2 and bad.error == "error: train.steps: expected an integer, got 'ten'"
 
 
 def test_fp8_kv_cache_recalibrated_every_step(tmp_path):

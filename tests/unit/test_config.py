@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from config import Config, ConfigError, load_config
+from config import Config, ConfigError, describe, field_docs, load_config, to_dict
 from losses.advantages import ADVANTAGE_ESTIMATORS
 from losses.grpo import AGGS, IS_CORRECTIONS
 
@@ -17,6 +17,19 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_config_loads(path):
     cfg = load_config(path)
     assert isinstance(cfg, Config)
+
+
+def test_describe_reads_back_as_the_same_config(tmp_path):
+    """describe (train_grpo.py --print-config): every shipped config, printed with its docs, loads back
+    as itself; each documented field's doc sits in comments right above it."""
+    for path in sorted((ROOT / "configs").rglob("*.yaml")):
+        cfg = load_config(path)
+        (tmp_path / "described.yaml").write_text(describe(cfg))
+        assert to_dict(load_config(tmp_path / "described.yaml")) == to_dict(cfg), path
+    text = describe(load_config(None, ["optim.lr=3e-7"]))
+    assert "optim:\n" in text and "  lr: 3.0e-07\n" in text and "  betas: [0.9, 0.999]\n" in text
+    doc = field_docs(type(Config().train))["steps"]
+    assert doc.startswith("Rollout steps") and f"  # {doc}\n  steps: 100\n" in text
 
 
 def write(tmp_path, name, text):
@@ -39,15 +52,32 @@ def test_base_inheritance_and_override_order(tmp_path):
 def test_int_and_exponent_strings_accepted_for_float():
     assert load_config(None, ["loss.is_cap=5"]).loss.is_cap == 5.0
     assert load_config(None, ["optim.lr=1e-4"]).optim.lr == 1e-4  # YAML 1.1 reads 1e-4 as a string
-    with pytest.raises(ConfigError, match="optim.lr: expected float, got str 'fast'"):
+    with pytest.raises(ConfigError, match="optim.lr: expected a number, got 'fast'"):
         load_config(None, ["optim.lr=fast"])
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.steps=ten", "train.steps: expected an integer, got 'ten'"),
+    ("train.steps=2.5", "train.steps: expected an integer, got float 2.5"),
+    ("optim.lr=fast", "optim.lr: expected a number, got 'fast'"),
+    ("fp8.train=maybe", "fp8.train: expected true or false, got 'maybe'"),
+    ("rollout.n=8: 4", "rollout.n: expected an integer, got dict {8: 4} (override values are read as YAML)"),
+    ("fp8.keep_bf16=[1]", "fp8.keep_bf16[0]: expected a string, got int 1 (override values are read as YAML: "
+                          "quote a string, e.g. fp8.keep_bf16=\"['...']\")"),
+])
+def test_wrong_type_says_the_type_expected(override, message):
+    """A number that is not one names the type it must be; the advice about YAML's reading comes only where
+    YAML's reading is the cause (a mapping, a number where a string is wanted)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert str(e.value) == message
 
 
 @pytest.mark.parametrize("override, message", [
     (["loss.is_capp=5"], r"unknown config key 'loss.is_capp'"),
     (["los.is_cap=5"], r"unknown config key 'los'"),
-    (["rollout.n=eight"], r"rollout.n: expected int, got str"),
-    (["fp8.train=1"], r"fp8.train: expected bool, got int"),
+    (["rollout.n=eight"], r"rollout.n: expected an integer, got 'eight'"),
+    (["fp8.train=1"], r"fp8.train: expected true or false, got int"),
     (["rollout.engine=sglang"], r"rollout.engine: 'sglang' is not one of \['hf', 'vllm'\]"),
     (["loss.is_correction=tiss"], r"loss: .*is_correction.*tiss"),
     (["fp8.keep_bf16=lm_head"], r"fp8.keep_bf16: expected a list"),

@@ -6,13 +6,15 @@ run). Importing a.b.c also imports its packages a and a.b, so the edge goes to t
 module of that package (fp8.fast.cache importing fp8.fast.fused runs inside fp8/fast/__init__'s own
 import: a package always comes before its modules).
 
-Two tests. Module-level imports (class bodies included), over every module: they run when the module is
+Three tests. Module-level imports (class bodies included), over every module: they run when the module is
 imported, so a cycle among them makes the import order matter and leaves one side partly initialised.
 Imports inside functions too, over the library (not bench/ or scripts/, which sit on top of it): the
 repo defers heavy or optional dependencies (vLLM, torchao, Triton, fp8/fast) into functions, and a
-deferred import that points back is still a cycle of the design, only a hidden one. So the layers go
-one way: rollout.py (Sample, Engine) <- engines/ (engines.make_engine builds them) <- trainer.py,
-train_grpo.py; fp8/linear.py <- fp8/torchao.py, fp8/moe.py <- fp8/convert.py.
+deferred import that points back is still a cycle of the design, only a hidden one. And the imports of
+type hints (`if TYPE_CHECKING:`) on top of those: a module that names another's type depends on it as
+much. So the layers go one way: rollout.py (RolloutConfig, Sample, Engine) <- config.py, engines/
+(engines.make_engine builds them) <- trainer.py, train_grpo.py; fp8/linear.py <- fp8/torchao.py,
+fp8/moe.py <- fp8/convert.py.
 """
 
 import ast
@@ -27,15 +29,16 @@ def module_name(path: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_in(tree: ast.Module, in_functions: bool = False) -> list[str]:
-    """Dotted names imported outside functions (in_functions: anywhere) and TYPE_CHECKING blocks:
-    `import a.b` -> a.b, `from a.b import c` -> a.b and a.b.c (c may be a submodule)."""
+def imports_in(tree: ast.Module, in_functions: bool = False, type_checking: bool = False) -> list[str]:
+    """Dotted names imported outside functions (in_functions: anywhere) and TYPE_CHECKING blocks
+    (type_checking: in those too): `import a.b` -> a.b, `from a.b import c` -> a.b and a.b.c (c may be a
+    submodule)."""
     names, todo = [], list(tree.body)
     while todo:
         node = todo.pop()
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and not in_functions:
             continue
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test) and not type_checking:
             todo += node.orelse
             continue
         if isinstance(node, ast.Import):
@@ -46,8 +49,9 @@ def imports_in(tree: ast.Module, in_functions: bool = False) -> list[str]:
     return names
 
 
-def import_graph(in_functions: bool = False, library: bool = False) -> dict[str, set[str]]:
-    """{module: the modules it imports} (module_name's dotted names); library: without bench/ and scripts/."""
+def import_graph(in_functions: bool = False, library: bool = False, type_checking: bool = False) -> dict[str, set[str]]:
+    """{module: the modules it imports} (module_name's dotted names); library: without bench/ and scripts/;
+    in_functions, type_checking: as imports_in's."""
     files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True,
                            check=True).stdout.split()
     skip = ("tests/", "bench/", "scripts/") if library else ("tests/",)
@@ -56,7 +60,7 @@ def import_graph(in_functions: bool = False, library: bool = False) -> dict[str,
     graph = {}
     for name, f in modules.items():
         deps = set()
-        for imported in imports_in(ast.parse((ROOT / f).read_text(), f), in_functions):
+        for imported in imports_in(ast.parse((ROOT / f).read_text(), f), in_functions, type_checking):
             parts = imported.split(".")
             deps |= {m for i in range(1, len(parts) + 1) if (m := ".".join(parts[:i])) in modules}
         own_packages = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
@@ -102,6 +106,16 @@ def test_no_import_cycle_counting_imports_in_functions():
     assert cycle is None, "import cycle (function-level imports included): " + " -> ".join(cycle)
 
 
+def test_no_import_cycle_counting_type_hints():
+    """config.py assembles the components' settings (rollout.RolloutConfig, fp8.config.FP8Config, ...), so
+    none of them may name config's types, not even for a hint: they take their own settings."""
+    graph = import_graph(in_functions=True, library=True, type_checking=True)
+    assert "config" in graph["fp8.calibrate"] and "rollout" in graph["config"]  # it sees type-only imports
+    assert "config" not in graph["rollout"]
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle (type-hint imports included): " + " -> ".join(cycle)
+
+
 def test_only_the_trainer_setup_imports_fp8_fast():
     """fp8/fast/ is speed only: of the library (not bench/, scripts/), only the trainer imports it, at
     any level: its setup (run_setup.fp8_model behind fp8.uses_fast, which analysis.convert_fp8 and the
@@ -119,3 +133,4 @@ def test_find_cycle_finds_one():
                      "class C:\n    import v\n")
     assert sorted(imports_in(tree)) == ["p", "p.q", "v", "x.y"]
     assert sorted(imports_in(tree, in_functions=True)) == ["p", "p.q", "u", "v", "x.y"]
+    assert sorted(imports_in(tree, type_checking=True)) == ["p", "p.q", "t", "v", "x.y"]

@@ -395,7 +395,7 @@ def test_replay_gradients_reach_router_and_aux_loss():
 @pytest.mark.parametrize("override, match", [
     ("moe.aux_loss_coef=-0.1", "moe.aux_loss_coef=-0.1: must be >= 0"),
     ("moe.aux_loss_coef=.nan", "moe.aux_loss_coef=nan: must be a number"),
-    ("moe.router_replay=maybe", "moe.router_replay: expected bool"),
+    ("moe.router_replay=maybe", "moe.router_replay: expected true or false"),
     ("model.tiny.num_experts=1", "model.tiny.num_experts=1: must be >= 2"),
     ("model.tiny.num_experts_per_tok=5", r"model.tiny.num_experts_per_tok=5: must be in \[1, model.tiny.num_experts\]"),
     ("model.tiny.arch=llama", "model.tiny.num_experts=4: must be 0 for the dense family 'llama'"),
