@@ -43,9 +43,9 @@ def build_optimizer(params, cfg: OptimConfig) -> torch.optim.Optimizer:
     kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "adamw":
         params = list(params)
-        # CPU: the fused kernel, whose sqrt is the correctly rounded one. The default CPU path (one tensor at a
-        # time) takes sqrt from MKL's vector math, which rounds ~20% of results another way on an AMD EPYC
-        # than on an Intel Xeon with AVX-512 FP16/AMX whatever MKL_CBWR says, so CPU runs would part by host.
+        # CPU: the fused kernel. The default CPU path (one tensor at a time) takes a float32 sqrt that is not
+        # correctly rounded (~20% of inputs; a vector-math routine, not ATen's exact SIMD sqrt) and rounds
+        # differently on an AMD EPYC than on an Intel Xeon with AVX-512 FP16/AMX, so CPU runs parted by host.
         on_cpu = all(p.device.type == "cpu" for p in params)
         return torch.optim.AdamW(params, fused=on_cpu or None, **kw)
     from torchao.optim import AdamW8bit  # compiles its update with torch.compile (inductor)

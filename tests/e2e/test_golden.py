@@ -13,10 +13,10 @@ x86-64 hosts (PINNED_ENV): ATen's baseline kernels instead of its AVX2/AVX-512 d
 Conditional Numerical Reproducibility mode (the same SSE2 code on any x86 CPU, Intel or AMD), oneDNN
 capped at SSE4.1, one thread. With it the trajectory is bit-identical whatever the host's SIMD width
 or the caller's own ATEN_CPU_CAPABILITY / MKL_ENABLE_INSTRUCTIONS / thread count (checked by
-tests/e2e/test_host_independence.py). One path escaped the pins: torch's default CPU AdamW took sqrt
-from MKL's vector math, which rounded it differently on an Intel Xeon with AVX-512 FP16/AMX than on an
-AMD EPYC (same inputs; the trajectories parted at step 6), so the optimizer runs the fused CPU kernel
-(optimizer.py). The file holds on both (2026-12-06). To find such an op on a new host:
+tests/e2e/test_host_independence.py). One path escaped the pins: torch's default CPU AdamW takes a
+float32 sqrt that is not correctly rounded and rounds differently on an Intel Xeon with AVX-512 FP16/AMX
+than on an AMD EPYC (same inputs; the trajectories parted at step 6), so the optimizer runs the fused CPU
+kernel (optimizer.py). The file holds on both (2026-12-06). To find such an op on a new host:
 
     python tests/e2e/test_golden.py --op-trace here.jsonl.gz      # on each host
     python tests/e2e/test_golden.py --compare here.jsonl.gz there.jsonl.gz
