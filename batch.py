@@ -152,10 +152,12 @@ class _HeadLogprobs(torch.autograd.Function):
 
     As the unfused path computes: logits in the compute dtype (autocast's, else h's), then fp32 / T; the
     log-normalizer by logsumexp instead of log_softmax's (equal up to fp32 rounding).
-    d logp / dz = onehot - p; d H / dz = -p (log p + H)."""
+    d logp / dz = onehot - p; d H / dz = -p (log p + H). entropy_grad=False: the entropy is a metric the
+    loss leaves out, and backward skips its term."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, entropy: bool) -> Tensor:
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, entropy: bool,
+                entropy_grad: bool = True) -> Tensor:
         dt = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
         hc, wc = h.to(dt), weight.to(dt)
         out, lse = torch.zeros(h.shape[0], 2, dtype=torch.float32, device=h.device), []
@@ -166,7 +168,7 @@ class _HeadLogprobs(torch.autograd.Function):
             lse.append(lse_s)
         lse = torch.cat(lse)
         ctx.save_for_backward(hc, weight, targets, lse, out[:, 1].clone())
-        ctx.temperature, ctx.entropy, ctx.h_dtype = temperature, entropy, h.dtype
+        ctx.temperature, ctx.entropy, ctx.h_dtype = temperature, entropy and entropy_grad, h.dtype
         return out
 
     @staticmethod
@@ -184,7 +186,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_h[s] = gz @ wc
             if need_w:
                 grad_w += gz.t() @ hc[s]
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 
 def _chunk(other: int) -> int:
@@ -193,12 +195,13 @@ def _chunk(other: int) -> int:
 
 
 @contextlib.contextmanager
-def fused_head(model, input_ids, temperature: float, entropy: bool, enabled: bool = True):
+def fused_head(model, input_ids, temperature: float, entropy: bool, enabled: bool = True,
+               entropy_grad: bool = True):
     """Inside: the model's LM head returns [B, L, 2] (log p of token t, entropy of its distribution)
-    at position t (0 at t = 0) from _HeadLogprobs instead of [B, L, V] logits; yields False (logits
-    as usual) when not enabled and for a head other than a bias-free nn.Linear. The result goes
-    out through the model's own output, so FSDP2's root hooks see the backward pass through it as
-    through logits."""
+    at position t (0 at t = 0) from _HeadLogprobs (entropy_grad: as there) instead of [B, L, V] logits;
+    yields False (logits as usual) when not enabled and for a head other than a bias-free nn.Linear.
+    The result goes out through the model's own output, so FSDP2's root hooks see the backward pass
+    through it as through logits."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not enabled or type(head) is not torch.nn.Linear or head.bias is not None:
         yield False
@@ -207,7 +210,7 @@ def fused_head(model, input_ids, temperature: float, entropy: bool, enabled: boo
     def forward(h: Tensor) -> Tensor:
         B, L, d = h.shape
         out = _HeadLogprobs.apply(h[:, :-1].reshape(-1, d), head.weight, input_ids[:, 1:].reshape(-1),
-                                  temperature, entropy)
+                                  temperature, entropy, entropy_grad)
         return torch.nn.functional.pad(out.view(B, L - 1, 2), (0, 0, 1, 0))
 
     head.forward = forward
@@ -243,9 +246,10 @@ def rows_not_packed():
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy: bool = False,
-                   fused: bool = True):
+                   fused: bool = True, entropy_grad: bool = True):
     """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]
-    entropy=True: (logp, H) with H [B, L] the entropy (nats) of the distribution token t was drawn from.
+    entropy=True: (logp, H) with H [B, L] the entropy (nats) of the distribution token t was drawn from;
+    entropy_grad=False: H detached, a metric beside a loss that leaves it out (no graph kept for it).
     fused: the LM head and the log-softmax in one, chunk by chunk (_HeadLogprobs: faster without grad,
     and with grad it keeps no [B, L, V] tensor for backward, at the cost of recomputing the logits
     there); else [B, L, V] logits, then a per-row fp32 log-softmax.
@@ -257,16 +261,18 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy
     # no KV cache: nothing to reuse, and its per-layer state would make compiled layers recompile
     # token_mask still keeps pads out of the q/k/v calibrator's amax
     with token_mask(attention_mask), rows_not_packed(), \
-            fused_head(model, input_ids, temperature, entropy, fused) as head_fused:
+            fused_head(model, input_ids, temperature, entropy, fused, entropy_grad) as head_fused:
         out = model(input_ids=input_ids, use_cache=False).logits  # [B, L, 2] fused, else [B, L, V]
     if head_fused:
-        return (out[..., 0], out[..., 1]) if entropy else out[..., 0]
+        ent = out[..., 1] if entropy_grad else out[..., 1].detach()
+        return (out[..., 0], ent) if entropy else out[..., 0]
     lps, ents = [], []
     for row_logits, row_ids in zip(out, input_ids):  # one row at a time: fp32 [L, V] stays small
         lp = torch.log_softmax(row_logits[:-1].float() / temperature, dim=-1)  # [L-1, V]
         lps.append(lp.gather(-1, row_ids[1:, None]).squeeze(-1))  # [L-1]
-        if entropy:
-            ents.append(collapse.token_entropy(lp))  # [L-1]
+        if entropy:  # a metric's (entropy_grad=False) a chunk of positions at a time: no second [L, V] buffer
+            ents.append(collapse.token_entropy(lp) if entropy_grad else torch.cat(
+                [collapse.token_entropy(c) for c in lp.detach().split(_chunk(lp.shape[-1]))]))  # [L-1]
     logp = torch.nn.functional.pad(torch.stack(lps), (1, 0))  # [B, L]
     return (logp, torch.nn.functional.pad(torch.stack(ents), (1, 0))) if entropy else logp
 

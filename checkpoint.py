@@ -10,8 +10,9 @@ On disk, under <run_dir>/checkpoints/ (one dir per saved step, the last train.ke
         __1_0.distcp     (__{rank}_0.distcp; each tensor shard is one torch.save record)
         meta.pt          torch.save of everything else, written by rank 0: step, world (ranks that
                          wrote it), scheduler, sampler, rng (a list: every rank's), kv_scales
-                         (fp8/calibrate.py's kv_scales_state), bad_steps, optimizer_stepped (False:
-                         saved before any optimizer step, whose zero Adam state is not restored)
+                         (fp8/calibrate.py's kv_scales_state), bad_steps, entropy_coef (the adaptive
+                         entropy coefficient), entropy (the last step's policy/entropy), optimizer_stepped
+                         (False: saved before any optimizer step, whose zero Adam state is not restored)
     .tmp-step_000160/    a save in progress, or one a crash left: never read; the next save removes it
 
 The tensors are {"model": ..., "optimizer": ...} as get_state_dict(model, optimizer) gives them:

@@ -213,8 +213,12 @@ class TrainConfig:
     weights that sampled (textbook PPO; the IS correction then weighs the engine/trainer mismatch).
     rollout: the engine's own logprobs, and that forward is skipped: the "bypass" form of decoupled PPO
     (verl), where the clipped ratio exp(logp - rollout_logp) takes the mismatch in and the IS weight is 1.
-    mismatch/* and the q/k/v amax (fp8.calib_pass=logprobs) then come from the first mini-batch's
-    training forward; policy/entropy is not measured, so loss.entropy_target needs trainer."""
+    mismatch/*, policy/entropy and the q/k/v amax (fp8.calib_pass=logprobs) then come from the first
+    mini-batch's training forward (the behaviour weights, before any optimizer step), over its rows
+    (every row with train.mini_batch_size=0). That forward already needs the entropy bonus's coefficient,
+    so loss.entropy_target's controller steps on the previous step's policy/entropy (one step behind
+    trainer's, which uses the step's own; on a run's first step, with no measurement yet, the adaptive
+    bonus is off)."""
     fused_head: bool = False
     """The policy forward's LM head and log-softmax fused (batch._HeadLogprobs): no [tokens, vocab]
     tensor is kept for backward (7 bytes per token and vocabulary entry: ~14 GiB at 4 x 4128 tokens and
@@ -534,8 +538,6 @@ def validate(cfg: Config) -> None:
         ("loss.is_cap", lo.is_cap, lo.is_cap >= 1 or on_policy_weight > 0, f">= 1 {window}"),
         ("loss.kl_coef", lo.kl_coef, lo.kl_coef >= 0, ">= 0"),
         ("loss.entropy_coef", lo.entropy_coef, lo.entropy_coef >= 0, ">= 0 (a negative bonus drives entropy down)"),
-        ("train.old_logp", t.old_logp, t.old_logp == "trainer" or lo.entropy_target is None,
-         "trainer with loss.entropy_target (its entropy is measured in the old_logp forward)"),
         ("loss.entropy_target", lo.entropy_target, lo.entropy_target is None or lo.entropy_target > 0,
          "> 0 nats, or null (a fixed loss.entropy_coef)"),
         ("loss.entropy_coef_step", lo.entropy_coef_step, lo.entropy_coef_step > 0, "> 0"),

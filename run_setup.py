@@ -164,7 +164,8 @@ def resume(run: Run, resume_dir: Path, overrides: list[str]) -> State:
     run.scheduler.load_state_dict(meta["scheduler"])
     run.sampler.load_state_dict(meta["sampler"])
     set_rng_state(meta["rng"])
-    state = State(meta["step"], kv_scales_from_state(meta), meta.get("bad_steps", 0), entropy_control(run.cfg))
+    state = State(meta["step"], kv_scales_from_state(meta), meta.get("bad_steps", 0), entropy_control(run.cfg),
+                  meta.get("entropy"))
     if state.entropy_control is not None and meta.get("entropy_coef") is not None:
         state.entropy_control.coef = meta["entropy_coef"]
     logger.truncate(state.start_step)  # steps the interrupted run logged past the checkpoint are redone
@@ -178,7 +179,8 @@ def save(run: Run, state: State, step: int) -> None:
     """Checkpoint after `step` steps; collective: each rank writes its own shards (checkpoint.py)."""
     meta = {"scheduler": run.scheduler.state_dict(), "sampler": run.sampler.state_dict(), "step": step,
             **kv_scales_state(state.kv_scales), "bad_steps": state.bad_steps,
-            "entropy_coef": None if state.entropy_control is None else state.entropy_control.coef}
+            "entropy_coef": None if state.entropy_control is None else state.entropy_control.coef,
+            "entropy": state.entropy}
     t0 = time.perf_counter()
     path = save_checkpoint(run.run_dir / "checkpoints", step, meta, run.model, run.optimizer, run.d,
                            keep=run.cfg.train.keep_ckpts)

@@ -22,7 +22,9 @@ Where this departs from textbook GRPO:
 - Loss aggregation, KL and IS variants are config knobs (losses/grpo.py documents each).
 - Validation is greedy (temperature 0) accuracy on a held-out split.
 - `train.old_logp=rollout` (off by default) skips the old_logp forward: the engine's logprobs are the
-  behaviour policy, decoupled PPO's "bypass" form (verl), and the IS weight is 1.
+  behaviour policy, decoupled PPO's "bypass" form (verl), and the IS weight is 1. The mismatch and
+  policy/entropy are then measured in the first mini-batch's training forward, so the adaptive entropy
+  coefficient (loss.entropy_target) steps on the previous step's entropy.
 
 FP8_GRPO_CACHE_DIR=DIR keeps every compile and JIT cache in one directory that later runs reuse (caches.py).
 """

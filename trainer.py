@@ -4,7 +4,8 @@
                     dynamic sampling may roll out more rounds
     assemble_batch  group advantages, the kept groups, the padded [B, L] tensors (batch.StepBatch)
     old_logprob_phase  trainer logprobs of the behaviour weights (old_logp), the KL reference,
-                    entropy and the rollout/trainer mismatch
+                    entropy and the rollout/trainer mismatch (train.old_logp=rollout: the KL
+                    reference only; the first mini-batch of train_phase measures the rest)
     train_phase     mini-batches of micro-batches: the policy forward, the objective (losses/grpo.py's
                     micro_batch_loss), one optimizer step per mini-batch (non-finite steps skipped
                     and counted)
@@ -77,6 +78,7 @@ class State:
     kv_scales: dict | None = None           # {layer: (q, k, v)} the engine's FP8 attention scales
     bad_steps: int = 0                      # consecutive optimizer steps skipped as non-finite
     entropy_control: collapse.EntropyControl | None = None  # loss.entropy_target's adaptive coefficient
+    entropy: float | None = None            # the last step's policy/entropy (train.old_logp=rollout's control input)
 
 
 # ----------------------------------------------------------------------------- rollout and reward
@@ -219,7 +221,7 @@ def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
     """b.old_logp (and b.ref_logp) from no-grad passes; policy/entropy and mismatch/* over all ranks.
     fp8.calib_pass=logprobs: this forward's q/k/v amax gives the next rollout's scales.
     train.old_logp=rollout: old_logp is the engine's, and only the KL reference pass runs (train_phase
-    measures the mismatch and the amax in its first mini-batch)."""
+    measures the mismatch, policy/entropy and the amax in its first mini-batch)."""
     cfg, d = run.cfg, run.d
     t0 = time.perf_counter()
     if cfg.train.old_logp == "rollout":
@@ -242,8 +244,7 @@ def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
         b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
                                   cfg.train.micro_batch_size, mixed=run.mixed, plan=plan)
     metrics["time/logprobs"] = time.perf_counter() - t0
-    metrics["policy/entropy"] = float(distributed.all_sum((entropy * b.mask).sum(), d)
-                                      / distributed.all_sum(b.mask.sum(), d).clamp(min=1))
+    metrics["policy/entropy"] = mean_entropy(entropy, b.mask, d)
     metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
         *(distributed.gather_rows(x, d) for x in (b.old_logp, b.rollout_logp, b.mask))).items()})
     if routed is not None:
@@ -272,8 +273,8 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
     cfg, d = run.cfg, run.d
     probe_before = bf16_logprobs(run, b) if cfg.train.probe else None  # the policy before the update
     t0 = time.perf_counter()
-    entropy_coef = cfg.loss.entropy_coef if state.entropy_control is None else \
-        state.entropy_control(metrics["policy/entropy"])
+    bypass = cfg.train.old_logp == "rollout"  # the first mini-batch's forward stands in for the old_logp pass
+    entropy_coef = entropy_coefficient(state, None if bypass else metrics["policy/entropy"], cfg.loss.entropy_coef)
     if cfg.loss.entropy_coef or state.entropy_control is not None:
         metrics["loss/entropy_coef"] = entropy_coef
     run.weight_change.start()
@@ -284,27 +285,49 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
         mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
         minis = micro_batches(B, mini)
         tally = TrainTally()
-        bypass = cfg.train.old_logp == "rollout"  # the first mini-batch's forward stands in for the old_logp pass
         first_logp = torch.zeros_like(b.rollout_logp) if bypass else None
+        first_entropy = torch.zeros_like(b.rollout_logp) if bypass else None
         first_capture = contextlib.ExitStack()  # and with fp8.calib_pass=logprobs its q/k/v amax, the next scales
         if bypass and run.calibrator is not None and cfg.fp8.calib_pass == "logprobs":
             first_capture.enter_context(run.calibrator.capture())
         for m, mini_slice in enumerate(minis):
             idx = order[mini_slice]
             nonfinite_loss = mini_batch_backward(run, b, idx, entropy_coef, len(minis), tally,
-                                                 first_logp=first_logp if m == 0 else None)
+                                                 first_logp=first_logp if m == 0 else None,
+                                                 first_entropy=first_entropy if m == 0 else None)
             first_capture.close()  # before any optimizer step
             if bypass and m == 0:
                 metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
                     *(distributed.gather_rows(x[idx], d) for x in (first_logp, b.rollout_logp, b.mask))).items()})
+                metrics["policy/entropy"] = mean_entropy(first_entropy[idx], b.mask[idx], d)
                 mismatch_guard(metrics, step, cfg.train, run.logger)
             if not optimizer_step(run, state, nonfinite_loss, step, metrics):
                 tally.skipped += 1
         zero_grads(run, keep=False)  # free the gradients before the engine wakes (memory)
         routing.clear(run.model)
         metrics.update(tally.metrics(d))
+    state.entropy = metrics["policy/entropy"]
     metrics["time/train"] = time.perf_counter() - t0
     update_metrics(run, b, step, probe_before, metrics)
+
+
+def entropy_coefficient(state: State, entropy: float | None, fixed: float) -> float:
+    """The entropy bonus's coefficient for this step: loss.entropy_coef (fixed), or the adaptive
+    controller's value from policy/entropy. entropy: this step's, measured before the training forward
+    (the old_logp pass); None under train.old_logp=rollout, where this step's is measured in the
+    training forward that already needs the coefficient, so the controller steps on the previous step's
+    (state.entropy) and lags the trainer mode by one step; none yet (a run's first step): the bonus is
+    off and the coefficient stays where it is."""
+    if state.entropy_control is None:
+        return fixed
+    entropy = state.entropy if entropy is None else entropy
+    return 0.0 if entropy is None else state.entropy_control(entropy)
+
+
+def mean_entropy(entropy: torch.Tensor, mask: torch.Tensor, d: distributed.Dist) -> float:
+    """policy/entropy: the token entropy [R, L] (nats) averaged over the response tokens (mask [R, L], kept
+    groups or not) of every rank's rows; collective."""
+    return float(distributed.all_sum((entropy * mask).sum(), d) / distributed.all_sum(mask.sum(), d).clamp(min=1))
 
 
 @dataclasses.dataclass
@@ -330,11 +353,13 @@ class TrainTally:
 
 
 def mini_batch_backward(run: Run, b: StepBatch, idx: torch.Tensor, entropy_coef: float, n_mini: int,
-                        tally: TrainTally, first_logp: torch.Tensor | None = None) -> torch.Tensor:
+                        tally: TrainTally, first_logp: torch.Tensor | None = None,
+                        first_entropy: torch.Tensor | None = None) -> torch.Tensor:
     """One mini-batch's gradients (rows idx of b, [M]), accumulated over its micro-batches; each
     micro-batch's loss metrics go to tally, weighted by its share of the mini-batch and 1 / n_mini.
-    first_logp [B, L]: given, it gets the forward's logprobs (no optimizer step has run: the behaviour
-    weights'). Returns this rank's count of non-finite micro-batch losses (a 0-dim tensor, no host sync)."""
+    first_logp, first_entropy [B, L]: given, they get the forward's logprobs and token entropies, detached
+    (no optimizer step has run: the behaviour weights'). Returns this rank's count of non-finite
+    micro-batch losses (a 0-dim tensor, no host sync)."""
     cfg, d, model = run.cfg, run.d, run.model
     totals = MiniBatchTotals(  # over every rank's share of the mini-batch
         tokens=distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1),
@@ -347,12 +372,15 @@ def mini_batch_backward(run: Run, b: StepBatch, idx: torch.Tensor, entropy_coef:
         j = (rows, slice(0, n))
         routed = routing.prepare(model, None if b.routed_experts is None else b.routed_experts[j],
                                  cfg.moe.router_replay, keep_logits=cfg.moe.aux_loss_coef > 0)  # MoE
+        entropy = entropy_coef > 0 or first_entropy is not None  # the bonus's (with grad), or the metric's
         with amp(run.mixed):  # the policy forward, with grad
             logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
-                                  entropy=entropy_coef > 0, fused=cfg.train.fused_head)
-        logp, policy_entropy = logp if entropy_coef > 0 else (logp, None)
+                                  entropy=entropy, fused=cfg.train.fused_head, entropy_grad=entropy_coef > 0)
+        logp, policy_entropy = logp if entropy else (logp, None)
         if first_logp is not None:  # train.old_logp=rollout's stand-in for the old_logp pass
             first_logp[j] = logp.detach()
+        if first_entropy is not None:
+            first_entropy[j] = policy_entropy.detach()
         aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j]) \
             if routed is not None and cfg.moe.aux_loss_coef > 0 else None  # MoE, over the real tokens
         out = micro_batch_loss(LossInputs(

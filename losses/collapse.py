@@ -12,8 +12,10 @@ good. The signals, logged every step (over the step's first rollout round), show
 
 zero_std_groups also rises in a run that learns (a group whose samples are all right has no
 variance either): the collapse onto a wrong answer is zero_std_groups high with unsolved_groups
-high too. policy/entropy is the trainer's, in the old_logp pass (the exact entropy of each
-position's distribution, not the sampled-token estimate -mean(rollout_logp)).
+high too. policy/entropy is the trainer's, of the behaviour weights (the exact entropy of each
+position's distribution, not the sampled-token estimate -mean(rollout_logp)): measured in the old_logp
+pass over every row, or with train.old_logp=rollout in the first mini-batch's training forward, before
+its optimizer step, over that mini-batch's rows.
 
 Dynamic sampling (Yu et al. 2025, "DAPO", arXiv 2503.14476, section 3.2) keeps the gradient
 alive by training only on groups with reward variance (`train.dynamic_sampling`):
@@ -140,6 +142,7 @@ class EntropyControl:
     coef: float = 0.0
 
     def __call__(self, entropy: float) -> float:
-        """This step's policy/entropy (nats, before the update) -> this step's coefficient."""
+        """policy/entropy (nats, of the behaviour weights: this step's, or the previous step's under
+        train.old_logp=rollout, trainer.entropy_coefficient) -> this step's coefficient."""
         self.coef = min(1.0, max(0.0, self.coef + (self.step if entropy < self.target else -self.step)))
         return self.coef if entropy < self.target else 0.0

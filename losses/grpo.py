@@ -86,7 +86,8 @@ class LossConfig:
     """Adaptive entropy control (Skywork-OR1, He et al. 2025): each step the coefficient moves by
     entropy_coef_step towards keeping policy/entropy (nats per response token, measured before the
     update) at or above this target, within [0, 1], and the bonus applies only on steps whose
-    entropy is below it. None: the fixed entropy_coef."""
+    entropy is below it. None: the fixed entropy_coef. With train.old_logp=rollout the controller
+    reads the previous step's policy/entropy (this step's comes from the training forward itself)."""
     entropy_coef_step: float = 0.005
     """The coefficient's change per step under entropy_target (Skywork-OR1's Delta)."""
     agg: str = "token_mean"

@@ -122,10 +122,10 @@ def test_calib_pass_logprobs_equals_separate_pass_when_weights_do_not_move(tmp_p
 
 
 def test_old_logp_from_the_rollout_skips_the_pass_and_measures_in_the_first_mini_batch(tmp_path):
-    """train.old_logp=rollout: no old_logp forward, so the IS weight is 1 everywhere; mismatch/* and the
-    q/k/v amax (fp8.calib_pass=logprobs) come from the first mini-batch's training forward. With weights
-    that never move (lr=1e-30, as above) and one mini-batch, they match what the skipped forward gives,
-    up to the batch shapes' float rounding."""
+    """train.old_logp=rollout: no old_logp forward, so the IS weight is 1 everywhere; mismatch/*,
+    policy/entropy and the q/k/v amax (fp8.calib_pass=logprobs) come from the first mini-batch's training
+    forward. With weights that never move (lr=1e-30, as above) and one mini-batch, they match what the
+    skipped forward gives, up to the batch shapes' float rounding."""
     runs = frozen_runs(tmp_path, "train.old_logp", ("trainer", "rollout"), "fp8.calib_pass=logprobs")
     for old, new in zip(runs["trainer"], runs["rollout"]):
         for k in ("fp8/q_scale_mean", "fp8/k_scale_mean", "fp8/v_scale_mean"):
@@ -133,7 +133,37 @@ def test_old_logp_from_the_rollout_skips_the_pass_and_measures_in_the_first_mini
         assert new["mismatch/token_mult_prob_error"] == pytest.approx(old["mismatch/token_mult_prob_error"], abs=1e-4)
         assert old["mismatch/token_mult_prob_error"] > 1.0005  # the FP8 KV emulation's mismatch is there to see
         assert new["is/weight_mean"] == 1.0 and new["is/truncated_frac"] == 0.0 and old["is/weight_mean"] != 1.0
-        assert "policy/entropy" in old and "policy/entropy" not in new
+        assert new["policy/entropy"] == pytest.approx(old["policy/entropy"], rel=1e-4)
+
+
+def test_old_logp_from_the_rollout_steers_the_adaptive_entropy_bonus(tmp_path):
+    """train.old_logp=rollout with loss.entropy_target: policy/entropy is logged every step, and equals the
+    skipped old_logp pass's (a no-grad pass through the fused LM head, where the training forward's goes
+    through the unfused head, with grad for the bonus) on the same batch: the weights never move (lr=1e-30,
+    as above) and the q/k/v scales come from the separate pass, so both runs sample the same batches. The
+    controller steps on the previous step's entropy, one step behind trainer's (the target is above any
+    entropy, so the coefficient climbs by its step), with the bonus off on the first step; a resumed run
+    goes on from the checkpoint's entropy, not from a first step's."""
+    bonus = ["loss.entropy_target=10", "loss.entropy_coef=0.5", "loss.entropy_coef_step=0.25", "train.steps=3"]
+    runs = frozen_runs(tmp_path, "train.old_logp", ("trainer", "rollout"), *bonus)
+    old, new = runs["trainer"], runs["rollout"]
+    assert len(new) == 3 and all("policy/entropy" in m for m in new)
+    for o, n in zip(old, new):
+        assert n["policy/entropy"] == pytest.approx(o["policy/entropy"], rel=1e-5, abs=0)
+        assert n["reward/mean"] == o["reward/mean"]  # the same samples
+        assert n["is/weight_mean"] == 1.0
+    assert [m["loss/entropy_coef"] for m in old] == [0.75, 1.0, 1.0]
+    assert [m["loss/entropy_coef"] for m in new] == [0.0, 0.75, 1.0]
+    cut = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.run_name=cut",
+           "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "fp8.kv_cache=true",
+           "optim.lr=1e-30", "rollout.prompts_per_step=4", "train.old_logp=rollout", *bonus]
+    p = run([*cut, "train.steps=2", "train.ckpt_every=2", "train.save_final=false"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = run(["--resume", str(tmp_path / "cut"), "train.steps=3"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    resumed = read_metrics(tmp_path / "cut")
+    assert [m["loss/entropy_coef"] for m in resumed] == [0.0, 0.75, 1.0]
+    assert resumed[2]["policy/entropy"] == new[2]["policy/entropy"]
 
 
 @pytest.mark.parametrize("rollout", [True, False])

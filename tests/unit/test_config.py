@@ -88,12 +88,21 @@ def test_wrong_type_says_the_type_expected(override, message):
     (["rollout.block_size=24"], r"rollout.block_size=24: must be 0 \(vLLM's default\) or a multiple of 16"),
     (["rollout.ignore_eos_median=1400"], r"rollout.ignore_eos_median=1400: must be 0, or >= 1 with rollout.ignore_eos"),
     (["rollout.kv_cache_gib=-1"], r"rollout.kv_cache_gib=-1.0: must be >= 0"),
-    (["train.old_logp=rollout", "loss.entropy_target=0.5"], r"train.old_logp='rollout': must be trainer with loss"),
     (["noequals"], r"must look like section.key=value"),
 ])
 def test_errors_name_the_key(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, override)
+
+
+@pytest.mark.parametrize("config", ["tiny_gpu.yaml", "quickstart_gpu.yaml"])
+def test_old_logp_from_the_rollout_goes_with_the_entropy_bonus(config):
+    """The bypass (train.old_logp=rollout) measures policy/entropy in the training forward, so it is
+    accepted beside the adaptive entropy bonus of the configs that use it, and beside a fixed one."""
+    cfg = load_config(ROOT / "configs" / config, ["train.old_logp=rollout"])
+    assert cfg.train.old_logp == "rollout" and cfg.loss.entropy_target is not None
+    cfg = load_config(None, ["train.old_logp=rollout", "loss.entropy_target=0.5", "loss.entropy_coef=0.01"])
+    assert (cfg.loss.entropy_target, cfg.loss.entropy_coef) == (0.5, 0.01)
 
 
 @pytest.mark.parametrize("key, names", [("loss.is_correction", IS_CORRECTIONS), ("loss.agg", AGGS),

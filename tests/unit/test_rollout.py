@@ -102,6 +102,31 @@ def test_fused_head_matches_logits_and_log_softmax(monkeypatch):
         torch.testing.assert_close(gf[name], gu[name], atol=1e-6, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_entropy_as_a_metric_is_detached_and_leaves_the_gradient_alone(fused, monkeypatch):
+    """entropy_grad=False (train.old_logp=rollout's policy/entropy beside a loss without the bonus): the
+    same entropies as with grad, detached (here 3 positions a chunk), and the logprobs' gradients those of
+    a pass without entropy."""
+    import batch
+
+    cfg, model, tok, engine = make()
+    monkeypatch.setattr(batch, "LOGIT_CHUNK_BYTES", 3 * 4 * model.config.vocab_size)
+    samples = [Sample(0, [5, 6], [7, 9, 11, 3], [-1.0] * 4, "stop"), Sample(0, [5, 6, 9], [7] * 9, [-1.0] * 9, "length")]
+    input_ids, attention_mask, mask, _ = collate(samples, tok.pad_token_id)
+    grads, ents = [], []
+    for kwargs in ({"entropy": False}, {"entropy": True, "entropy_grad": False}, {"entropy": True}):
+        model.zero_grad()
+        out = token_logprobs(model, input_ids, attention_mask, 0.7, fused=fused, **kwargs)
+        logp, ent = out if kwargs["entropy"] else (out, None)
+        (logp * mask).sum().backward()
+        grads.append({n: q.grad.clone() for n, q in model.named_parameters()})
+        ents.append(ent)
+    assert not ents[1].requires_grad and ents[2].requires_grad
+    torch.testing.assert_close(ents[1], ents[2].detach(), atol=1e-6, rtol=0)
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], atol=0, rtol=0, msg=name)
+
+
 def test_logprob_pass_groups_rows_by_length_and_cuts_the_padding():
     """by_length: micro-batches of rows of like length, longest first, each as long as its longest row
     rounded to the multiple; logprob_pass over them gives every row its own full-batch logprobs."""
