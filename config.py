@@ -89,6 +89,10 @@ class ModelConfig:
     (docs/results.md#cudnn-attention-in-the-shipped-steps-no-gain-a-plan-for-every-new-length-2026-11-29-nvidia-h200-141-gb);
     numerics and the learning gate are checked with it on."""
     gradient_checkpointing: bool = False
+    gradient_checkpointing_every: int = 1
+    """With gradient_checkpointing: checkpoint every n-th decoder layer (layers 0, n, 2n, ...: transformers'
+    every_n_layers); the others keep their activations for backward, trading memory back for the recompute.
+    1: every layer."""
 
 
 @dataclass
@@ -477,6 +481,8 @@ def validate(cfg: Config) -> None:
               "of the gradient")
     mb = t.mini_batch_size or samples
     rules = [
+        ("model.gradient_checkpointing_every", m.gradient_checkpointing_every, m.gradient_checkpointing_every >= 1,
+         ">= 1 (1 checkpoints every layer; model.gradient_checkpointing=false none)"),
         ("model.tiny.arch", m.tiny.arch, m.tiny.arch in FAMILIES,
          f"one of {', '.join(map(repr, FAMILIES))} (a family file in models/)"),
         ("model.tiny.hidden_size", m.tiny.hidden_size, m.tiny.hidden_size >= 1, ">= 1"),

@@ -17,7 +17,8 @@ them; activations are per rank), GiB = 2^30 bytes:
                   the sharded gradients live in the reduce-scatter stream's cache, which other streams cannot reuse
     activations   per micro-batch token (micro_batch_size x (prompt + response) tokens, bf16):
                     2 h per layer (gradient checkpointing keeps each layer's input; without it,
-                      the layer term below for every layer)
+                      the layer term below for every layer; model.gradient_checkpointing_every = n:
+                      2 h for the checkpointed layers 0, n, 2n, ..., the layer term for the others)
                   + 5 x (4 h + 3 ffn) x 2 (one layer recomputed in backward; 1 byte for FP8 linears,
                       which keep FP8 inputs, on one rank; over N > 1 ranks FP8 layers count 2 bytes too, as
                       measured at the 2-rank peak)
@@ -152,7 +153,9 @@ def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> E
     tokens = cfg.micro_batch_tokens
     h, f = shape.hidden, shape.ffn
     layer = 5 * (4 * h + 3 * f) * (1 if cfg.fp8.train and n == 1 else 2)  # FP8 inputs: half, on one rank only
-    per_token = (2 * h * shape.layers + layer if cfg.model.gradient_checkpointing else layer * shape.layers) \
+    # checkpointed layers (0, n, 2n, ...) keep their input, the others all of the layer term; + one layer recomputed
+    ckpt = -(-shape.layers // cfg.model.gradient_checkpointing_every) if cfg.model.gradient_checkpointing else 0
+    per_token = 2 * h * ckpt + layer * (shape.layers - ckpt + (1 if ckpt else 0)) \
         + (3 if cfg.train.fused_head else 10) * shape.vocab
     # rollout.mode=async: the engines have GPUs of their own, a trainer rank holds no vLLM share
     share = r.gpu_memory_utilization * device_gib if r.engine == "vllm" and r.mode == "colocated" else 0.0

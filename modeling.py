@@ -117,7 +117,7 @@ def load_model_and_tokenizer(cfg: ModelConfig, device: torch.device):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable(every_n_layers=cfg.gradient_checkpointing_every)
     return model.to(device), tokenizer
 
 

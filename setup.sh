@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv in the repo root and install the pinned stack (requirements.txt).
 # Idempotent: a second run with unchanged requirements does nothing.
-#   bash setup.sh --peer   also requirements-peer.txt (TRL, for bench/peer.py only)
+#   bash setup.sh --peer   also requirements-peer.txt (TRL and Liger, for bench/peer.py only)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 PY=${PYTHON:-python3}

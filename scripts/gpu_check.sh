@@ -69,11 +69,13 @@
 #                                      lengths, FlashAttention-2 vs cuDNN, cached and first call -> $OUT/attention.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
 #                                      configurations -> $OUT/quant.json (quant_swiglu.json)
-#   bash scripts/gpu_check.sh peer [ARGS]  bench/peer.py: TRL's GRPOTrainer beside our BF16 twin and FP8 recipe on one
-#                                      workload, one system per call (e.g. --prepare, then --systems ours_bf16, trl,
-#                                      ours_fp8 in consecutive calls on one warm host; each stops at WAIT_S): rows kept in
-#                                      $BG_DIR/peer across calls -> $OUT/peer_<gpu>.{json,md} with every row so far,
-#                                      the systems' logs in $OUT/peer_logs.tgz
+#   bash scripts/gpu_check.sh peer [ARGS]  bench/peer.py: TRL's GRPOTrainer (trl, trl_compile, trl_liger) beside our
+#                                      BF16 twin and FP8 recipe on one workload, one system per call (e.g. --model
+#                                      llama3b --prepare, then --model llama3b --systems trl, trl_compile, ... in
+#                                      consecutive calls on one warm host, or a queue of them; each stops at WAIT_S):
+#                                      rows kept in $BG_DIR/peer across calls -> $OUT/peer_<gpu>.{json,md} with every
+#                                      row so far (llama3b on an H100: peer_h100; llama8b on an H200: peer_h200), the
+#                                      systems' logs in $OUT/peer_logs.tgz
 #   bash scripts/gpu_check.sh ckpt [ARGS]  bench/checkpoint.py: save/load time and peak host RSS of the
 #                                      single-file full-gather checkpoint vs sharded DCP at 8B shape
 #                                      (default: up to 8 of 32 layers, fp32 + AdamW) -> $OUT/checkpoint.json

@@ -48,6 +48,15 @@ def test_counted_bytes_and_sharding():
     assert text.startswith("memory model (GiB per rank, 8 ranks, device 79.2):") and "vLLM share 35.6" in text
 
 
+def test_checkpointing_every_nth_layer_keeps_the_others_activations():
+    # model.gradient_checkpointing_every=n: layers 0, n, 2n, ... keep their input, the others the whole layer term
+    act = {every: memory.estimate(LLAMA_8B, cfg("llama31_8b_bf16", f"model.gradient_checkpointing_every={every}"),
+                                  1, H200).activations for every in (1, 2, 32)}
+    off = memory.estimate(LLAMA_8B, cfg("llama31_8b_bf16", "model.gradient_checkpointing=false"), 1, H200).activations
+    assert act[1] < act[2] < act[32] and act[32] == pytest.approx(off, rel=0.02)  # 1 layer in 32: almost none
+    assert act[2] == pytest.approx((act[1] + off) / 2, rel=0.03)  # half the layers keep theirs
+
+
 def test_an_async_trainer_rank_holds_no_vllm_share():
     # rollout.mode=async: the 8B FP8 trainer alone on an 80 GB card; the engine's 0.85 is its own GPU's
     e = memory.estimate(LLAMA_8B, cfg("llama31_8b_fp8", "rollout.mode=async", "rollout.gpu_memory_utilization=0.85"),
