@@ -14,7 +14,7 @@ committed figures are redrawn with --out docs/figures, docs/results.md has each 
 
     <prefix>_val_accuracy.png   val/accuracy (greedy, held-out) vs step
     <prefix>_reward.png         reward/mean vs step (trailing mean over --smooth steps)
-    <prefix>_mismatch.png       mismatch/token_mult_prob_error vs step (same smoothing)
+    <prefix>_mismatch.png       mismatch/token_mult_prob_error vs step (same smoothing; log axis above 10)
     <prefix>_is_truncated.png   is/truncated_frac (share of tokens whose IS weight hit the cap)
     <prefix>_routing_mismatch.png  moe/routing_mismatch, when a run logs it (mixture of experts)
     <prefix>_summary.png        the four panels in one figure
@@ -188,16 +188,18 @@ def plot(runs, out: Path, prefix: str, k: int) -> list[Path]:
     written = []
 
     def draw(ax, key, label, smoothed):
-        any_data = False
+        any_data, top = False, 0.0
         for config, seeds in runs.items():
             steps, mean, lo, hi = band(seeds, key, k if smoothed else 1)
             if not steps:
                 continue
-            any_data = True
+            any_data, top = True, max(top, *hi)
             ax.plot(steps, mean, color=color[config], marker="o" if key == "val/accuracy" else None, ms=3,
                     label=f"{config} (n={len(seeds)})")
             if len(seeds) > 1:
                 ax.fill_between(steps, lo, hi, color=color[config], alpha=0.2, lw=0)
+        if key == PANELS[2][0] and top > 10:  # token_mult_prob_error >= 1: a log axis once it spans a decade
+            ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(label + (f" (mean of {k} steps)" if smoothed and k > 1 else ""))
         ax.grid(alpha=0.3)

@@ -39,7 +39,20 @@ def test_ablation_configs_load_and_differ_only_where_they_say(name):
 
 
 def test_every_ablation_has_a_config():
-    assert {p.stem for p in (ROOT / "configs/ablations").glob("*.yaml")} == set(ABLATIONS) | {"base"}
+    assert {p.stem for p in (ROOT / "configs/ablations").glob("*.yaml")} == set(ABLATIONS) | {"base", "tiny_cpu_is"}
+
+
+def test_cpu_is_ablation_is_tiny_cpu_with_an_engine_whose_attention_clips():
+    """tiny_cpu_is: tiny_cpu's run, plus the engine's FP8 KV cache with scales below the amax (the mismatch the
+    IS variants act on; docs/configs.md#tiny_cpu_is-the-importance-sampling-ablation) and icepop's band [0.5, 2]."""
+    cfg = load_config(ROOT / "configs/ablations/tiny_cpu_is.yaml")
+    tiny = load_config(ROOT / "configs/tiny_cpu.yaml")
+    assert (cfg.model, cfg.data, cfg.rollout, cfg.optim, cfg.train) == (tiny.model, tiny.data, tiny.rollout, tiny.optim,
+                                                                         tiny.train)
+    assert cfg.fp8.train and cfg.fp8.rollout and cfg.fp8.kv_cache and cfg.fp8.recalibrate
+    assert cfg.fp8.calib_margin < 1 < tiny.fp8.calib_margin  # the engine saturates what the trainer keeps
+    assert (cfg.loss.is_correction, cfg.loss.is_cap, cfg.loss.is_floor) == ("tis", 2.0, 0.5)
+    assert cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocated"  # one process: runs as CI runs it
 
 
 def write_run(path: Path, rows):
