@@ -60,7 +60,8 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
-from bench.runner import RESULTS, device_name, fail, kill_group, markdown_table, read_records, write_json
+from bench.runner import (RESULTS, device_name, fail, kill_group, markdown_table, nvidia_smi, read_records,
+                          write_json)
 
 ROOT = Path(__file__).resolve().parents[1]
 TWIN = "llama31_8b_bf16"  # TRL's shared knobs come from our BF16 twin with the workload overrides
@@ -540,11 +541,10 @@ def save(new: list[dict], out: Path, gpu: str) -> Path:
 
 def card_gib() -> float:
     """GPU 0's memory in GiB (nvidia-smi), 0 if unknown."""
+    mib = nvidia_smi("memory.total").split()
     try:
-        mib = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout.split()
         return float(mib[0]) / 1024 if mib else 0.0
-    except (OSError, subprocess.SubprocessError, ValueError):
+    except ValueError:
         return 0.0
 
 

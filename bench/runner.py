@@ -155,13 +155,19 @@ def emit(path, record: dict) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def device_name() -> str:
-    """nvidia-smi's GPU names, a line each ("NVIDIA H200"), or "cpu" (the caller never touches CUDA)."""
+def nvidia_smi(field: str) -> str:
+    """nvidia-smi's `field` (a --query-gpu name) of each GPU, a line each, without units; "" without nvidia-smi
+    (the caller never touches CUDA)."""
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                              text=True, timeout=30).stdout.strip() or "cpu"
+        return subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return "cpu"
+        return ""
+
+
+def device_name() -> str:
+    """nvidia-smi's GPU names, a line each ("NVIDIA H200"), or "cpu"."""
+    return nvidia_smi("name") or "cpu"
 
 
 def fail(why: str) -> None:
