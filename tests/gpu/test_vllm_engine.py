@@ -117,6 +117,16 @@ def check_weights(engine, model, cfg):
 ROW_COUNTS = (1, 2, 3, 5, 8, 16, 24, 32, 40, 48, 64, 96, 128)  # spans the greedy checks' prefill and decode rows
 
 
+def near_tie(a, b, tol=0.1):
+    """-1 when two greedy samples agree; where they part, how far apart the two chosen tokens' logprobs are
+    (< tol: a flip of a near tie); None when not a near tie (a prefix logprob or the parting ones differ)."""
+    j = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), None)
+    if j is None:
+        return -1.0 if a.token_ids == b.token_ids else None
+    diffs = [abs(x - y) for x, y in zip(a.logprobs[:j + 1], b.logprobs[:j + 1])]
+    return diffs[-1] if max(diffs) < tol else None
+
+
 def linears_batch_invariant(engine) -> bool:
     """Whether the linears of the engine's last decoder layer and its head give each row the same bits whatever
     the row count: the first m rows of a 256-row batch against those m rows alone, for each m in ROW_COUNTS (a
@@ -228,21 +238,26 @@ def run(mode):
         log(f"{mode}: {n_fp8} FP8 linears bit-identical to quant.py inside vLLM (qkv/gate_up sliced)")
 
     # greedy: deterministic, n copies per prompt, group layout
-    g1 = greedy(engine, prompts)
+    one = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW)
+    g1 = [tuple(s.token_ids) for s in one]
     s3 = engine.generate(prompts, n=3, temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW)
     check_samples(s3, prompts, 3, tok.eos_token_id)
     copies = [tuple(s.token_ids) for s in s3]
     assert all(len(set(copies[i:i + 3])) == 1 for i in range(0, len(copies), 3))  # same batch: same greedy
     # vs. the batch of 1 (greedy: no seeds involved). A random-init model has near-tied logits, so a
     # last-bit difference between batch sizes flips greedy on a few prompts: FP8 attention (FA3) is not
-    # batch-invariant ('kv' mode, an H100), and a GEMM may pick another kernel for another row count ('fp8'
-    # mode on an H100: 7 of 8, with BF16 attention, while 'bf16' agreed on 8). Where the linears and the head
-    # are measured batch-invariant and the KV cache is BF16, all must agree.
-    same = sum(c == g for c, g in zip(copies[::3], g1))
+    # batch-invariant ('kv' mode), nor is FA3's split-KV choice or a GEMM's kernel choice by row count ('fp8'
+    # mode on an H100: 7 of 8 agreed, 'bf16' 8 of 8). So each prompt must agree, or part where the argmax was a
+    # near tie: the shared prefix's logprobs within 0.1 (logits of std ~2.5 in bf16: an ulp is ~0.03), and at
+    # the first differing token both runs' chosen logprobs within 0.1 (each is the max of nearly the same
+    # distribution). A seeding or layout bug breaks that.
+    ties = [near_tie(a, b) for a, b in zip(one, s3[::3])]
+    assert all(t is not None for t in ties), [(i, t) for i, t in enumerate(ties) if t is None]
+    flips = [t for t in ties if t >= 0]
     invariant = not cfg.fp8.kv_cache and linears_batch_invariant(engine)
-    log(f"{mode}: greedy, batch of {len(g1)} vs {3 * len(g1)}: {same}/{len(g1)} prompts agree "
-        f"(linears + attention batch-invariant: {invariant})")
-    assert same == len(g1) or (not invariant and same >= len(g1) // 2), (same, len(g1))
+    log(f"{mode}: greedy, batch of {len(one)} vs {len(s3)}: {len(one) - len(flips)}/{len(one)} prompts agree, "
+        f"the rest part at near ties (first differing token's logprobs {[round(d, 4) for d in flips]} apart); "
+        f"linears batch-invariant: {invariant}")
 
     # sampling: group layout, seeding reproducible, different seeds differ
     a = engine.generate(prompts, n=4, temperature=1.0, top_p=1.0, max_new_tokens=MAX_NEW, seed=11)
