@@ -171,7 +171,7 @@ case "$1" in
   fp8)   $PY -m pytest tests/gpu/test_fp8_gpu.py -v -rs 2>&1 | tee "$OUT/gpu_tests_fp8.log"
          $PY -m bench.train linear --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
   vllm)  $PY -m pytest tests/gpu/test_vllm_engine.py -v -rs 2>&1 | tee "$OUT/gpu_tests_vllm.log" ;;
-  tests) $PY -m pytest "${2:-tests/gpu}" "${@:3}" -v -rs 2>&1 | tee "$OUT/gpu_tests.log"; exit "${PIPESTATUS[0]}" ;;
+  tests) $PY -m pytest "${2:-tests/gpu}" "${@:3}" -v -s -rs 2>&1 | tee "$OUT/gpu_tests.log"; exit "${PIPESTATUS[0]}" ;;
   align) $PY -m bench.alignment --out "$OUT" 2>&1 | tee "$OUT/alignment.log" ;;
   tiny)  rm -rf /tmp/runs/tiny_gpu  # train_grpo.py refuses a run dir that holds a run
          $PY train_grpo.py --config configs/tiny_gpu.yaml train.out_dir=/tmp/runs train.run_name=tiny_gpu \

@@ -57,7 +57,7 @@ its mismatch figures comparable with the other runs.
 
 Greedy validation at step 0 and at the last step (train.val_every=--steps); the gain is the final
 accuracy minus step 0's. Reported per run: both accuracies, the gain, the sampled reward's mean over
-the first and the last 5 steps, mismatch/token_mult_prob_error's mean; per mode the mean and standard
+the first and the last 5 steps, mismatch/token_mult_prob_error's median and max over steps; per mode the mean and standard
 deviation of the gain and of the final accuracy; the gap fp8kv - bf16 of both means. No PASS/FAIL: the
 learning gate's thresholds are the quickstart's. A run without its final validation is listed as
 unfinished and left out of the means.
@@ -162,11 +162,14 @@ def summarize(rows: list[dict], steps: int) -> dict:
     train = [r for r in rows if "reward/mean" in r]
     val = {r["step"]: float(r["val/accuracy"]) for r in rows if "val/accuracy" in r}
     v0, vend = val.get(0), val.get(steps)
+    tmpe = [r[MISMATCH] for r in train if MISMATCH in r]
     return {"val_step0": v0, "val_final": vend, "gain": None if v0 is None or vend is None else vend - v0,
             "steps_logged": len(train), "finished": vend is not None,
             "reward_first5": _mean([r["reward/mean"] for r in train[:TAIL]]),
             "reward_last5": _mean([r["reward/mean"] for r in train[-TAIL:]]),
-            "token_mult_prob_error": _mean([r[MISMATCH] for r in train if MISMATCH in r])}
+            # over steps: the median, and the max apart (one token's outlier can lift a step's mean by 100x)
+            "token_mult_prob_error": statistics.median(tmpe) if tmpe else None,
+            "token_mult_prob_error_max": max(tmpe, default=None)}
 
 
 def aggregate(runs: list[dict], modes: list[str]) -> dict:
@@ -195,11 +198,12 @@ def _f(x, spec=".3f"):
 
 def markdown(runs: list[dict], agg: dict, modes: list[str]) -> str:
     lines = ["| mode | seed | val step 0 | val final | gain | steps | reward first 5 | reward last 5 | "
-             "token_mult_prob_error |", "|" + "---|" * 9]
+             "token_mult_prob_error median (max) over steps |", "|" + "---|" * 9]
     for r in sorted(runs, key=lambda r: (modes.index(r["mode"]), r["seed"])):
         lines.append(f"| {r['mode']} | {r['seed']} | {_f(r['val_step0'])} | {_f(r['val_final'])} | "
                      f"{_f(r['gain'], '+.3f')} | {r['steps_logged']}{'' if r['finished'] else ' (unfinished)'} | "
-                     f"{_f(r['reward_first5'])} | {_f(r['reward_last5'])} | {_f(r['token_mult_prob_error'], '.4f')} |")
+                     f"{_f(r['reward_first5'])} | {_f(r['reward_last5'])} | "
+                     f"{_f(r['token_mult_prob_error'], '.4f')} ({_f(r.get('token_mult_prob_error_max'), '.4g')}) |")
     lines += ["", "| mode | finished | gain mean | gain std | final val mean | final val std |", "|" + "---|" * 6]
     for m in modes:
         a = agg[m]
