@@ -167,7 +167,7 @@ def seq_tis(w: Tensor, log_ratio: Tensor, mask: Tensor, nonfinite: Tensor, cfg: 
 # ---------------------------------------------------------------- aggregations (loss.agg)
 # f(x [B, T], mask [B, T]) -> scalar. mean_over ("tokens" | "sequences"): what the outer mean runs
 # over, so what a micro-batch's share of a mini-batch is (micro_batch_loss).
-AGG_REGISTRY = Registry("loss.agg")
+AGG_REGISTRY = Registry("loss.agg", mean_over=("tokens", "sequences"))
 
 
 def _per_sequence(x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -321,13 +321,10 @@ def micro_batch_loss(x: LossInputs, totals: MiniBatchTotals, cfg: LossConfig, en
     give its aggregate, the entropy bonus and the MoE auxiliary loss. Nothing in it waits for the GPU."""
     loss, metrics = grpo_loss(x.logp, x.old_logp, x.rollout_logp, x.advantages, x.mask, cfg, ref_logp=x.ref_logp,
                               on_device=True)
-    mean_over = AGG_REGISTRY[cfg.agg].mean_over
-    if mean_over == "tokens":
+    if AGG_REGISTRY[cfg.agg].mean_over == "tokens":
         weight = x.mask.sum() / totals.tokens
-    elif mean_over == "sequences":  # rows with a masked token
+    else:  # "sequences" (the registry allows no other): rows with a masked token
         weight = x.mask.amax(1).sum() / max(totals.rows, 1.0)
-    else:
-        raise ValueError(f"loss.agg={cfg.agg!r}: mean_over={mean_over!r} is neither 'tokens' nor 'sequences'")
     loss = loss * weight
     if entropy_coef > 0:
         loss = loss - entropy_coef * (x.entropy * x.response_mask).sum() / totals.response_tokens

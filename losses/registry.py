@@ -11,24 +11,30 @@
 
 A config names an entry and the code calls it by that name, so dispatch is exhaustive: a name without
 its function is an error, never another variant. A function's docstring opens with its formula (the
-notebooks print it); keyword arguments of `register` become attributes of the function.
+notebooks print it); keyword arguments of `register` become attributes of the function, and those the
+registry requires (`Registry("loss.agg", mean_over=("tokens", "sequences"))`) are checked when it registers.
 """
 
 from __future__ import annotations
 
 
 class Registry(dict):
-    """{name: function} in registration order; `key` is the config key that picks an entry."""
+    """{name: function} in registration order; `key` is the config key that picks an entry; `required`: the
+    attributes every entry must register, each with its allowed values."""
 
-    def __init__(self, key: str):
+    def __init__(self, key: str, **required: tuple):
         super().__init__()
-        self.key = key
+        self.key, self.required = key, required
 
     def register(self, name: str, **attrs):
         """Decorator adding the function under `name` (once), with `attrs` set on it."""
         def add(fn):
             if name in self:
                 raise ValueError(f"{self.key}: {name!r} is registered twice")
+            for attr, allowed in self.required.items():
+                if attrs.get(attr) not in allowed:
+                    raise ValueError(f"{self.key}: {name!r} registers {attr}={attrs.get(attr)!r}; "
+                                     f"expected one of {', '.join(map(repr, allowed))}")
             fn.__dict__.update(attrs)
             self[name] = fn
             return fn

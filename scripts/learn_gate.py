@@ -190,7 +190,7 @@ def warm_start(args, work: Path, out: Path, t0: float) -> Path | None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", help="the quickstart (default configs/tiny_gpu.yaml; --cpu: configs/tiny_cpu.yaml)")
+    p.add_argument("--config", help="the quickstart (default configs/quickstart_gpu.yaml; --cpu: configs/tiny_cpu.yaml)")
     p.add_argument("--seeds", default="0,1,2,3", help="train.seed of the runs (default 0,1,2,3)")
     p.add_argument("--modes", default="fp8,bf16", help="subset of fp8,bf16 (a subset always FAILs: debugging)")
     p.add_argument("--steps", type=int, default=0, help="train.steps override (0 = the config's; debugging)")

@@ -1,6 +1,6 @@
 """Step-time breakdown of the 8B-shape GRPO step on 1 GPU vs 2 GPUs (data parallel, and one TP=2 engine).
 
-    python -m scripts.plot_scaling                                   # the committed H200 figures
+    python -m scripts.plot_scaling                                   # the committed H200 figures -> runs/figures/
     python -m scripts.plot_scaling --one bench/results/step.json --match "micro-batch 16" \
         --two "2 GPUs, DP=docs/results_data/multi_gpu/mg_step8b_2rank_tp1_metrics.jsonl" --out docs/figures
 
@@ -45,7 +45,8 @@ def main():
     p.add_argument("--one", type=Path, default=ROOT / "bench" / "results" / "step.json")
     p.add_argument("--match", default="16 layers, micro-batch 16")
     p.add_argument("--two", nargs="+", default=DEFAULT_TWO, help="label=metrics.jsonl, one per bar")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "figures")
+    p.add_argument("--out", type=Path, default=Path("runs/figures"),
+                   help="directory for the PNG (default runs/figures/; the committed figure: docs/figures)")
     args = p.parse_args()
     bars = {"1 GPU": from_step_json(args.one, args.match)}
     for spec in args.two:

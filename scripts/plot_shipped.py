@@ -1,7 +1,8 @@
 """Where the step goes, FP8 config vs BF16 twin: the last pair of each config per results file of
 scripts/flagship_check.py --shipped (bench/results/shipped_<gpu>.json).
 
-    python -m scripts.plot_shipped                  # the committed H200 and H100 files -> docs/figures
+    python -m scripts.plot_shipped                  # the committed H200 and H100 files -> runs/figures/
+    python -m scripts.plot_shipped --out docs/figures   # redraw the committed figure
     python -m scripts.plot_shipped --results OUT/shipped_h100.json --out figs
 
 One pair of bars per (config, GPU kind, GPU count): rollout, logprobs, train and the rest of the step
@@ -96,7 +97,8 @@ def plot(pairs: list[dict], out: Path) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, action="append", help="a shipped_<gpu>.json (repeat; default: the committed ones)")
-    p.add_argument("--out", type=Path, default=ROOT / "docs" / "figures")
+    p.add_argument("--out", type=Path, default=Path("runs/figures"),
+                   help="directory for the PNG (default runs/figures/; the committed figure: docs/figures)")
     args = p.parse_args()
     pairs = last_pairs(args.results or DEFAULT)
     if not pairs:

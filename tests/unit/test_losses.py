@@ -383,11 +383,16 @@ def test_docs_name_every_variant(key):
 
 
 def test_registry_dispatch_is_exhaustive():
-    reg = Registry("loss.example")
+    reg = Registry("loss.example", mean_over=("tokens", "sequences"))
 
     @reg.register("a", mean_over="tokens")
     def a():
         """x = 1"""
+
+    for attrs in [{}, {"mean_over": "rows"}]:  # a required attribute missing or not allowed: refused at once
+        with pytest.raises(ValueError, match=r"loss.example: 'c' registers mean_over="):
+            reg.register("c", **attrs)(lambda: None)
+    assert "c" not in reg
 
     assert reg["a"] is a and a.mean_over == "tokens" and reg.choices() == "'a'"
     with pytest.raises(ValueError, match=r"loss.example='b' is not registered; expected one of 'a'"):
