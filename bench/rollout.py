@@ -2,6 +2,7 @@
 
     python -m bench.rollout                          # Llama-3.1-8B shape, bf16/fp8kv/fp8, 2 workloads
     python -m bench.rollout --models qwen3           # Qwen3-8B shape
+    python -m bench.rollout --models llama3b --workloads 256x16:1024   # bench/peer.py's 3B shape and rollout
     python -m bench.rollout --models qwen3-30b-a3b   # Qwen3-30B-A3B (MoE) cut to 12 of its 48 layers
     python -m bench.rollout --workloads '512x256->1024,64x1024->8192' --modes bf16,fp8kv
     python -m bench.rollout --capacity-only          # Qwen3-8B KV-cache capacity per mode vs NeMo RL's
@@ -80,6 +81,10 @@ MODELS = {
                      max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      max_window_layers=36),
 }
+# Llama-3.2-3B's dimensions with an untied head (3.6 B), bench/peer.py's llama3b workload: the shape that fits
+# one 80 GB card beside the trainer. rope_scaling is the 8B's (its factor does not change a kernel's time).
+MODELS["llama3.2-3b"] = dict(MODELS["llama3.1-8b"], hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                             num_attention_heads=24)
 # Qwen/Qwen3-30B-A3B (30.5B parameters, 3.3B active) with its 48 layers cut to MOE_LAYERS, so that the
 # trainer (fp32 master weights + grads + AdamW8bit states, 10 B per parameter) and vLLM share one H200:
 # per layer 623.1M parameters (128 experts x 3 x 2048 x 768 = 604.0M, attention 18.9M, router 0.26M),
@@ -92,7 +97,7 @@ MODELS["qwen3-30b-a3b"] = dict(arch="qwen3_moe", hidden_size=2048, intermediate_
                                rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
                                moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
                                mlp_only_layers=[])
-ALIASES = {"llama": "llama3.1-8b", "llama3.1": "llama3.1-8b", "qwen3": "qwen3-8b", "qwen3-moe": "qwen3-30b-a3b",
+ALIASES = {"llama": "llama3.1-8b", "llama3.1": "llama3.1-8b", "llama3b": "llama3.2-3b", "qwen3": "qwen3-8b", "qwen3-moe": "qwen3-30b-a3b",
            "qwen3-30b": "qwen3-30b-a3b"}
 # MODELS' HF field -> config.TinyModelConfig field (tiny_shape: the same shape as model.tiny for the trainer)
 TINY_FIELDS = {"arch": "arch", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
@@ -905,7 +910,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", type=parse_models, default=None,
-                   help="comma list of llama3.1-8b (llama), qwen3-8b (qwen3), qwen3-30b-a3b (qwen3-moe: "
+                   help="comma list of llama3.1-8b (llama), llama3.2-3b (llama3b: untied head, bench/peer.py's), "
+                        "qwen3-8b (qwen3), qwen3-30b-a3b (qwen3-moe: "
                         f"{MOE_LAYERS} of 48 layers); "
                         "default llama, qwen3 with --capacity-only")
     p.add_argument("--modes", type=lambda text: parse_choices(text, MODES), default=None,
