@@ -98,7 +98,7 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
     """FP8 linears (fp8.train) with fp8/fast's speed-only structure where a switch asks for it,
     compiled layers (train.compile), FSDP2 (world > 1), in that order; returns the token multiple the
     trainer's FP8 GEMMs want (1 = any). Without fp8.uses_fast (fuse_projections, cache_weights and
-    fuse_grad_accum off), fp8/fast is never imported: the recipe runs without it."""
+    fuse_grad_accum off, dense_gemm cublas), fp8/fast is never imported: the recipe runs without it."""
     fp8_tokens = 1
     modeling.pin_sdpa_backends(cfg.model.cudnn_sdpa)  # before any forward or compile: no import flips it later
     if (cfg.moe.router_replay or cfg.moe.aux_loss_coef) and not routing.is_moe(model):

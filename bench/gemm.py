@@ -1,6 +1,6 @@
 """The trainer's three block-FP8 GEMMs on cuBLAS (torchao's) vs DeepGEMM (vLLM's vendored copy), Hopper.
 
-    python -m bench.gemm [--tokens 8192,16384] [--model llama|qwen3] [--out DIR]   # -> OUT/gemm.json, a table
+    python -m bench.gemm [--tokens 8192,16384] [--model llama|qwen3|llama3b] [--out DIR]   # -> OUT/gemm.json, a table
 
 Every FP8 linear of the trainer runs three GEMMs per micro-batch, on torchao's cuBLAS block-scaled GEMM
 (fp8/torchao.py). torchao 0.18 offers DeepGEMM only for its MoE grouped GEMM (fp8.deep_gemm); this times
@@ -14,7 +14,7 @@ after 5 warm-up calls (DeepGEMM JIT-compiles a kernel for each new shape and til
 first). Also timed: wgrad_acc, the weight gradient added into an fp32 gradient (DeepGEMM accumulates in
 its epilogue; cuBLAS writes BF16 and a separate add follows), and each GEMM in BF16.
 rel_diff: ||out - cuBLAS out|| / ||cuBLAS out||. The summary sums fwd + dgrad + wgrad over the projections
-(one decoder layer's linear GEMMs).
+(one decoder layer's linear GEMMs). fp8.dense_gemm=deep_gemm puts the trainer's fwd and dgrad on DeepGEMM.
 """
 
 import argparse
@@ -29,6 +29,7 @@ from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results
 SHAPES = {
     "llama": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "qwen3": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
+    "llama3b": {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)},  # bench/peer.py's
 }
 
 

@@ -62,6 +62,34 @@ class DualQuantKernels(TorchaoKernels):
         return grad_x, grad_w
 
 
+class DeepGemmKernels(DualQuantKernels):
+    """DualQuantKernels with the forward and data-gradient GEMMs on DeepGEMM's SM90 1D2D kernel
+    (fp8.dense_gemm=deep_gemm): the same operands, the activation's 1x128 copy and the weight's 128x128
+    blocks, fp32 scales as they are; BF16 out. bench/gemm.py times it against cuBLAS."""
+
+    def gemm(self, xq: Tensor, xs: Tensor, w_op: tuple[Tensor, Tensor]) -> Tensor:
+        return deep_gemm_mm(xq, xs, *w_op)
+
+    gemm_dgrad = gemm  # g [M, N] @ W: W's weight_dgrad operand in the same layout as weight_fwd's
+
+
+@torch.library.custom_op("fp8_grpo::deep_gemm_mm", mutates_args=())
+def deep_gemm_mm(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor) -> Tensor:
+    """y [M, N] = x @ W.T in BF16 from x as FP8 [M, K] with 1x128 scales [M, K/128] (M-major) and torchao's
+    weight operand: W.T as FP8 [K, N] and its 128x128 scales, both column-major, so their .t() views are the
+    K-major [N, K] and [N/128, K/128] DeepGEMM takes. M is a runtime argument (compiled_dims "nk")."""
+    import deep_gemm
+
+    out = torch.empty(xq.shape[0], wq.shape[1], device=xq.device, dtype=torch.bfloat16)
+    deep_gemm.fp8_gemm_nt((xq, xs), (wq.t(), ws.t()), out, recipe=(1, 128, 128), disable_ue8m0_cast=True)
+    return out
+
+
+@deep_gemm_mm.register_fake
+def _(xq: Tensor, xs: Tensor, wq: Tensor, ws: Tensor) -> Tensor:
+    return xq.new_empty(xq.shape[0], wq.shape[1], dtype=torch.bfloat16)
+
+
 @torch.compiler.assume_constant_result
 def deep_gemm_wgrad() -> bool:
     """DeepGEMM imports (fp8/moe.py: the installed package, else vLLM's vendored copy; cached there), for

@@ -760,3 +760,26 @@ def test_fp8_paths_under_activation_checkpointing(fp8, backend):
     assert all(torch.equal(a, b) for a, b in zip(logps, ref_logps))
     for name, g in ref_grads.items():
         assert g is not None and torch.equal(grads[name], g), name
+
+
+def test_dense_gemm_switch(monkeypatch):
+    """fp8.dense_gemm=deep_gemm puts the trainer on fp8/fast (uses_fast), leaves the emulation's numerics alone
+    (CPU: bit-equal to cublas's), and where torchao's kernels would get DeepGEMM's GEMMs but DeepGEMM does not
+    import, refuses naming the key and the way out."""
+    from errors import UserError
+    from fp8.fast import _dual_quant_kernels
+
+    cfg = FP8Config(train=True, fuse_projections=False, fuse_swiglu=False)
+    assert not cfg.uses_fast and dataclasses.replace(cfg, dense_gemm="deep_gemm").uses_fast
+    x = torch.randn(2, 128, 256)
+    outs = []
+    for dense in ("cublas", "deep_gemm"):
+        model = tiny_llama(layers=1)
+        convert_fast(model, dataclasses.replace(cfg, dense_gemm=dense))
+        outs.append(model.model.layers[0].mlp.up_proj(x))
+    assert torch.equal(*outs)
+    _dual_quant_kernels.cache_clear()
+    monkeypatch.setattr("fp8.moe.import_deep_gemm", lambda: "")
+    with pytest.raises(UserError, match=r"^fp8.dense_gemm=deep_gemm: .* set fp8.dense_gemm=cublas$"):
+        _dual_quant_kernels("deep_gemm")
+    _dual_quant_kernels.cache_clear()
