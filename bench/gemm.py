@@ -29,7 +29,8 @@ from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results
 SHAPES = {
     "llama": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "qwen3": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)},
-    "llama3b": {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)},  # bench/peer.py's
+    # bench/peer.py's llama3b
+    "llama3b": {"qkv": (5120, 3072), "o": (3072, 3072), "gate_up": (16384, 3072), "down": (3072, 8192)},
 }
 
 

@@ -97,7 +97,8 @@ MODELS["qwen3-30b-a3b"] = dict(arch="qwen3_moe", hidden_size=2048, intermediate_
                                rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
                                moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
                                mlp_only_layers=[])
-ALIASES = {"llama": "llama3.1-8b", "llama3.1": "llama3.1-8b", "llama3b": "llama3.2-3b", "qwen3": "qwen3-8b", "qwen3-moe": "qwen3-30b-a3b",
+ALIASES = {"llama": "llama3.1-8b", "llama3.1": "llama3.1-8b", "llama3b": "llama3.2-3b", "qwen3": "qwen3-8b",
+           "qwen3-moe": "qwen3-30b-a3b",
            "qwen3-30b": "qwen3-30b-a3b"}
 # MODELS' HF field -> config.TinyModelConfig field (tiny_shape: the same shape as model.tiny for the trainer)
 TINY_FIELDS = {"arch": "arch", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",

@@ -60,12 +60,13 @@ class FP8Config:
     each mini-batch; the sum is not rounded to BF16 on the way. Off over FSDP2 ranks (their gradients are
     reduce-scattered as autograd makes them)."""
     dense_gemm: Literal["cublas", "deep_gemm"] = "cublas"
-    """Trainer on SM90: the kernel of the dense FP8 linears' forward and data-gradient GEMMs. cublas: torchao's block-scaled cuBLAS GEMM. deep_gemm:
-    DeepGEMM's 1D2D kernel (an installed `deep_gemm`, else the copy vLLM vendors; it JIT-compiles a kernel
-    per weight shape at the first step of a host, the token count a runtime argument) on the same FP8
-    operands and fp32 scales: the products summed in another order, so not bit-equal to cublas, and no
-    change to what the engine receives. The weight gradient stays as fuse_grad_accum says. The emulation
-    (CPU, other GPUs) ignores it. bench/gemm.py times both at a model's shapes."""
+    """Trainer on SM90: the kernel of the dense FP8 linears' forward and data-gradient GEMMs. cublas:
+    torchao's block-scaled cuBLAS GEMM. deep_gemm: DeepGEMM's 1D2D kernel (an installed `deep_gemm`, else
+    the copy vLLM vendors; it JIT-compiles a kernel per weight shape at the first step of a host, the token
+    count a runtime argument) on the same FP8 operands and fp32 scales: the products summed in another
+    order, so not bit-equal to cublas, and no change to what the engine receives. The weight gradient
+    stays as fuse_grad_accum says. The emulation (CPU, other GPUs) ignores it. bench/gemm.py times both at
+    a model's shapes."""
     emulate: bool = False
     """Use the emulated FP8 linear even on SM90 (debugging the torchao path). Other GPUs always get
     the emulation (same numerics, slower than BF16), with a warning unless this is set."""

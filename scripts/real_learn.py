@@ -57,10 +57,10 @@ its mismatch figures comparable with the other runs.
 
 Greedy validation at step 0 and at the last step (train.val_every=--steps); the gain is the final
 accuracy minus step 0's. Reported per run: both accuracies, the gain, the sampled reward's mean over
-the first and the last 5 steps, mismatch/token_mult_prob_error's median and max over steps; per mode the mean and standard
-deviation of the gain and of the final accuracy; the gap fp8kv - bf16 of both means. No PASS/FAIL: the
-learning gate's thresholds are the quickstart's. A run without its final validation is listed as
-unfinished and left out of the means.
+the first and the last 5 steps, mismatch/token_mult_prob_error's median and max over steps; per mode
+the mean and standard deviation of the gain and of the final accuracy; the gap fp8kv - bf16 of both
+means. No PASS/FAIL: the learning gate's thresholds are the quickstart's. A run without its final
+validation is listed as unfinished and left out of the means.
 
 Writes into --out: real_learn.json (with each run's GPU), real_learn.md, <mode>_s<seed>_metrics.jsonl and .log per run, and
 real_learn_runs.tgz holding all of those. Exit 0 when every run finished, 1 if one did not, 2 on bad
