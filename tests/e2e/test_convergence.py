@@ -39,7 +39,8 @@ def test_ablation_configs_load_and_differ_only_where_they_say(name):
 
 
 def test_every_ablation_has_a_config():
-    assert {p.stem for p in (ROOT / "configs/ablations").glob("*.yaml")} == set(ABLATIONS) | {"base", "tiny_cpu_is"}
+    assert {p.stem for p in (ROOT / "configs/ablations").glob("*.yaml")} == set(ABLATIONS) | {"base", "tiny_cpu_is",
+                                                                                             "tiny_cpu_is_async"}
 
 
 def test_cpu_is_ablation_is_tiny_cpu_with_an_engine_whose_attention_clips():
@@ -53,6 +54,18 @@ def test_cpu_is_ablation_is_tiny_cpu_with_an_engine_whose_attention_clips():
     assert cfg.fp8.calib_margin < 1 < tiny.fp8.calib_margin  # the engine saturates what the trainer keeps
     assert (cfg.loss.is_correction, cfg.loss.is_cap, cfg.loss.is_floor) == ("tis", 2.0, 0.5)
     assert cfg.rollout.engine == "hf" and cfg.rollout.mode == "colocated"  # one process: runs as CI runs it
+
+
+def test_cpu_is_ablation_with_a_lagging_engine_is_tiny_cpu_one_step_off_policy():
+    """tiny_cpu_is_async: tiny_cpu's run with the engine's FP8 KV cache at its usual scales and the engine one
+    optimizer step behind (rollout.mode=async, max_staleness 1: the lag the IS variants act on there;
+    docs/configs.md#tiny_cpu_is_async-when-the-mismatch-is-the-engines-lag), icepop's band [0.5, 2]."""
+    cfg = load_config(ROOT / "configs/ablations/tiny_cpu_is_async.yaml")
+    tiny = load_config(ROOT / "configs/tiny_cpu.yaml")
+    assert (cfg.model, cfg.data, cfg.optim, cfg.train) == (tiny.model, tiny.data, tiny.optim, tiny.train)
+    assert (cfg.rollout.mode, cfg.rollout.max_staleness, cfg.rollout.engine) == ("async", 1, "hf")
+    assert cfg.fp8.train and cfg.fp8.rollout and cfg.fp8.kv_cache and cfg.fp8.calib_margin == tiny.fp8.calib_margin
+    assert (cfg.loss.is_correction, cfg.loss.is_cap, cfg.loss.is_floor) == ("tis", 2.0, 0.5)
 
 
 def write_run(path: Path, rows):

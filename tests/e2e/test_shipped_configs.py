@@ -3,7 +3,7 @@
 Each config keeps what decides whether and how the trainer learns: model.dtype, the optimizer and its
 lr, gradient checkpointing, every fp8.* switch (FP8 is emulated on CPU), train.compile, the loss. Swapped
 for a CPU run: the model (a tiny one of the config's family, built from scratch), the data (synthetic),
-the engine (HFEngine) and the batch size (2 prompts x 8 samples, 2 optimizer steps of 2 micro-batches), 2 steps.
+the engine (HFEngine; rollout.mode=async configs run as they must, on 2 ranks) and the batch size (2 prompts x 8 samples, 2 optimizer steps of 2 micro-batches), 2 steps.
 train.probe replaces the reward with one that has variance, so the advantages are non-zero, and checks
 that the step moves >= 99% of the weights that got a gradient (bf16 weights under a round-to-nearest
 optimizer at lr 3e-7 move ~0.5%) and moves the policy toward the rewarded samples.
@@ -17,6 +17,7 @@ import pytest
 
 from config import load_config
 from conftest import run_train
+from test_distributed import torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").rglob("*.yaml"))
@@ -44,9 +45,13 @@ def tiny_overrides(path: Path, out_dir: Path) -> list[str]:
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT / "configs")) for p in CONFIGS])
 def test_shipped_config_trains_on_cpu(path, tmp_path):
     shipped = load_config(path)
-    run = run_train("--config", str(path), *tiny_overrides(path, tmp_path))
-    assert run.returncode == 0, run.stderr[-3000:]
-    run_dir = run.run_dir
+    if shipped.rollout.mode == "async":  # the engine in a process of its own: 2 ranks
+        torchrun(tmp_path, 2, "--config", str(path), *tiny_overrides(path, tmp_path))
+        run_dir = tmp_path / "run"
+    else:
+        run = run_train("--config", str(path), *tiny_overrides(path, tmp_path))
+        assert run.returncode == 0, run.stderr[-3000:]
+        run_dir = run.run_dir
     cfg = load_config(run_dir / "config.yaml")
     for key in ("model.dtype", "model.gradient_checkpointing", "optim", "fp8", "loss", "train.compile"):
         section, _, field = key.partition(".")
