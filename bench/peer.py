@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
+from bench.rollout import tiny_shape
 from bench.runner import (RESULTS, device_name, fail, kill_group, markdown_table, nvidia_smi, read_records,
                           write_json)
 
@@ -100,9 +101,9 @@ SYSTEMS = {
 }
 GROUPS = {"main": "",  # a group's heading in the table
           "ckpt2": "every 2nd decoder layer checkpointed, both sides (model.gradient_checkpointing_every=2)"}
-LLAMA_8B = dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-                num_kv_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192)
-LLAMA_3B = dict(LLAMA_8B, hidden_size=3072, intermediate_size=8192, num_layers=28, num_heads=24)  # head untied
+# bench/rollout.py's shapes (model.tiny fields) at the workload's context
+LLAMA_8B = dict(tiny_shape("llama3.1-8b"), max_position_embeddings=8192)
+LLAMA_3B = dict(tiny_shape("llama3.2-3b"), max_position_embeddings=8192)  # head untied
 MODELS = {"llama3b": ("Llama-3.2-3B shape", LLAMA_3B), "llama8b": ("Llama-3.1-8B shape", LLAMA_8B)}  # (label, dims)
 MIN_CARD_GIB = {"llama3b": 70, "llama8b": 120}  # TRL's row beside the engine: docs/peer.md, memory
 TINY = dict(arch="llama", hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4, num_kv_heads=2,

@@ -215,6 +215,13 @@ def _torchao_grouped_mm():
     return _to_fp8_blockwise_then_scaled_grouped_mm
 
 
+def require_deep_gemm(setting: str, way_out: str) -> None:
+    """import_deep_gemm, or the UserError naming the setting that asked for DeepGEMM and the way out."""
+    if not import_deep_gemm():
+        raise UserError(f"{setting}: neither deep_gemm nor vllm.third_party.deep_gemm imports; install DeepGEMM, "
+                        f"or set {way_out}")
+
+
 @functools.cache
 def import_deep_gemm() -> str:
     """Make DeepGEMM importable as `deep_gemm`, as torchao imports it: the installed package, else vLLM's
@@ -334,9 +341,7 @@ def convert_experts(model: nn.Module, cfg: FP8Config, plan: dict[str, tuple[bool
             continue
         backend = "torchao" if act_recipe == "torchao" and use_torchao_experts(cfg, mod) else "emulated"
         if backend == "torchao" and cfg.deep_gemm:
-            if not import_deep_gemm():
-                raise UserError("fp8.deep_gemm=true: neither deep_gemm nor vllm.third_party.deep_gemm imports; "
-                                "install DeepGEMM, or set fp8.deep_gemm=false (torchao's emulated grouped GEMM)")
+            require_deep_gemm("fp8.deep_gemm=true", "fp8.deep_gemm=false (torchao's emulated grouped GEMM)")
             backend = "deep_gemm"
         model.set_submodule(raw_name, BlockFP8Experts(mod, backend, act_recipe))
         done.append(name)

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from errors import UserError
 from fp8.fast.accum import attach_grad_accumulators
 from fp8.fast.cache import attach_weight_caches
 from fp8.fast.dual import DeepGemmKernels, DualQuantKernels
@@ -35,6 +34,7 @@ from fp8.fast.gather import gather_fp8_weights
 from fp8.fast.fused import fuse_projections
 from fp8.fast.swiglu import SwiGLUEmulatedKernels, fuse_swiglu
 from fp8.linear import EmulatedKernels, is_fp8_linear
+from fp8.moe import require_deep_gemm
 from fp8.torchao import TorchaoKernels
 
 if TYPE_CHECKING:
@@ -45,14 +45,14 @@ def apply(model: nn.Module, cfg: FP8Config, world: int = 1) -> list[str]:
     """Add the speed-only structure to an FP8-converted `model` in place (idempotent): fast kernels,
     then cfg.fuse_projections, cfg.fuse_swiglu, cfg.cache_weights (over `world` FSDP2 ranks: before
     fully_shard), cfg.fuse_grad_accum (one rank only). Returns what it did, for the log."""
-    done = []
+    done, torchao = [], 0
     for m in model.modules():
         if is_fp8_linear(m) and type(m.kernels) is TorchaoKernels:
-            m.kernels = _dual_quant_kernels(cfg.dense_gemm)
+            m.kernels, torchao = _dual_quant_kernels(cfg.dense_gemm), torchao + 1
         elif is_fp8_linear(m) and type(m.kernels) is EmulatedKernels:
             m.kernels = SwiGLUEmulatedKernels(m.kernels.act_recipe)
-    if any(isinstance(m.kernels, DeepGemmKernels) for m in model.modules() if is_fp8_linear(m)):
-        done.append("forward and data-gradient GEMMs on DeepGEMM")
+    if torchao and cfg.dense_gemm == "deep_gemm":
+        done.append(f"{torchao} linears' forward and data-gradient GEMMs on DeepGEMM")
     if cfg.fuse_projections and (n := fuse_projections(model)):
         done.append(f"{n} q/k/v + gate/up groups fused into one GEMM each")
     if cfg.fuse_projections and cfg.fuse_swiglu and (n := fuse_swiglu(model)):
@@ -73,9 +73,5 @@ def _dual_quant_kernels(dense_gemm: str = "cublas"):
     (stateless), as TorchaoKernels is one per class."""
     if dense_gemm == "cublas":
         return DualQuantKernels()
-    from fp8.moe import import_deep_gemm
-
-    if not import_deep_gemm():
-        raise UserError("fp8.dense_gemm=deep_gemm: neither deep_gemm nor vllm.third_party.deep_gemm imports; "
-                        "install DeepGEMM, or set fp8.dense_gemm=cublas")
+    require_deep_gemm("fp8.dense_gemm=deep_gemm", "fp8.dense_gemm=cublas")
     return DeepGemmKernels()

@@ -70,9 +70,12 @@ def make_model(cfg, tok, seed):
     return model
 
 
+def greedy_samples(engine, prompts, n=1):
+    return engine.generate(prompts, n=n, temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW)
+
+
 def greedy(engine, prompts):
-    return [tuple(s.token_ids) for s in engine.generate(prompts, n=1, temperature=0.0, top_p=1.0,
-                                                          max_new_tokens=MAX_NEW)]
+    return [tuple(s.token_ids) for s in greedy_samples(engine, prompts)]
 
 
 def check_samples(samples, prompts, n, eos):
@@ -238,9 +241,9 @@ def run(mode):
         log(f"{mode}: {n_fp8} FP8 linears bit-identical to quant.py inside vLLM (qkv/gate_up sliced)")
 
     # greedy: deterministic, n copies per prompt, group layout
-    one = engine.generate(prompts, n=1, temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW)
+    one = greedy_samples(engine, prompts)
     g1 = [tuple(s.token_ids) for s in one]
-    s3 = engine.generate(prompts, n=3, temperature=0.0, top_p=1.0, max_new_tokens=MAX_NEW)
+    s3 = greedy_samples(engine, prompts, n=3)
     check_samples(s3, prompts, 3, tok.eos_token_id)
     copies = [tuple(s.token_ids) for s in s3]
     assert all(len(set(copies[i:i + 3])) == 1 for i in range(0, len(copies), 3))  # same batch: same greedy
