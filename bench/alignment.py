@@ -7,7 +7,7 @@ For each engine mode (bf16; fp8 = block W8A8 linears; fp8kv = + FP8 KV cache and
 with q/k/v scales 1.0; fp8kv_calibrated = scales from fp8/calibrate.py), a randomly initialised
 Llama-shaped model (seeded: every process builds the same weights) is pushed into vLLM through
 fp8/export.py, samples 64 random prompts x 4 completions of 128 tokens at T=1, and the
-trainer scores them in BF16 and in torchao block FP8 (fp32 master weights under bf16 autocast, as in training). Writes bench/results/alignment.json
+trainer scores them in BF16 and in torchao block FP8 (fp32 master weights under bf16 autocast, as in training). Writes OUT/alignment.json (default runs/bench; the committed one: bench/results/alignment.json)
 (token_mult_prob_error and kl per engine/trainer pair); child logs in OUT/logs/.
 
 --moe: the model is Qwen3-30B-A3B's width (bench/rollout.py MODELS: 128 experts of width 768, top-8,
@@ -102,7 +102,7 @@ def measure(mode: str, prompts: int, n: int, new_tokens: int, model_shape: list[
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked)")
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=128)

@@ -100,7 +100,7 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=32, help="decoder layers, for the step totals")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked)")
     args = p.parse_args()
     for key in ("multiple", "steps", "prompts", "rows"):
         if getattr(args, key) < 1:

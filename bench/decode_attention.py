@@ -85,7 +85,7 @@ def parse_ints(text: str) -> list[int]:
 def build_parser() -> Parser:
     p = Parser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None, help="results dir (default bench/results)")
+    p.add_argument("--out", default=None, help="results dir (default runs/bench, untracked)")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--context", type=int, default=4096, help="KV tokens per sequence")
     p.add_argument("--q-heads", type=int, default=32)

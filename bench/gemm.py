@@ -114,7 +114,7 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="8192,16384", help="M values, multiples of 128 (default 8192,16384)")
     p.add_argument("--model", choices=sorted(SHAPES), default="qwen3", help="projection shapes (default qwen3)")
-    p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results)")
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked)")
     args = p.parse_args(argv)
     tokens = [int(t) if t.strip().isdigit() else -1 for t in args.tokens.split(",")]
     if any(t <= 0 or t % 128 for t in tokens):

@@ -597,7 +597,7 @@ def main():
     p.add_argument("--prepare", action="store_true", help="only write the model dir (a device call of its own)")
     p.add_argument("--model-dir", help="the workload's HF model dir (default /tmp/peer_<model>; --tiny: under --runs)")
     p.add_argument("--timeout", type=float, default=0.0, help="seconds per system, then it is killed (0 = none)")
-    p.add_argument("--out", default=str(RESULTS), help="results + logs dir (default bench/results)")
+    p.add_argument("--out", default=str(RESULTS), help="results + logs dir (default runs/bench, untracked)")
     p.add_argument("--runs", default="/tmp/bench_peer_runs", help="run dirs of the systems")
     p.add_argument("--child", choices=[s for s in SYSTEMS if is_trl(s)], help=argparse.SUPPRESS)
     p.add_argument("--run-dir", help=argparse.SUPPRESS)

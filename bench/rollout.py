@@ -940,7 +940,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "to OUT/logs/host_profile_*.txt")
     p.add_argument("--refits", type=int, default=3, help="update_weights calls timed (median reported)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results); logs in OUT/logs")
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked); logs in OUT/logs")
     p.add_argument("--time-limit", type=float, default=0.0,
                    help="seconds: start no child after (limit - min job time), kill children at the limit (0 = none)")
     p.add_argument("--min-job-s", type=float, default=None,

@@ -7,7 +7,8 @@ child process per mode (`run_jobs`: vLLM allows one engine per process; a fresh 
 isolates peak memory). Either way a failed mode becomes an error row and the others still run, and
 the results file is rewritten after every mode, so a timeout loses one mode at most.
 
-Results file: OUT/<name>.json (default OUT = bench/results), written atomically:
+Results file: OUT/<name>.json (default OUT = runs/bench, untracked: a run leaves the committed figures in
+bench/results alone; `--out bench/results` refreshes them), written atomically:
 
     {
       "device":   "NVIDIA H100 80GB HBM3",  # the hardware: GPU 0's name, the children's for a parent
@@ -49,7 +50,7 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-RESULTS = Path(__file__).parent / "results"
+RESULTS = REPO / "runs" / "bench"  # the benchmarks' default --out; the committed figures: bench/results
 VERSIONED = ("torch", "torchao", "triton", "transformers", "vllm")
 
 

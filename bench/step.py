@@ -19,7 +19,7 @@ fixed-length generation. Modes:
   fp8kv_lp  fp8kv with fp8.calib_pass=logprobs (amax captured in the old_logp forward: no extra pass)
 Figures are medians over steps 1..N-1 of the trainer's own time/* metrics; step 0 (Triton autotune,
 kept on disk for later processes; CUDA-graph capture) is first_step_s. OUT/step.json (default
-bench/results) is rewritten after every mode; trainer logs in OUT/step_<mode>.log.
+runs/bench) is rewritten after every mode; trainer logs in OUT/step_<mode>.log.
 """
 
 import argparse
@@ -123,7 +123,7 @@ def main():
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--steps", type=int, default=3, help="trainer steps per mode (step 0 is warm-up)")
     p.add_argument("--timeout", type=float, default=600, help="seconds per mode")
-    p.add_argument("--out", default=None, help="results + logs dir (default bench/results)")
+    p.add_argument("--out", default=None, help="results + logs dir (default runs/bench, untracked)")
     p.add_argument("--runs", default="/tmp/bench_step_runs", help="run dirs of the trainer processes")
     p.add_argument("--merge", nargs="+", metavar="STEP_JSON",
                    help="only combine step.json files (e.g. one per GPU of the same host) into OUT/step.json")

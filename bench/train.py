@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["linear", "stack", "all"])
-    p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results)")
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked)")
     p.add_argument("--layers", type=int, default=4, help="stack: decoder layers")
     p.add_argument("--tokens", type=parse_ints, default=[8192, 16384], help="stack: tokens per micro-batch")
     p.add_argument("--seq-len", type=int, default=2048, help="stack: row length (0 = one row of --tokens)")

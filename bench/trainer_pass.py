@@ -109,7 +109,7 @@ def main():
     p.add_argument("--modes", type=lambda text: parse_choices(text, MODES), default=["bf16", "fp8"],
                    help=f"comma list of {list(MODES)}")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked)")
     p.add_argument("--compile", action="store_true", help="compile the decoder layers (train.compile=inductor)")
     p.add_argument("--calib", action="store_true", help="one more variant: the logprobs calls inside a q/k/v amax "
                    "capture (fp8.calib_pass=logprobs: each forward closes the previous one's record)")

@@ -72,7 +72,7 @@ def main():
     p.add_argument("--memory", action="store_true", help="the last step under torch's allocator history: what "
                    "holds memory at its peak, per rank, beside the memory model (bench/memory_breakdown.py) -> "
                    "OUT/trainer_phase_memory.json (the step's time then includes the recording)")
-    p.add_argument("--out", default=str(RESULTS))
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked)")
     args = p.parse_args()
     import distributed
     import memory

@@ -62,7 +62,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=16384, help="M, a multiple of 128 (default 16384)")
-    p.add_argument("--out", default=str(RESULTS), help="results dir (default bench/results)")
+    p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench/wgrad.py needs a Hopper (SM90) GPU")
