@@ -159,25 +159,40 @@ def phase_busy(spans: dict[str, list[tuple[int, int]]], device_intervals: list[t
     return out
 
 
-def profile_phases(prof, top: int = 30) -> str:
+def profile_phases(prof, top: int = 30, top_phase: int = 15) -> str:
     """phase_busy of a stopped torch.profiler profile, as a table (empty without phase spans), then the
-    `top` device kernels by summed time: read straight from the trace's events, in seconds where
-    key_averages takes minutes for a long step."""
+    `top` device kernels by summed time, then each phase's `top_phase` (a kernel counts in the phase whose
+    host span holds its start: one queued at a phase's end may run in the next): read straight from the
+    trace's events, in seconds where key_averages takes minutes for a long step."""
     spans: dict[str, list[tuple[int, int]]] = {}
     device = []
-    kernels: dict[str, list[int]] = {}
     for ev in prof.profiler.kineto_results.events():
         if ev.device_type() == torch.autograd.DeviceType.CPU:
             if ev.name() in PHASES:
                 spans.setdefault(ev.name(), []).append((ev.start_ns(), ev.end_ns()))
         elif not ev.is_user_annotation() and ev.name() not in PHASES:  # kernels, memcpy, memset
-            device.append((ev.start_ns(), ev.end_ns()))
-            k = kernels.setdefault(ev.name(), [0, 0])
-            k[0], k[1] = k[0] + ev.end_ns() - ev.start_ns(), k[1] + 1
+            device.append((ev.start_ns(), ev.end_ns(), ev.name()))
+    kernels, by_phase = kernels_by_phase(spans, device)
     rows = [f"{'phase':<12} {'wall_s':>8} {'device_busy_s':>14} {'busy':>6}"]
-    for name, (wall, busy) in phase_busy(spans, device).items():
+    for name, (wall, busy) in phase_busy(spans, [(s, e) for s, e, _ in device]).items():
         rows.append(f"{name:<12} {wall:8.3f} {busy:14.3f} {busy / max(wall, 1e-12):6.1%}")
-    return ("\n".join(rows) + "\n\n" if spans else "") + kernel_table(kernels, top)
+    per_phase = "".join(f"phase {name}:\n" + kernel_table(by_phase[name], top_phase) for name in PHASES if name in by_phase)
+    return ("\n".join(rows) + "\n\n" if spans else "") + kernel_table(kernels, top) + per_phase
+
+
+def kernels_by_phase(spans: dict[str, list[tuple[int, int]]], device: list[tuple[int, int, str]]) -> tuple[dict, dict]:
+    """Device events [(start ns, end ns, kernel name)] -> ({name: [summed ns, calls]}, {phase: the same for the
+    kernels that start inside one of the phase's spans})."""
+    ranges = sorted((s, e, name) for name, rs in spans.items() for s, e in rs)
+    starts = [s for s, _, _ in ranges]
+    kernels: dict[str, list[int]] = {}
+    by_phase: dict[str, dict[str, list[int]]] = {}
+    for s, e, name in device:
+        i = bisect.bisect_right(starts, s) - 1
+        for table in [kernels] + ([by_phase.setdefault(ranges[i][2], {})] if i >= 0 and s < ranges[i][1] else []):
+            k = table.setdefault(name, [0, 0])
+            k[0], k[1] = k[0] + e - s, k[1] + 1
+    return kernels, by_phase
 
 
 def kernel_table(kernels: dict[str, list[int]], top: int) -> str:

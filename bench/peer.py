@@ -5,6 +5,7 @@ on one workload, one GPU.
     python -m bench.peer --model llama3b --systems trl --timeout 560          # one system per device call
     python -m bench.peer --model llama3b --systems trl_compile --timeout 560  # (10-minute limit); each call adds
     python -m bench.peer --model llama3b --systems ours_fp8 --timeout 560     # its row to OUT/peer_<card>.json
+    python -m bench.peer --model llama3b --systems ours_bf16 --steps 3 --profile 1  # step 1's kernels, by phase
     python -m bench.peer --tiny --out /tmp/peer                     # CPU: a tiny Llama, HF generation (the test)
 
 Run with the repo root as the working directory (or PYTHONPATH=.). Models (--model), random init at real shape:
@@ -159,6 +160,8 @@ def workload_overrides(args, system: str) -> list[str]:
             "log.dump_episodes_every=0"]
     if args.tiny:  # our HF engine has no ignore_eos: the tiny model never samples EOS instead (prepare)
         over += ["rollout.engine=hf", "train.device=cpu", "data.synthetic.num_train=64", "data.synthetic.num_val=8"]
+    if args.profile:  # ours' profiler (observe.StepProfile) after the rollout: logprobs, train, refit
+        over += [f"log.profile_step={args.profile}", "log.profile_rollout=false"]
     return over + list(spec(system).overrides) + args.overrides
 
 
@@ -291,6 +294,31 @@ def trl_settings(targs) -> dict:
             if targs.use_vllm else "transformers generate"}
 
 
+class TrainProfile:
+    """--profile on TRL's side: torch.profiler from the end of a rollout step's scoring to its last optimizer step,
+    inside a "train" span as ours' phases are (observe.PHASES), written as ours' profile text (profile_phases)."""
+
+    def __init__(self, path: Path, device):
+        self.path, self.device, self.prof, self.span = path, device, None, None
+
+    def start(self) -> None:
+        import torch
+
+        from observe import start_profile
+        self.prof = start_profile(self.device)
+        self.span = torch.profiler.record_function("train")
+        self.span.__enter__()
+
+    def finish(self) -> None:
+        if self.prof is None:
+            return
+        from observe import profile_phases
+        self.span.__exit__(None, None, None)
+        self.prof.stop()
+        self.path.write_text(profile_phases(self.prof))
+        self.prof = None
+
+
 def run_trl(args) -> None:
     """The TRL system args.child in this process: a record per rollout step appended to RUN_DIR/metrics.jsonl in
     train_grpo.py's names (time/step, time/rollout, time/logprobs, time/train, time/refit), with gen_tokens and
@@ -323,6 +351,8 @@ def run_trl(args) -> None:
     targs = GRPOConfig(**trl_args(cfg, run_dir, cuda, args.child))
     opt_steps = targs.steps_per_generation // targs.gradient_accumulation_steps
     phases = defaultdict(float)  # seconds (and gen tokens) of the rollout step in progress
+    profile = TrainProfile(run_dir / "profile.txt", torch.device("cuda" if cuda else "cpu"))
+    rollout_step = [0]  # the rollout step in progress
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args_, state, control, optimizer=None, **kw):
@@ -334,6 +364,8 @@ def run_trl(args) -> None:
         def on_step_end(self, args_, state, control, **kw):
             if state.global_step % opt_steps:
                 return
+            profile.finish()  # a profiled step's own time leaves the medians (summarize)
+            rollout_step[0] = state.global_step // opt_steps
             if cuda:
                 torch.cuda.synchronize()
             now = time.perf_counter()
@@ -367,6 +399,8 @@ def run_trl(args) -> None:
             phases[key] += time.perf_counter() - t0
             if count_tokens:
                 phases["tokens"] += int(out["completion_mask"].sum())
+                if rollout_step[0] == args.profile > 0:  # the scored batch goes to training next
+                    profile.start()
             return out
         return wrapper
 
@@ -409,9 +443,10 @@ def normalized(system: str, metrics: list[dict], samples: int) -> list[dict]:
             for m in metrics if "time/step" in m]
 
 
-def summarize(records: list[dict]) -> dict:
-    """Medians over the timed steps (>= 1); peak_gib over all; raises ValueError without a timed step."""
-    timed = [r for r in records if r["step"] >= 1]
+def summarize(records: list[dict], profiled: int = 0) -> dict:
+    """Medians over the timed steps (>= 1, but the profiled one); peak_gib over all; raises ValueError without a
+    timed step."""
+    timed = [r for r in records if r["step"] >= 1 and r["step"] != profiled]
     if not timed:
         raise ValueError("no timed step (>= 1): the run ended in step 0")
 
@@ -443,7 +478,8 @@ def run_system(system: str, args, out: Path, samples: int) -> tuple[dict, float,
     if is_trl(system):
         run_dir.mkdir(parents=True)
         argv = [sys.executable, "-m", "bench.peer", "--child", system, "--run-dir", str(run_dir), "--model-dir",
-                str(args.model_dir), "--steps", str(args.steps), *(["--tiny"] if args.tiny else []), *args.overrides]
+                str(args.model_dir), "--steps", str(args.steps), "--profile", str(args.profile),
+                *(["--tiny"] if args.tiny else []), *args.overrides]
     else:
         config = ROOT / "configs" / f"{spec(system).config}.yaml"
         argv = [sys.executable, str(ROOT / "train_grpo.py"), "--config", str(config),
@@ -473,6 +509,9 @@ def run_system(system: str, args, out: Path, samples: int) -> tuple[dict, float,
     finally:  # an interrupt: no child outlives the parent
         kill_group(proc, grace=2.0)
     records = normalized(system, read_records(run_dir / "metrics.jsonl"), samples)
+    profile = run_dir / ("profile.txt" if is_trl(system) else f"profile/step_{args.profile:06d}_rank0.txt")
+    if args.profile and profile.is_file():
+        shutil.copy(profile, out / f"peer_{system}_profile.txt")
     return {"records": records, "run_dir": run_dir, "log": log}, time.time() - t0, rc
 
 
@@ -558,6 +597,9 @@ def check_args(args) -> list[str]:
     if args.steps < least:
         fail(f"--steps {args.steps}: give >= {least} (step 0 warms up; the figures are medians of the steps after it"
              f"{'' if args.tiny else ', at least 2'})")
+    if args.profile and not (1 <= args.profile < args.steps and args.steps >= least + 1):
+        fail(f"--profile {args.profile}: a rollout step from 1 to --steps - 1 ({args.steps - 1}), with --steps >= "
+             f"{least + 1} (the profiled step leaves the medians: one more step to time)")
     if args.timeout < 0:
         fail(f"--timeout {args.timeout}: seconds per system, > 0 (0 = none)")
     if args.tiny and "trl_liger" in systems:
@@ -596,6 +638,10 @@ def main():
     p.add_argument("--tiny", action="store_true", help="CPU: a tiny Llama, HF generation (the test's run)")
     p.add_argument("--prepare", action="store_true", help="only write the model dir (a device call of its own)")
     p.add_argument("--model-dir", help="the workload's HF model dir (default /tmp/peer_<model>; --tiny: under --runs)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEP",
+                   help="profile rollout step STEP (>= 1) of each system with torch.profiler: the train phase's\n"
+                        "kernels (ours: the logprobs and refit too) in OUT/peer_<system>_profile.txt; that step\n"
+                        "leaves the medians, so give --steps >= STEP + 2 (0 = off)")
     p.add_argument("--timeout", type=float, default=0.0, help="seconds per system, then it is killed (0 = none)")
     p.add_argument("--out", default=str(RESULTS), help="results + logs dir (default runs/bench, untracked)")
     p.add_argument("--runs", default="/tmp/bench_peer_runs", help="run dirs of the systems")
@@ -629,7 +675,7 @@ def main():
         child, wall, rc = run_system(system, args, out, w.prompts * w.n)
         row = {"system": system, "workload": workload_label(args)}
         try:
-            row.update(summarize(child["records"]))
+            row.update(summarize(child["records"], args.profile))
         except ValueError as e:
             row["error"] = str(e)
         if rc != 0:
@@ -642,6 +688,8 @@ def main():
             cfg = load_config(ROOT / "configs" / f"{spec(system).config}.yaml", workload_overrides(args, system))
             settings = ours_settings(cfg, cuda=not args.tiny)
         row.update(gpu=gpu, date=date.today().isoformat(), command=command, settings=settings, wall_s=round(wall))
+        if args.profile:
+            row["profiled_step"] = args.profile
         failed += "error" in row
         path = save([row], out, gpu)
         print(f"[{system}] {'FAILED: ' + row['error'] if 'error' in row else 'done'}; {path}", flush=True)

@@ -1,9 +1,9 @@
 """bench/peer.py on the CPU: TRL's GRPOTrainer (HF generation), eager and compiled, and our BF16 twin on one
 tiny workload.
 
-Two rollout steps each, TRL's 8 optimizer steps of one micro-batch against ours' (the twin's 4 per rollout
-step), on the model dir the benchmark writes (a tiny Llama that never samples a special token, so every
-sample runs to the budget in both). optim.name=adamw spares ours the 8-bit AdamW's CPU compile (~20 s);
+Three rollout steps each (step 1 profiled with --profile, so step 2 is the one timed), TRL's 12 optimizer steps
+of one micro-batch against ours' (the twin's 4 per rollout step), on the model dir the benchmark writes (a tiny
+Llama that never samples a special token, so every sample runs to the budget in both). optim.name=adamw spares ours the 8-bit AdamW's CPU compile (~20 s);
 tests/e2e/test_shipped_configs.py runs the config's own optimizer. The compiled TRL row (inductor on the CPU,
 ~30 s) must train as the eager one: one generation per rollout step. Skipped without TRL
 (requirements-peer.txt).
@@ -30,8 +30,8 @@ def peer(*args: str) -> subprocess.CompletedProcess:
 
 def test_trl_and_ours_generate_the_same_tokens(tmp_path):
     pytest.importorskip("trl")
-    p = peer("--tiny", "--systems", "trl,trl_compile,ours_bf16", "--steps", "2", "--out", str(tmp_path), "--runs",
-             str(tmp_path / "runs"), "optim.name=adamw")
+    p = peer("--tiny", "--systems", "trl,trl_compile,ours_bf16", "--steps", "3", "--profile", "1", "--out",
+             str(tmp_path), "--runs", str(tmp_path / "runs"), "optim.name=adamw")
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = {r["system"]: r for r in json.loads((tmp_path / "peer_cpu.json").read_text())["rows"]}
     assert set(rows) == {"trl", "trl_compile", "ours_bf16"}
@@ -40,7 +40,11 @@ def test_trl_and_ours_generate_the_same_tokens(tmp_path):
         # prompts x samples x fixed length, counted by each system; the compiled TRL row generates once per
         # rollout step too, as a training run (bench/peer.py run_trl: GRPOTrainer's self.model in train mode)
         assert r["gen_tokens"] == 2 * 8 * 8
-        assert r["timed_steps"] == 1 and r["step_s"] > 0
+        assert r["timed_steps"] == 1 and r["step_s"] > 0 and r["profiled_step"] == 1  # step 1 left the medians
+        # --profile: each side's train phase in a "train" span (the CPU has no device kernels to list)
+        profile = (tmp_path / f"peer_{r['system']}_profile.txt").read_text()
+        assert profile.splitlines()[0].split() == ["phase", "wall_s", "device_busy_s", "busy"], profile
+        assert any(line.startswith("train ") for line in profile.splitlines()), profile
         assert r["tokens_per_s"] == pytest.approx(r["gen_tokens"] / r["step_s"], rel=0.02)
         assert r["gpu"] == "cpu" and r["command"].startswith("python -m bench.peer --tiny") and r["settings"]
     trl = rows["trl"]
@@ -57,7 +61,9 @@ def test_trl_and_ours_generate_the_same_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("args, flag", [(["--steps", "1"], "--steps"), (["--systems", "trl,verl"], "--systems"),
-                                        (["--systems", "trl_liger"], "--systems"), (["rollout.nn=3"], "rollout.nn")])
+                                        (["--systems", "trl_liger"], "--systems"), (["rollout.nn=3"], "rollout.nn"),
+                                        (["--steps", "3", "--profile", "3"], "--profile"),
+                                        (["--steps", "2", "--profile", "1"], "--profile")])
 def test_bad_input_is_one_line_naming_the_flag(tmp_path, args, flag):
     p = peer("--tiny", "--out", str(tmp_path), "--runs", str(tmp_path / "runs"), *args)
     assert p.returncode == 2, p.stderr

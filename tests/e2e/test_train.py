@@ -203,6 +203,16 @@ def test_phase_busy_is_the_device_time_inside_each_phase():
     assert phase_busy({"refit": [(0, 10)]}, []) == {"refit": (10e-9, 0.0)}
 
 
+def test_kernels_count_in_the_phase_whose_span_holds_their_start():
+    from observe import kernels_by_phase
+
+    spans = {"logprobs": [(0, 100)], "train": [(200, 300), (400, 500)]}
+    device = [(10, 30, "a"), (90, 210, "a"), (250, 270, "b"), (350, 360, "c"), (450, 600, "b")]  # ns
+    kernels, by_phase = kernels_by_phase(spans, device)
+    assert kernels == {"a": [140, 2], "b": [170, 2], "c": [10, 1]}  # every kernel, in a phase or not
+    assert by_phase == {"logprobs": {"a": [140, 2]}, "train": {"b": [170, 2]}}  # "c" starts between spans
+
+
 def test_kernel_table_ranks_kernels_by_summed_time():
     from observe import kernel_table
 
