@@ -641,7 +641,7 @@ def main():
     p.add_argument("--profile", type=int, default=0, metavar="STEP",
                    help="profile rollout step STEP (>= 1) of each system with torch.profiler: the train phase's\n"
                         "kernels (ours: the logprobs and refit too) in OUT/peer_<system>_profile.txt; that step\n"
-                        "leaves the medians, so give --steps >= STEP + 2 (0 = off)")
+                        "leaves the medians: give one more --steps (0 = off)")
     p.add_argument("--timeout", type=float, default=0.0, help="seconds per system, then it is killed (0 = none)")
     p.add_argument("--out", default=str(RESULTS), help="results + logs dir (default runs/bench, untracked)")
     p.add_argument("--runs", default="/tmp/bench_peer_runs", help="run dirs of the systems")
