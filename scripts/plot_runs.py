@@ -33,12 +33,22 @@ Table, per config (mean ± half the min-max range over seeds, from the raw logge
   is_trunc  mean of is/truncated_frac, likewise
   zero_std  reward/zero_std_groups over the run's last 5 steps, then over seeds
   routing   mean of moe/routing_mismatch (a column only when a run logs it)
+
+Then, for each pair of configs with 2+ seeds each, whether they differ beyond seed noise: the difference
+of their means over seeds and a two-sided permutation test over the runs (p: the share of relabelings of
+the pooled runs whose difference is at least as large; exact up to 20,000 relabelings, else 20,000
+seeded random ones), on three measures: the final val/accuracy, the mean val/accuracy over each run's
+second half (validations from half its last step on: steadier than one validation) and reward/mean over
+the last --tail steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
+import random
 import re
 from pathlib import Path
 
@@ -151,6 +161,66 @@ def summarize(runs: dict[str, dict[int, list[dict]]]) -> tuple[list[dict], int |
     return table, S
 
 
+def permutation_p(a: list[float], b: list[float], shuffles: int = 20000) -> float:
+    """Two-sided permutation test of mean(a) - mean(b): the share of the splits of a + b into groups of len(a)
+    and len(b) whose difference of means is at least the observed one in size; every split when there are at
+    most `shuffles`, else `shuffles` random ones (seeded: the same p on every call)."""
+    pool, n = a + b, len(a)
+    total, observed = sum(pool), abs(sum(a) / n - sum(b) / len(b)) - 1e-12
+
+    def beyond(group_sum: float) -> bool:
+        return abs(group_sum / n - (total - group_sum) / (len(pool) - n)) >= observed
+    if math.comb(len(pool), n) <= shuffles:
+        splits = [beyond(sum(c)) for c in itertools.combinations(pool, n)]
+    else:
+        rng = random.Random(0)
+        splits = [beyond(sum(rng.sample(pool, n))) for _ in range(shuffles)]
+    return sum(splits) / len(splits)
+
+
+MEASURES = [("final", "final val"), ("late", "val, second half"), ("reward", "reward/mean, last {tail}")]
+
+
+def per_run_measures(rows: list[dict], tail: int) -> dict[str, float]:
+    """One run's final val/accuracy, its mean val/accuracy over the validations from half its last step on,
+    and its reward/mean over the last `tail` steps (a measure it cannot give is left out)."""
+    val, out = series(rows, "val/accuracy"), {}
+    if val:
+        out["final"] = val[max(val)]
+        out["late"] = _mean([v for step, v in val.items() if step >= max(val) / 2])
+    reward = tail_mean(rows, "reward/mean", tail)
+    if reward is not None:
+        out["reward"] = reward
+    return out
+
+
+def compare(runs: dict[str, dict[int, list[dict]]], tail: int) -> list[dict]:
+    """Every pair of configs with 2+ seeds: {"pair": (a, b), measure: (mean a - mean b, permutation p)}."""
+    per = {c: [per_run_measures(rows, tail) for rows in seeds.values()] for c, seeds in runs.items() if len(seeds) > 1}
+    pairs = []
+    for a, b in itertools.combinations(per, 2):
+        row = {"pair": (a, b)}
+        for key, _ in MEASURES:
+            xa, xb = [m[key] for m in per[a] if key in m], [m[key] for m in per[b] if key in m]
+            if len(xa) > 1 and len(xb) > 1:
+                row[key] = (_mean(xa) - _mean(xb), permutation_p(xa, xb))
+        pairs.append(row)
+    return pairs
+
+
+def compare_markdown(pairs: list[dict], tail: int) -> str:
+    if not pairs:
+        return ""
+    lines = ["Differences between configs (mean over seeds of a minus b; p: two-sided permutation test over "
+             "the runs):", "", "| a - b | " + " | ".join(label.format(tail=tail) for _, label in MEASURES) + " |",
+             "|---|" + "---|" * len(MEASURES)]
+    for r in pairs:
+        cells = [f"{r[k][0]:+.3f} (p {'< 0.001' if r[k][1] < 0.001 else f'= {r[k][1]:.3f}'})" if k in r else "-"
+                 for k, _ in MEASURES]
+        lines.append(f"| {r['pair'][0]} - {r['pair'][1]} | " + " | ".join(cells) + " |")
+    return "\n" + "\n".join(lines) + "\n"
+
+
 def markdown(table: list[dict], S: int | None) -> str:
     def f(a, digits=3):
         return "-" if a is None else f"{a[0]:.{digits}f} ± {a[1]:.{digits}f}"
@@ -239,12 +309,13 @@ def main(argv=None):
     p.add_argument("--prefix", default="convergence")
     p.add_argument("--table", help="markdown table path (default <out>/<prefix>_table.md)")
     p.add_argument("--smooth", type=int, default=5, help="trailing mean over this many steps for per-step metrics")
+    p.add_argument("--tail", type=int, default=40, help="the pairwise table's reward/mean: over each run's last N steps")
     args = p.parse_args(argv)
     runs = load_runs(find_files(args.paths))
     out = Path(args.out) if args.out else default_out(args.paths)
     out.mkdir(parents=True, exist_ok=True)
     table, S = summarize(runs)
-    md = markdown(table, S)
+    md = markdown(table, S) + compare_markdown(compare(runs, args.tail), args.tail)
     table_path = Path(args.table) if args.table else out / f"{args.prefix}_table.md"
     table_path.write_text(md)
     print(md, end="")

@@ -116,6 +116,35 @@ def test_plot_runs_table_and_figures(tmp_path):
     assert "routing" not in md and not (out / "convergence_routing_mismatch.png").exists()  # dense runs
 
 
+def test_permutation_p_counts_every_split_at_least_as_far_apart():
+    # 3 + 3 runs: 20 splits; only the observed one and its mirror are 3 apart
+    assert plot_runs.permutation_p([1.0, 2.0, 3.0], [4.0, 5.0, 6.0]) == pytest.approx(2 / 20)
+    assert plot_runs.permutation_p([1.0, 2.0], [1.0, 2.0]) == 1.0  # no difference: every split is as far
+    a, b = [0.1 * i for i in range(10)], [0.1 * i + 0.05 for i in range(10)]  # 184,756 splits: sampled, seeded
+    assert plot_runs.permutation_p(a, b) == plot_runs.permutation_p(a, b) > 0.5
+
+
+def test_plot_runs_tests_each_pair_of_configs(tmp_path):
+    """Configs with 2+ seeds are compared pairwise on final accuracy, second-half accuracy and tail reward;
+    a config of one seed is left out of that table."""
+    for seed in range(3):
+        hi = rows([0.2, 0.6 + 0.1 * seed], [1.0] * 4, [0] * 4, final=0.8 + 0.05 * seed)
+        lo = rows([0.2, 0.3 + 0.1 * seed], [1.0] * 4, [0] * 4, final=0.4 + 0.05 * seed)
+        for name, r in (("tis", hi), ("icepop", lo)):
+            for row in r:
+                if "reward/mean" in row:
+                    row["reward/mean"] = (0.9 if name == "tis" else 0.5) + 0.01 * seed
+            write_run(tmp_path / f"{name}_s{seed}_metrics.jsonl", r)
+    write_run(tmp_path / "none_s0_metrics.jsonl", rows([0.2, 0.4], [1.0] * 4, [0] * 4, final=0.5))
+    plot_runs.main([str(tmp_path), "--out", str(tmp_path / "figs"), "--prefix", "is", "--tail", "2"])
+    md = (tmp_path / "figs/is_table.md").read_text()
+    assert "| a - b | final val | val, second half | reward/mean, last 2 |" in md
+    # final 0.4 apart, second half (the validations at steps 2 and 4: 0.3 and 0.4 apart) 0.35, reward 0.4;
+    # 3 + 3 runs: of the 20 splits only the observed one and its mirror are that far apart
+    assert "| icepop - tis | -0.400 (p = 0.100) | -0.350 (p = 0.100) | -0.400 (p = 0.100) |" in md
+    assert "none -" not in md and "- none" not in md  # one seed: no test
+
+
 def test_plot_runs_routing_mismatch_of_moe_runs(tmp_path):
     for seed, routing in ((0, [0.01, 0.03]), (1, [0.02, 0.02])):
         moe_rows = rows([0.2, 0.4], [1.0, 1.0], [0, 0], final=0.5)
