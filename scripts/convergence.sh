@@ -15,7 +15,8 @@
 #   --min-sft-acc A      if the SFT model's greedy accuracy on the task's val set is below A
 #                        (default 0.1), the runs use the highest easier difficulty where it is
 #                        >= A (sft.py never trains on any level's val set); 0 = never
-#   --configs a,b        names in configs/ablations/ (default: all five, started in that order)
+#   --configs a,b        the study's configs in configs/ablations/ (base: ablations/base.yaml; default: all
+#                        five, started in that order); the CPU ablations there (tiny_cpu_is*) are refused
 #   --work DIR           SFT model and run dirs (default /tmp/conv)
 #   --stagger-timeout-s  longest wait for a run's engine before starting the next (default 90)
 #   --sft-args "..."     extra scripts/sft.py arguments
@@ -42,7 +43,8 @@ export PYTHONUNBUFFERED=1 PY=${PY:-python3} TOKENIZERS_PARALLELISM=false
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 
 SEEDS=0; STEPS=40; DEADLINE=520; SFT_MIN=2.5; MIN_SFT_ACC=0.1; WORK=/tmp/conv; STAGGER_TIMEOUT=90; SFT_ARGS=""; EXTRA=""
-CONFIGS=bf16,fp8_tis,fp8_nois,fp8kv_tis,fp8rollout_tis   # started in this order: the last gets the fewest steps
+STUDY=bf16,fp8_tis,fp8_nois,fp8kv_tis,fp8rollout_tis   # the study's configs (base: ablations/base.yaml)
+CONFIGS=$STUDY   # started in this order: the last gets the fewest steps
 while [ $# -gt 0 ]; do
   case "$1" in
     --seeds) SEEDS=$2; shift 2 ;;
@@ -55,11 +57,14 @@ while [ $# -gt 0 ]; do
     --stagger-timeout-s) STAGGER_TIMEOUT=$2; shift 2 ;;
     --sft-args) SFT_ARGS=$2; shift 2 ;;
     --extra) EXTRA=$2; shift 2 ;;
-    *) echo "convergence.sh: unknown option $1 (see the header)" >&2; exit 2 ;;
+    *) echo "error: convergence.sh: unknown option $1 (see the header)" >&2; exit 2 ;;
   esac
 done
 for c in ${CONFIGS//,/ }; do
-  [ -f "$ROOT/configs/ablations/$c.yaml" ] || { echo "convergence.sh: no configs/ablations/$c.yaml" >&2; exit 2; }
+  f="$ROOT/configs/ablations/$c.yaml"
+  [ -f "$f" ] || { echo "error: --configs $c: no configs/ablations/$c.yaml; the study's are $STUDY" >&2; exit 2; }
+  grep -qx 'base: base.yaml' "$f" || { echo "error: --configs $c: configs/ablations/$c.yaml is not one of the study's" \
+    "(its base is not ablations/base.yaml; the study's are $STUDY); run it with train_grpo.py --config" >&2; exit 2; }
 done
 
 log() { echo "[conv +$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/conv_driver.log"; }

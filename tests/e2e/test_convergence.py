@@ -189,6 +189,17 @@ def test_run_key_names():
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+@pytest.mark.parametrize("config, says", [("tiny_cpu_is", "not one of the study's"), ("fp8_tiss", "no configs/")])
+def test_convergence_driver_refuses_a_config_outside_the_study(tmp_path, config, says):
+    """The CPU ablations sit in configs/ablations/ too but are not the study's (their base is tiny_cpu): refused
+    before anything starts, in one line."""
+    p = subprocess.run(["bash", str(ROOT / "scripts/convergence.sh"), "--configs", f"bf16,{config}"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "OUT": str(tmp_path / "out")})
+    assert p.returncode == 2 and p.stderr.startswith(f"error: --configs {config}: ") and says in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "out" / "conv_driver.log").exists()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_convergence_driver_cpu_smoke(tmp_path):
     """The whole driver on CPU at toy size: SFT, a run (HF engine), collect, plot (~40 s on an idle CPU)."""
     env = {**os.environ, "OUT": str(tmp_path / "out"), "PY": sys.executable}
