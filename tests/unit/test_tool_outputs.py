@@ -47,11 +47,14 @@ def test_the_tools_have_out_defaults():
     assert {"bench/rollout.py", "bench/peer.py", "scripts/plot_shipped.py", "scripts/plot_runs.py"} <= set(found)
 
 
-@pytest.mark.parametrize("tool, default", sorted((k, v) for k, v in out_defaults().items() if v))
+def in_repo(default: str) -> Path | None:
+    """The default as a path inside the repo, or None (an absolute path elsewhere: /tmp/...)."""
+    path = (Path(default) if Path(default).is_absolute() else REPO / default).resolve()
+    return path if path.is_relative_to(REPO) else None
+
+
+@pytest.mark.parametrize("tool, default", sorted((k, v) for k, v in out_defaults().items() if v and in_repo(v)))
 def test_default_out_is_outside_the_tracked_tree(tool, default):
-    path = Path(default) if Path(default).is_absolute() else REPO / default
-    if not path.resolve().is_relative_to(REPO):
-        return  # /tmp/...
-    rel = path.resolve().relative_to(REPO) / "result.json"
+    rel = in_repo(default).relative_to(REPO) / "result.json"
     ignored = subprocess.run(["git", "check-ignore", "-q", str(rel)], cwd=REPO).returncode == 0
     assert ignored, f"{tool}: --out defaults to {default}, which git tracks; default to runs/..."
