@@ -88,7 +88,7 @@ def the_args(tmp_path, model="llama8b", steps=6):
     from bench import peer as bp
 
     args = argparse.Namespace(tiny=False, model=model, model_dir=None, runs=str(tmp_path / "runs"), steps=steps,
-                              overrides=[])
+                              profile=0, overrides=[])
     args.model_dir = str(bp.model_dir(args))
     return args
 
