@@ -206,13 +206,18 @@ def kernel_table(kernels: dict[str, list[int]], top: int) -> str:
     return "\n".join(rows) + f"\nall device kernels: {total / 1e9:.3f} s\n\n"
 
 
+def profile_stem(out_dir: Path, step: int, rank: int) -> Path:
+    """out_dir/step_NNNNNN_rankR: save_profile's files are this with .txt and .json."""
+    return Path(out_dir) / f"step_{step:06d}_rank{rank}"
+
+
 def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device) -> Path:
     """Stop the profiler; write (.txt) the device-busy share of each phase and the top device kernels
     (profile_phases), then the top-40 operator table below them, then the trace (.json): the last two
     take minutes for a long step's ~10^6 events, so a run cut off meanwhile still leaves the first two."""
     prof.stop()
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"step_{step:06d}_rank{rank}"
+    stem = profile_stem(out_dir, step, rank)
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     phases = profile_phases(prof)
     stem.with_suffix(".txt").write_text(phases)  # first what is quick to get, then the slow parts

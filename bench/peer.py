@@ -352,7 +352,6 @@ def run_trl(args) -> None:
     opt_steps = targs.steps_per_generation // targs.gradient_accumulation_steps
     phases = defaultdict(float)  # seconds (and gen tokens) of the rollout step in progress
     profile = TrainProfile(run_dir / "profile.txt", torch.device("cuda" if cuda else "cpu"))
-    rollout_step = [0]  # the rollout step in progress
 
     class StepClock(TrainerCallback):
         def on_train_begin(self, args_, state, control, optimizer=None, **kw):
@@ -365,7 +364,6 @@ def run_trl(args) -> None:
             if state.global_step % opt_steps:
                 return
             profile.finish()  # a profiled step's own time leaves the medians (summarize)
-            rollout_step[0] = state.global_step // opt_steps
             if cuda:
                 torch.cuda.synchronize()
             now = time.perf_counter()
@@ -399,7 +397,8 @@ def run_trl(args) -> None:
             phases[key] += time.perf_counter() - t0
             if count_tokens:
                 phases["tokens"] += int(out["completion_mask"].sum())
-                if rollout_step[0] == args.profile > 0:  # the scored batch goes to training next
+                # scored at its rollout step's start (global_step: optimizer steps), it goes to training next
+                if trainer.state.global_step // opt_steps == args.profile > 0:
                     profile.start()
             return out
         return wrapper
@@ -509,7 +508,9 @@ def run_system(system: str, args, out: Path, samples: int) -> tuple[dict, float,
     finally:  # an interrupt: no child outlives the parent
         kill_group(proc, grace=2.0)
     records = normalized(system, read_records(run_dir / "metrics.jsonl"), samples)
-    profile = run_dir / ("profile.txt" if is_trl(system) else f"profile/step_{args.profile:06d}_rank0.txt")
+    from observe import profile_stem  # ours: the trainer's own log.profile_step text (observe.save_profile)
+    profile = run_dir / "profile.txt" if is_trl(system) else \
+        profile_stem(run_dir / "profile", args.profile, rank=0).with_suffix(".txt")
     if args.profile and profile.is_file():
         shutil.copy(profile, out / f"peer_{system}_profile.txt")
     return {"records": records, "run_dir": run_dir, "log": log}, time.time() - t0, rc
