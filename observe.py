@@ -176,7 +176,8 @@ def profile_phases(prof, top: int = 30, top_phase: int = 15) -> str:
     rows = [f"{'phase':<12} {'wall_s':>8} {'device_busy_s':>14} {'busy':>6}"]
     for name, (wall, busy) in phase_busy(spans, [(s, e) for s, e, _ in device]).items():
         rows.append(f"{name:<12} {wall:8.3f} {busy:14.3f} {busy / max(wall, 1e-12):6.1%}")
-    per_phase = "".join(f"phase {name}:\n" + kernel_table(by_phase[name], top_phase) for name in PHASES if name in by_phase)
+    per_phase = "".join(f"phase {name}:\n" + kernel_table(by_phase[name], top_phase)
+                        for name in PHASES if name in by_phase)
     return ("\n".join(rows) + "\n\n" if spans else "") + kernel_table(kernels, top) + per_phase
 
 

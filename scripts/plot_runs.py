@@ -309,7 +309,8 @@ def main(argv=None):
     p.add_argument("--prefix", default="convergence")
     p.add_argument("--table", help="markdown table path (default <out>/<prefix>_table.md)")
     p.add_argument("--smooth", type=int, default=5, help="trailing mean over this many steps for per-step metrics")
-    p.add_argument("--tail", type=int, default=40, help="the pairwise table's reward/mean: over each run's last N steps")
+    p.add_argument("--tail", type=int, default=40,
+                   help="the pairwise table's reward/mean: over each run's last N steps")
     args = p.parse_args(argv)
     runs = load_runs(find_files(args.paths))
     out = Path(args.out) if args.out else default_out(args.paths)
