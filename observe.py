@@ -16,6 +16,7 @@ import bisect
 import functools
 import gc
 import json
+import re
 import time
 from pathlib import Path
 
@@ -159,41 +160,88 @@ def phase_busy(spans: dict[str, list[tuple[int, int]]], device_intervals: list[t
     return out
 
 
+KERNEL_KINDS = (  # (kind, pattern on the kernel's name), the first match wins; the rest is "elementwise"
+    ("attention", r"flash|fmha|attention|attn"),  # before gemm: flash kernels' templates name cutlass
+    ("gemm", r"gemm|nvjet|xmma|cublas|cutlass|gemv|wgmma|triton_tem"),
+    ("quant", r"quant|amax|e4m3|fp8"),
+    ("norm", r"rsqrt|norm"),
+    ("softmax", r"softmax|logsumexp"),
+    ("copy", r"copy|memcpy|memset|fill|cat"),
+    ("comm", r"nccl"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """KERNEL_KINDS' kind of a device kernel's name ("elementwise" where none matches)."""
+    low = name.lower()
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, low)), "elementwise")
+
+
 def profile_phases(prof, top: int = 30, top_phase: int = 15) -> str:
     """phase_busy of a stopped torch.profiler profile, as a table (empty without phase spans), then the
-    `top` device kernels by summed time, then each phase's `top_phase` (a kernel counts in the phase whose
-    host span holds its start: one queued at a phase's end may run in the next): read straight from the
-    trace's events, in seconds where key_averages takes minutes for a long step."""
+    `top` device kernels by summed time, then for each phase its kernels' time by kind (kernel_kind; kind
+    "optimizer": launched inside an optimizer's step) and its `top_phase` kernels. A kernel belongs where
+    the operator that launched it started on the host (the trace's link from kernel to operator), or where
+    it started itself if the trace links it to none. Read straight from the trace's events, in seconds
+    where key_averages takes minutes for a long step."""
     spans: dict[str, list[tuple[int, int]]] = {}
+    ops: dict[int, int] = {}  # host operator's correlation id -> its start
     device = []
     for ev in prof.profiler.kineto_results.events():
         if ev.device_type() == torch.autograd.DeviceType.CPU:
-            if ev.name() in PHASES:
-                spans.setdefault(ev.name(), []).append((ev.start_ns(), ev.end_ns()))
+            if ev.name() in PHASES or ev.name().startswith(OPTIMIZER_SPAN):
+                spans.setdefault(ev.name().split("#")[0], []).append((ev.start_ns(), ev.end_ns()))
+            if ev.linked_correlation_id() == 0:
+                ops[ev.correlation_id()] = ev.start_ns()
         elif not ev.is_user_annotation() and ev.name() not in PHASES:  # kernels, memcpy, memset
-            device.append((ev.start_ns(), ev.end_ns(), ev.name()))
-    kernels, by_phase = kernels_by_phase(spans, device)
+            device.append((ev.linked_correlation_id(), ev.start_ns(), ev.end_ns(), ev.name()))
+    linked = sum(op > 0 and op in ops for op, *_ in device)
+    device = [(ops.get(op, start) if op > 0 else start, start, end, name) for op, start, end, name in device]
+    kernels, by_phase, kinds = kernels_by_phase(spans, device)
     rows = [f"{'phase':<12} {'wall_s':>8} {'device_busy_s':>14} {'busy':>6}"]
-    for name, (wall, busy) in phase_busy(spans, [(s, e) for s, e, _ in device]).items():
+    for name, (wall, busy) in phase_busy({k: v for k, v in spans.items() if k in PHASES},
+                                          [(s, e) for _, s, e, _ in device]).items():
         rows.append(f"{name:<12} {wall:8.3f} {busy:14.3f} {busy / max(wall, 1e-12):6.1%}")
-    per_phase = "".join(f"phase {name}:\n" + kernel_table(by_phase[name], top_phase)
+    if device:
+        rows.append(f"kernels placed by their launching operator: {linked} of {len(device)}")
+    per_phase = "".join(f"phase {name}:\n" + kind_table(kinds[name]) + kernel_table(by_phase[name], top_phase)
                         for name in PHASES if name in by_phase)
     return ("\n".join(rows) + "\n\n" if spans else "") + kernel_table(kernels, top) + per_phase
 
 
-def kernels_by_phase(spans: dict[str, list[tuple[int, int]]], device: list[tuple[int, int, str]]) -> tuple[dict, dict]:
-    """Device events [(start ns, end ns, kernel name)] -> ({name: [summed ns, calls]}, {phase: the same for the
-    kernels that start inside one of the phase's spans})."""
-    ranges = sorted((s, e, name) for name, rs in spans.items() for s, e in rs)
-    starts = [s for s, _, _ in ranges]
+OPTIMIZER_SPAN = "Optimizer.step"  # torch.optim's record_function around every step: "Optimizer.step#AdamW.step"
+
+
+def kernels_by_phase(spans: dict[str, list[tuple[int, int]]], device: list[tuple[int, int, int, str]]
+                     ) -> tuple[dict, dict, dict]:
+    """Device events [(host ns it belongs at, start ns, end ns, kernel name)] -> ({name: [summed ns, calls]},
+    {phase: the same for the kernels placed inside one of the phase's spans}, {phase: {kind: summed ns}}:
+    kernel_kind, or "optimizer" for a kernel placed inside an OPTIMIZER_SPAN as well)."""
+    optimizer = sorted(spans.get(OPTIMIZER_SPAN, []))
+    ranges = sorted((s, e, name) for name, rs in spans.items() if name != OPTIMIZER_SPAN for s, e in rs)
+    starts, opt_starts = [s for s, _, _ in ranges], [s for s, _ in optimizer]
     kernels: dict[str, list[int]] = {}
     by_phase: dict[str, dict[str, list[int]]] = {}
-    for s, e, name in device:
-        i = bisect.bisect_right(starts, s) - 1
-        for table in [kernels] + ([by_phase.setdefault(ranges[i][2], {})] if i >= 0 and s < ranges[i][1] else []):
+    kinds: dict[str, dict[str, int]] = {}
+    for at, s, e, name in device:
+        i = bisect.bisect_right(starts, at) - 1
+        phase = ranges[i][2] if i >= 0 and at < ranges[i][1] else None
+        for table in [kernels] + ([by_phase.setdefault(phase, {})] if phase else []):
             k = table.setdefault(name, [0, 0])
             k[0], k[1] = k[0] + e - s, k[1] + 1
-    return kernels, by_phase
+        if phase:
+            j = bisect.bisect_right(opt_starts, at) - 1
+            kind = "optimizer" if j >= 0 and at < optimizer[j][1] else kernel_kind(name)
+            table = kinds.setdefault(phase, {})
+            table[kind] = table.get(kind, 0) + e - s
+    return kernels, by_phase, kinds
+
+
+def kind_table(kinds: dict[str, int]) -> str:
+    """{kind: summed ns} as one line per kind, by time, with each one's share."""
+    total = sum(kinds.values()) or 1
+    return "".join(f"  {kind:<12} {ns / 1e6:10.1f} ms {ns / total:6.1%}\n"
+                   for kind, ns in sorted(kinds.items(), key=lambda kv: -kv[1])) + "\n"
 
 
 def kernel_table(kernels: dict[str, list[int]], top: int) -> str:

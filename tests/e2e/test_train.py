@@ -203,14 +203,36 @@ def test_phase_busy_is_the_device_time_inside_each_phase():
     assert phase_busy({"refit": [(0, 10)]}, []) == {"refit": (10e-9, 0.0)}
 
 
-def test_kernels_count_in_the_phase_whose_span_holds_their_start():
-    from observe import kernels_by_phase
+def test_kernels_count_in_the_phase_whose_span_holds_their_launch():
+    from observe import OPTIMIZER_SPAN, kernels_by_phase
 
-    spans = {"logprobs": [(0, 100)], "train": [(200, 300), (400, 500)]}
-    device = [(10, 30, "a"), (90, 210, "a"), (250, 270, "b"), (350, 360, "c"), (450, 600, "b")]  # ns
-    kernels, by_phase = kernels_by_phase(spans, device)
-    assert kernels == {"a": [140, 2], "b": [170, 2], "c": [10, 1]}  # every kernel, in a phase or not
-    assert by_phase == {"logprobs": {"a": [140, 2]}, "train": {"b": [170, 2]}}  # "c" starts between spans
+    spans = {"logprobs": [(0, 100)], "train": [(200, 300), (400, 500)], OPTIMIZER_SPAN: [(460, 480)]}
+    device = [(10, 10, 30, "gemm_a"), (90, 90, 210, "gemm_a"), (250, 250, 270, "b"), (350, 350, 360, "c"),
+              (450, 450, 600, "b"), (290, 310, 330, "rsqrt_d"), (470, 610, 640, "b")]  # (launch, start, end) ns
+    kernels, by_phase, kinds = kernels_by_phase(spans, device)
+    assert kernels == {"gemm_a": [140, 2], "b": [200, 3], "c": [10, 1], "rsqrt_d": [20, 1]}  # every kernel
+    # "c" is launched between spans; "rsqrt_d", launched in train, runs after its span: it counts in train
+    assert by_phase == {"logprobs": {"gemm_a": [140, 2]}, "train": {"b": [200, 3], "rsqrt_d": [20, 1]}}
+    assert kinds == {"logprobs": {"gemm": 140}, "train": {"elementwise": 170, "norm": 20, "optimizer": 30}}
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", "gemm"),
+    ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::", "attention"),
+    ("_quant_dual_kernel", "quant"),
+    ("triton_red_fused__to_copy_abs_amax_scalar_tensor_unsqueeze_where_4", "quant"),
+    ("triton_fp8_blockwise_act_quant_lhs_kernel", "quant"),
+    ("triton_red_fused_add_mean_mul_pow_rsqrt_t_view_3", "norm"),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float>", "softmax"),
+    ("triton_poi_fused__to_copy_split_with_sizes_1", "copy"),
+    ("Memset (Device)", "copy"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
+])
+def test_kernel_kind_sorts_hopper_kernel_names(name, kind):
+    from observe import kernel_kind
+
+    assert kernel_kind(name) == kind
 
 
 def test_kernel_table_ranks_kernels_by_summed_time():
