@@ -160,9 +160,10 @@ def phase_busy(spans: dict[str, list[tuple[int, int]]], device_intervals: list[t
     return out
 
 
-KERNEL_KINDS = (  # (kind, pattern on the kernel's name), the first match wins; the rest is "elementwise"
+KERNEL_KINDS = (  # a trainer's kernels: (kind, pattern on the name), the first match wins; the rest "elementwise"
+    ("optimizer", r"adam|multi_tensor_apply"),  # a compiled optimizer's kernels: by its span (profile_phases)
     ("attention", r"flash|fmha|attention|attn"),  # before gemm: flash kernels' templates name cutlass
-    ("gemm", r"gemm|nvjet|xmma|cublas|cutlass|gemv|wgmma|triton_tem"),
+    ("gemm", r"gemm|nvjet|xmma|cublas|cutlass|gemv|wgmma|triton_tem|scaled_mm|splitk"),
     ("quant", r"quant|amax|e4m3|fp8"),
     ("norm", r"rsqrt|norm"),
     ("softmax", r"softmax|logsumexp"),
@@ -171,10 +172,9 @@ KERNEL_KINDS = (  # (kind, pattern on the kernel's name), the first match wins; 
 )
 
 
-def kernel_kind(name: str) -> str:
-    """KERNEL_KINDS' kind of a device kernel's name ("elementwise" where none matches)."""
-    low = name.lower()
-    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, low)), "elementwise")
+def kernel_kind(name: str, table=KERNEL_KINDS, default: str = "elementwise") -> str:
+    """The first kind of table ((kind, regex), ...) whose pattern occurs in a device kernel's name (any case)."""
+    return next((kind for kind, pattern in table if re.search(pattern, name, re.I)), default)
 
 
 def profile_phases(prof, top: int = 30, top_phase: int = 15) -> str:

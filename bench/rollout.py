@@ -55,7 +55,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.runner import (RESULTS, Job, add_ratio, cuda_busy_ms, cuda_kernels, emit, kernel_category,
+from bench.runner import (RESULTS, Job, add_ratio, cuda_busy_ms, cuda_kernels, emit,
                           markdown_table, merge_files, parse_choices, read_records, read_results, run_jobs, say,
                           update_results, visible_gpus)
 
@@ -517,16 +517,21 @@ def add_engine_kwargs(texts: list[str]) -> None:
 def kernel_table(prof, steps: int, top: int = 30) -> tuple[dict, str]:
     """({kind: ms per decode step}, text): device time of a profiled decode run by kernel kind, then
     the top kernels, each per decode step."""
+    from observe import kernel_kind
+
+    def kind_of(name):
+        return kernel_kind(name, KERNEL_KINDS, "other")
+
     kernels = sorted(cuda_kernels(prof), key=lambda k: -k[1])
     kinds: dict[str, float] = {}
     for name, ms, _ in kernels:
-        kind = kernel_category(name, KERNEL_KINDS)
+        kind = kind_of(name)
         kinds[kind] = kinds.get(kind, 0.0) + ms / steps
     total = sum(kinds.values()) or 1.0  # (no kernel seen: an empty table)
     lines = [f"{'kind':<12} {'ms/step':>9} {'share':>7}"]
     lines += [f"{k:<12} {v:9.3f} {v / total:7.1%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])]
     lines += ["", f"{'ms/step':>9} {'calls/step':>10} {'kind':<10} kernel"]
-    lines += [f"{ms / steps:9.3f} {calls / steps:10.1f} {kernel_category(name, KERNEL_KINDS):<10} {name[:150]}"
+    lines += [f"{ms / steps:9.3f} {calls / steps:10.1f} {kind_of(name):<10} {name[:150]}"
               for name, ms, calls in kernels[:top]]
     return {k: round(v, 3) for k, v in kinds.items()}, "\n".join(lines) + "\n"
 

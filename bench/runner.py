@@ -36,7 +36,6 @@ name their rows by those keys; the document around them is the same.
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -96,11 +95,6 @@ def cuda_busy_ms(prof) -> float:
         if stop > end:
             busy, end = busy + stop - max(start, end), stop
     return busy / 1e3
-
-
-def kernel_category(name: str, table, default: str = "other") -> str:
-    """The first category of table ((category, regex), ...) whose pattern occurs in name (any case)."""
-    return next((cat for cat, pattern in table if re.search(pattern, name, re.I)), default)
 
 
 # ----------------------------------------------------------------------------------- modes and ratios

@@ -50,7 +50,7 @@ import torch
 from fp8.torchao import keep_triton_autotuning
 
 keep_triton_autotuning()  # before torchao's @triton.autotune kernels are defined
-from bench.runner import (RESULTS, add_ratio, cuda_kernels, cuda_time_ms, kernel_category,  # noqa: E402
+from bench.runner import (RESULTS, add_ratio, cuda_kernels, cuda_time_ms,  # noqa: E402
                           markdown_table, parse_choices, run_inline, update_results, write_json)
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (4096, 1024),
@@ -67,14 +67,6 @@ STACK_MODES = {  # mode -> FP8Config overrides; '<mode>_compile' compiles the la
 STACK_MODES |= {f"{m}_compile": v for m, v in STACK_MODES.items()}
 COMPILED = "_compile"
 DEFAULT_STACK_MODES = ["bf16", "fp8", "fp8_unfused", "bf16_compile", "fp8_compile"]
-# Kernel name -> category for --profile (first match wins; checked against lower-cased names).
-KERNEL_CATEGORIES = (
-    ("fp8 quantize", r"fp8_blockwise|quant"),
-    ("attention", r"flash|fmha|attention|attn"),
-    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|scaled_mm|sm90_|splitk"),
-    ("optimizer", r"adam|multi_tensor"),
-    ("copy/cat", r"copy|cat|memcpy|memset|fill"),
-)
 LLAMA31_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                   head_dim=128, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072)
 
@@ -220,8 +212,7 @@ def stack_flops(hf_cfg, tokens: int, seq_len: int) -> float:
 
 def summarize_kernels(kernels: list[tuple], iters: int, top: int = 40) -> dict:
     """[(kernel name, total ms, ...)] over `iters` iterations -> ms/iter per category and the top kernels."""
-    def category(name):
-        return kernel_category(name, KERNEL_CATEGORIES, "elementwise/norm/other")
+    from observe import kernel_kind as category
 
     total = sum(k[1] for k in kernels) or 1.0
     cats: dict[str, float] = {}
