@@ -294,6 +294,9 @@ class LogConfig:
     profile_rollout: bool = True
     """false: profile_step's profile starts after the rollout (the trainer's logprobs, train,
     recalibrate and refit only): a long-generation rollout is ~1e6 kernels, a trace too big to read."""
+    profile_trace: bool = True
+    """false: profile_step writes the .txt's phase and kernel tables only (seconds), without the operator
+    table and the .json trace, which take minutes at a long step's ~1e6 events."""
 
 
 @dataclass

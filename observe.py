@@ -260,16 +260,18 @@ def profile_stem(out_dir: Path, step: int, rank: int) -> Path:
     return Path(out_dir) / f"step_{step:06d}_rank{rank}"
 
 
-def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device) -> Path:
+def save_profile(prof, out_dir: Path, step: int, rank: int, device: torch.device, trace: bool = True) -> Path:
     """Stop the profiler; write (.txt) the device-busy share of each phase and the top device kernels
-    (profile_phases), then the top-40 operator table below them, then the trace (.json): the last two
-    take minutes for a long step's ~10^6 events, so a run cut off meanwhile still leaves the first two."""
+    (profile_phases), then with `trace` the top-40 operator table below them and the trace (.json): the
+    last two take minutes for a long step's ~10^6 events, so a run cut off meanwhile still leaves the first."""
     prof.stop()
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = profile_stem(out_dir, step, rank)
     sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     phases = profile_phases(prof)
     stem.with_suffix(".txt").write_text(phases)  # first what is quick to get, then the slow parts
+    if not trace:
+        return stem.with_suffix(".txt")
     stem.with_suffix(".txt").write_text(phases + prof.key_averages().table(sort_by=sort, row_limit=40))
     prof.export_chrome_trace(f"{stem}.json")
     return stem.with_suffix(".txt")
@@ -332,7 +334,7 @@ class StepProfile:
     (log.profile_rollout=false: the trainer's phases only); finish() writes it."""
 
     def __init__(self, step: int, cfg, device: torch.device):
-        self.on, self.step, self.device = step == cfg.profile_step, step, device
+        self.on, self.step, self.device, self.trace = step == cfg.profile_step, step, device, cfg.profile_trace
         self.prof = start_profile(device) if self.on and cfg.profile_rollout else None
 
     def after_rollout(self) -> None:
@@ -341,7 +343,7 @@ class StepProfile:
 
     def finish(self, run_dir: Path, rank: int, logger: RunLogger) -> None:
         if self.prof is not None:
-            logger.print(f"profile: {save_profile(self.prof, run_dir / 'profile', self.step, rank, self.device)}")
+            logger.print(f"profile: {save_profile(self.prof, run_dir / 'profile', self.step, rank, self.device, self.trace)}")
 
 
 # ----------------------------------------------------------------------------- batches and episodes

@@ -161,7 +161,7 @@ def workload_overrides(args, system: str) -> list[str]:
     if args.tiny:  # our HF engine has no ignore_eos: the tiny model never samples EOS instead (prepare)
         over += ["rollout.engine=hf", "train.device=cpu", "data.synthetic.num_train=64", "data.synthetic.num_val=8"]
     if args.profile:  # ours' profiler (observe.StepProfile) after the rollout: logprobs, train, refit
-        over += [f"log.profile_step={args.profile}", "log.profile_rollout=false"]
+        over += [f"log.profile_step={args.profile}", "log.profile_rollout=false", "log.profile_trace=false"]
     return over + list(spec(system).overrides) + args.overrides
 
 

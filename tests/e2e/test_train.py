@@ -166,6 +166,16 @@ def test_old_logp_from_the_rollout_steers_the_adaptive_entropy_bonus(tmp_path):
     assert resumed[2]["policy/entropy"] == new[2]["policy/entropy"]
 
 
+def test_profile_trace_false_writes_the_phase_tables_only(tmp_path):
+    p = run(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "train.run_name=prof", f"train.out_dir={tmp_path}",
+             "train.steps=2", "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0",
+             "rollout.prompts_per_step=4", "log.profile_step=1", "log.profile_trace=false"], cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert sorted(f.name for f in (tmp_path / "prof" / "profile").iterdir()) == ["step_000001_rank0.txt"]
+    table = (tmp_path / "prof" / "profile" / "step_000001_rank0.txt").read_text()
+    assert table.startswith("phase ") and "rollout " in table and "Self CPU" not in table
+
+
 @pytest.mark.parametrize("rollout", [True, False])
 def test_profile_step_writes_a_trace_and_an_operator_table(tmp_path, rollout):
     p = run(["--config", str(ROOT / "configs/tiny_cpu.yaml"), "train.run_name=prof", f"train.out_dir={tmp_path}",
