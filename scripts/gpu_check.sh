@@ -222,8 +222,9 @@ case "$1" in
   quant)    $PY -m bench.quant --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   peer)     mkdir -p "$BG_DIR/peer"  # the rows of earlier calls on this host stay beside the new ones
             $PY -m bench.peer --out "$BG_DIR/peer" --timeout $((WAIT_S - SECONDS)) "${@:2}" 2>&1 | tee -a "$OUT/peer.log"
+            rc=${PIPESTATUS[0]}  # bench.peer's exit status is the part's (a queue's rc file shows a refused flag)
             cp "$BG_DIR"/peer/peer_*.json "$BG_DIR"/peer/peer_*.md "$BG_DIR"/peer/peer_*_profile.txt "$OUT"/ 2>/dev/null
-            tar czf "$OUT/peer_logs.tgz" -C "$BG_DIR" peer ;;
+            tar czf "$OUT/peer_logs.tgz" -C "$BG_DIR" peer; exit "$rc" ;;
   ckpt)     $PY -m bench.checkpoint --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/checkpoint.log" ;;
   jobs) limit=${JOBS_LIMIT:-$WAIT_S}; end=$(( $(date +%s) + limit )); i=0; pids=()
          for spec in "${@:2}"; do
