@@ -165,9 +165,12 @@ KERNEL_KINDS = (  # a trainer's kernels: (kind, pattern on the name), the first 
     ("attention", r"flash|fmha|attention|attn"),  # before gemm: flash kernels' templates name cutlass
     ("gemm", r"gemm|nvjet|xmma|cublas|cutlass|gemv|wgmma|triton_tem|scaled_mm|splitk"),
     ("quant", r"quant|amax|e4m3|fp8"),
-    ("norm", r"rsqrt|norm"),
+    ("norm", r"rsqrt|norm|pow_sum"),  # inductor's RMSNorm: forward ..._mean_mul_pow_rsqrt, backward ..._mul_pow_sum
     ("softmax", r"softmax|logsumexp"),
-    ("copy", r"copy|memcpy|memset|fill|cat"),
+    # casts and layout only: eager copies, and inductor kernels whose every fused op is one (most name _to_copy)
+    ("copy", r"memcpy|memset|fill|direct_copy|copy_kernel|catarray|^triton_(poi|red|per)_fused"
+             r"(_+(to|copy|clone|cat|t|view|unsafe|split|with|sizes|permute|transpose|expand|slice|squeeze|unsqueeze"
+             r"|select|as|strided))+_\d+$"),
     ("comm", r"nccl"),
 )
 

@@ -236,6 +236,10 @@ def test_kernels_count_in_the_phase_whose_span_holds_their_launch():
     ("triton_red_fused_add_mean_mul_pow_rsqrt_t_view_3", "norm"),
     ("void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float>", "softmax"),
     ("triton_poi_fused__to_copy_split_with_sizes_1", "copy"),
+    ("triton_poi_fused__to_copy_t_6", "copy"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)", "copy"),
+    ("triton_red_fused__to_copy_add_div_expand_mul_pow_sum_view_10", "norm"),  # RMSNorm's backward, with casts
+    ("triton_poi_fused__to_copy_add_mul_silu_3", "elementwise"),  # a cast fused into real work is that work
     ("Memset (Device)", "copy"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
 ])
