@@ -950,3 +950,16 @@ def test_attention_bench_names_bad_counts_and_needs_a_gpu(tmp_path):
         pytest.skip("a GPU is here: the benchmark ran")
     assert p.returncode == 2 and "run it on a GPU host" in p.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_casts_counts_each_weight_cast_of_a_train_micro_batch(checkpointing):
+    """bench/casts.py: under bf16 autocast every weight is cast once in the forward, once more in the
+    recompute when its layer is checkpointed, and its gradient once back to fp32."""
+    from bench.casts import count
+
+    want = {"forward layers float32->bfloat16": 1.0, "forward head float32->bfloat16": 1.0,
+            "backward grad bfloat16->float32": 1.0}
+    if checkpointing:  # the head is outside the checkpointed layers: not recomputed
+        want["backward layers float32->bfloat16"] = 1.0
+    assert count(checkpointing) == want
