@@ -346,7 +346,8 @@ class StepProfile:
 
     def finish(self, run_dir: Path, rank: int, logger: RunLogger) -> None:
         if self.prof is not None:
-            logger.print(f"profile: {save_profile(self.prof, run_dir / 'profile', self.step, rank, self.device, self.trace)}")
+            path = save_profile(self.prof, run_dir / "profile", self.step, rank, self.device, self.trace)
+            logger.print(f"profile: {path}")
 
 
 # ----------------------------------------------------------------------------- batches and episodes

@@ -9,8 +9,9 @@ masked sum, backward) of a 2-layer Llama built from scratch, and sorts them: a w
 forward, the same again in the backward (checkpointing's recompute), a weight-shaped bf16 -> fp32 cast in the
 backward (the weight's gradient, back through autocast's cast); casts of activations and logits scale with
 the tokens, not the weights, and are left out. Each is given as "weight passes": the elements cast over the
-weights' elements, per weight kind (decoder layers, LM head; gradients over both), so it carries to any size; --shape turns the passes into GB a micro-batch at a real model's dims
-(bench/rollout.py's MODELS). Writes OUT/casts.json.
+weights' elements, per weight kind (decoder layers, LM head; gradients over both), so it carries to any size;
+--shape turns the passes into GB a micro-batch at a real model's dims (bench/rollout.py's MODELS). Writes
+OUT/casts.json.
 """
 
 import argparse

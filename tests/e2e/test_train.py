@@ -229,7 +229,8 @@ def test_kernels_count_in_the_phase_whose_span_holds_their_launch():
 @pytest.mark.parametrize("name, kind", [
     ("nvjet_sm90_qqtst_128x128_128x6_2x1_v_bz_coopA_algo2_Ablk128_Bvec128_TNN", "gemm"),
     ("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128", "gemm"),
-    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::", "attention"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, cutlass::",
+     "attention"),
     ("_quant_dual_kernel", "quant"),
     ("triton_red_fused__to_copy_abs_amax_scalar_tensor_unsqueeze_where_4", "quant"),
     ("triton_fp8_blockwise_act_quant_lhs_kernel", "quant"),
@@ -237,7 +238,8 @@ def test_kernels_count_in_the_phase_whose_span_holds_their_launch():
     ("void at::native::(anonymous namespace)::cunn_SoftMaxBackward<4, float, float, float>", "softmax"),
     ("triton_poi_fused__to_copy_split_with_sizes_1", "copy"),
     ("triton_poi_fused__to_copy_t_6", "copy"),
-    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)", "copy"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)",
+     "copy"),
     ("triton_red_fused__to_copy_add_div_expand_mul_pow_sum_view_10", "norm"),  # RMSNorm's backward, with casts
     ("triton_poi_fused__to_copy_add_mul_silu_3", "elementwise"),  # a cast fused into real work is that work
     ("Memset (Device)", "copy"),
