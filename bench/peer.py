@@ -24,7 +24,7 @@ Systems, one after another, each in its own process (vLLM: one engine per proces
   ours_bf16    train_grpo.py --config configs/llama31_8b_bf16.yaml + the workload overrides
   ours_fp8     train_grpo.py --config configs/llama31_8b_fp8.yaml + the workload overrides
 and a pair apart, every 2nd decoder layer checkpointed on both sides (model.gradient_checkpointing_every=2):
-  trl_ckpt2, ours_bf16_ckpt2
+  trl_ckpt2, ours_bf16_ckpt2, ours_fp8_ckpt2
 
 Workload: the model written once as a local HF dir in bf16 (--prepare; both sides load it), synthetic prompts,
 8 prompts x 32 samples per step, every sample 1,024 new tokens (vLLM ignore_eos on both sides). Everything
@@ -99,6 +99,7 @@ SYSTEMS = {
     "ours_fp8": System("llama31_8b_fp8"),
     "trl_ckpt2": System(TWIN, trl=NO_NAN_FILTER, overrides=(CKPT2,), group="ckpt2"),
     "ours_bf16_ckpt2": System("llama31_8b_bf16", overrides=(CKPT2,), group="ckpt2"),
+    "ours_fp8_ckpt2": System("llama31_8b_fp8", overrides=(CKPT2,), group="ckpt2"),
 }
 GROUPS = {"main": "",  # a group's heading in the table
           "ckpt2": "every 2nd decoder layer checkpointed, both sides (model.gradient_checkpointing_every=2)"}
