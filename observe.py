@@ -188,22 +188,24 @@ def profile_phases(prof, top: int = 30, top_phase: int = 15) -> str:
     it started itself if the trace links it to none. Read straight from the trace's events, in seconds
     where key_averages takes minutes for a long step."""
     spans: dict[str, list[tuple[int, int]]] = {}
+    optimizer: list[tuple[int, int]] = []  # the optimizer steps' spans
     ops: dict[int, int] = {}  # host operator's correlation id -> its start
     device = []
     for ev in prof.profiler.kineto_results.events():
         if ev.device_type() == torch.autograd.DeviceType.CPU:
-            if ev.name() in PHASES or ev.name().startswith(OPTIMIZER_SPAN):
-                spans.setdefault(ev.name().split("#")[0], []).append((ev.start_ns(), ev.end_ns()))
+            if ev.name() in PHASES:
+                spans.setdefault(ev.name(), []).append((ev.start_ns(), ev.end_ns()))
+            elif ev.name().startswith(OPTIMIZER_SPAN):
+                optimizer.append((ev.start_ns(), ev.end_ns()))
             if ev.linked_correlation_id() == 0:
                 ops[ev.correlation_id()] = ev.start_ns()
         elif not ev.is_user_annotation() and ev.name() not in PHASES:  # kernels, memcpy, memset
             device.append((ev.linked_correlation_id(), ev.start_ns(), ev.end_ns(), ev.name()))
     linked = sum(op > 0 and op in ops for op, *_ in device)
     device = [(ops.get(op, start) if op > 0 else start, start, end, name) for op, start, end, name in device]
-    kernels, by_phase, kinds = kernels_by_phase(spans, device)
+    kernels, by_phase, kinds = kernels_by_phase(spans, device, optimizer)
     rows = [f"{'phase':<12} {'wall_s':>8} {'device_busy_s':>14} {'busy':>6}"]
-    for name, (wall, busy) in phase_busy({k: v for k, v in spans.items() if k in PHASES},
-                                          [(s, e) for _, s, e, _ in device]).items():
+    for name, (wall, busy) in phase_busy(spans, [(s, e) for _, s, e, _ in device]).items():
         rows.append(f"{name:<12} {wall:8.3f} {busy:14.3f} {busy / max(wall, 1e-12):6.1%}")
     if device:
         rows.append(f"kernels placed by their launching operator: {linked} of {len(device)}")
@@ -215,13 +217,13 @@ def profile_phases(prof, top: int = 30, top_phase: int = 15) -> str:
 OPTIMIZER_SPAN = "Optimizer.step"  # torch.optim's record_function around every step: "Optimizer.step#AdamW.step"
 
 
-def kernels_by_phase(spans: dict[str, list[tuple[int, int]]], device: list[tuple[int, int, int, str]]
-                     ) -> tuple[dict, dict, dict]:
+def kernels_by_phase(spans: dict[str, list[tuple[int, int]]], device: list[tuple[int, int, int, str]],
+                     optimizer: list[tuple[int, int]] = ()) -> tuple[dict, dict, dict]:
     """Device events [(host ns it belongs at, start ns, end ns, kernel name)] -> ({name: [summed ns, calls]},
     {phase: the same for the kernels placed inside one of the phase's spans}, {phase: {kind: summed ns}}:
-    kernel_kind, or "optimizer" for a kernel placed inside an OPTIMIZER_SPAN as well)."""
-    optimizer = sorted(spans.get(OPTIMIZER_SPAN, []))
-    ranges = sorted((s, e, name) for name, rs in spans.items() if name != OPTIMIZER_SPAN for s, e in rs)
+    kernel_kind, or "optimizer" for a kernel placed inside one of the `optimizer` spans (OPTIMIZER_SPAN))."""
+    optimizer = sorted(optimizer)
+    ranges = sorted((s, e, name) for name, rs in spans.items() for s, e in rs)
     starts, opt_starts = [s for s, _, _ in ranges], [s for s, _ in optimizer]
     kernels: dict[str, list[int]] = {}
     by_phase: dict[str, dict[str, list[int]]] = {}

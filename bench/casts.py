@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.checkpoint import param_counts
 from bench.rollout import ALIASES, MODELS
 from bench.runner import RESULTS
 
@@ -83,9 +84,9 @@ def main():
     args = p.parse_args()
     passes = count(not args.no_checkpointing)
     m = MODELS[ALIASES.get(args.shape, args.shape)]
-    h, i, L, v = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"], m["vocab_size"]
-    kv = m["num_key_value_heads"] * m.get("head_dim", h // m["num_attention_heads"])
-    numel = {"layers": L * (2 * h * h + 2 * h * kv + 3 * h * i), "head": v * h}
+    h = m["hidden_size"]
+    layer, _ = param_counts(m)  # a decoder layer's parameters, its two RMSNorm weights (not cast) among them
+    numel = {"layers": m["num_hidden_layers"] * (layer - 2 * h), "head": m["vocab_size"] * h}
     gb = {}
     for key, n in passes.items():
         what, cast = key.split()[1], key.split()[2]
