@@ -42,8 +42,8 @@
 #   bash scripts/gpu_check.sh tiny     configs/tiny_gpu.yaml end to end
 #   bash scripts/gpu_check.sh learn [ARGS]  scripts/learn_gate.py: the learning gate, its SFT warm start then
 #                                      quickstart_gpu x 4 seeds x {FP8 recipe, BF16}, concurrent on the one GPU,
-#                                      < 10 min; PASS/FAIL (exit code),
-#                                      $OUT/learn_gate.{json,md}, per-run metrics + logs (and all in learn_runs.tgz);
+#                                      < 10 min; PASS/FAIL (exit code), $OUT/learn_gate.{json,md,log},
+#                                      learn_sft_metrics.json, per-run metrics + logs in $OUT/learn_runs.tgz;
 #                                      --async (2 GPUs): + 4 seeds of the FP8 recipe with rollout.mode=async
 #   bash scripts/gpu_check.sh rollout  [ARGS]  bench/rollout.py: 8B-shape VLLMEngine throughput -> $OUT/rollout.json
 #                                      (default Llama-3.1-8B, bf16/fp8kv/fp8; e.g. --models qwen3; stops at DEADLINE_S)
@@ -206,8 +206,10 @@ case "$1" in
   resume) $PY -m scripts.resume_check --out "$OUT" --runs /tmp/resume_runs_$$ "${@:2}" 2>&1 | tee "$OUT/resume.log"
          rc=${PIPESTATUS[0]}; rm -rf /tmp/resume_runs_$$; exit $rc ;;
   decode) $PY -m bench.decode_attention --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/decode_attention.log" ;;
-  learn) $PY -m scripts.learn_gate --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
-         exit "${PIPESTATUS[0]}" ;;
+  learn) $PY -m scripts.learn_gate --out "$OUT/learn_gate" "${@:2}" 2>&1 | tee "$OUT/learn_gate.log"
+         rc=${PIPESTATUS[0]}  # the per-run files are in learn_runs.tgz: loose, they pass the host's 8-file limit
+         cp "$OUT"/learn_gate/learn_gate.{md,json} "$OUT"/learn_gate/learn_runs.tgz "$OUT"/ 2>/dev/null
+         cp "$OUT"/learn_gate/learn_sft_metrics.json "$OUT"/ 2>/dev/null; rm -rf "$OUT/learn_gate"; exit $rc ;;
   rollout)  $PY -m bench.rollout --out "$OUT" --time-limit $DEADLINE_S "${@:2}" 2>&1 | tee "$OUT/bench_rollout.log" ;;
   capacity) $PY -m bench.rollout --capacity-only --out "$OUT" --time-limit $DEADLINE_S "${@:2}" 2>&1 \
               | tee "$OUT/bench_capacity.log" ;;

@@ -743,6 +743,22 @@ def test_gpu_check_seeds_and_packs_flashinfer_modules(tmp_path):
     assert "not used" in run("home2", "out3", FLASHINFER_SEED=str(tmp_path / "other.tgz"))
 
 
+def test_gpu_check_learn_returns_few_files(tmp_path):
+    """`gpu_check.sh learn`: the device returns at most 8 files of OUT, so the gate's per-run metrics and logs
+    come back inside learn_runs.tgz, not loose beside it (the machinery on CPU: one tiny seed, a FAIL)."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PY": sys.executable, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    r = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "learn", "--cpu", "--seeds", "0", "--steps", "1",
+                        "--work", str(tmp_path / "work")], capture_output=True, text=True, env=env, cwd=REPO,
+                       timeout=600)
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]  # tiny_cpu after one step: FAIL
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8 and {"learn_gate.json", "learn_gate.md", "learn_gate.log", "learn_runs.tgz"} <= set(files), files
+    assert not [f for f in files if f.endswith(("_metrics.jsonl", "_s0.log"))], files
+    with tarfile.open(out / "learn_runs.tgz") as t:
+        assert {"learn_gate.json", "fp8_s0_metrics.jsonl", "bf16_s0.log"} <= set(t.getnames())
+
+
 def test_gpu_check_bg_and_collect(tmp_path):
     """`gpu_check.sh bg NAME PART`: the part detached, its files in BG_DIR/NAME; `collect NAME` waits for it,
     packs them into OUT/NAME.tgz with its rc and removes the folder; an unknown NAME is a usage error."""
