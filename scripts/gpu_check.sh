@@ -65,6 +65,8 @@
 #                                      work (Python, hashing, torch dispatch, CUDA launches) -> $OUT/host_speed.json
 #   bash scripts/gpu_check.sh gemm [ARGS]  bench/gemm.py: the trainer's three FP8 GEMMs per projection, cuBLAS vs
 #                                      DeepGEMM's dense GEMM vs BF16 -> $OUT/gemm.json
+#   bash scripts/gpu_check.sh head [ARGS]  bench/head.py: the train pass's LM head + log-softmax, unfused (the configs'),
+#                                      fused (train.fused_head) and compiled whole, ms and memory -> $OUT/head.json
 #   bash scripts/gpu_check.sh attention [ARGS]  bench/attention.py: the trainer's SDPA at a shipped step's micro-batch
 #                                      lengths, FlashAttention-2 vs cuDNN, cached and first call -> $OUT/attention.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
@@ -217,6 +219,7 @@ case "$1" in
   step)     $PY -m bench.step --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/bench_step.log" ;;
   host)     $PY -m bench.host_speed | tee "$OUT/host_speed.json" ;;
   gemm)     $PY -m bench.gemm --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_gemm.log" ;;
+  head)     $PY -m bench.head --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_head.log" ;;
   attention) $PY -m bench.attention --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/bench_attention.log" ;;
   pass|phase) launch=(-m "bench.trainer_$1"); [ "${RANKS:-1}" -gt 1 ] \
               && launch=(-m torch.distributed.run --standalone --nproc_per_node "$RANKS" -m "bench.trainer_$1")
@@ -285,5 +288,5 @@ case "$1" in
          tar --exclude=triton_autotune.tgz -czf "$OUT/$2.tgz" -C "$BG_DIR" "$2"
          if [ -f "$dir/rc" ]; then echo "$2: finished, rc=$(cat "$dir/rc")"; rm -rf "$dir"
          else echo "$2: still running at COLLECT_LIMIT; its files so far in $OUT/$2.tgz; collect it again"; fi ;;
-  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|queue|collect|rollout|capacity|stack|step|gemm|pass|phase|attention|quant|peer|host|ckpt" >&2; exit 2 ;;
+  *) echo "usage: gpu_check.sh fp8|vllm|tests|align|flagship|shipped|moe|moe_bench|kvmismatch|reallearn|resume|decode|learn|tiny|jobs|bg|queue|collect|rollout|capacity|stack|step|gemm|head|pass|phase|attention|quant|peer|host|ckpt" >&2; exit 2 ;;
 esac

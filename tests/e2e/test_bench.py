@@ -979,3 +979,18 @@ def test_casts_counts_each_weight_cast_of_a_train_micro_batch(checkpointing):
     if checkpointing:  # the head is outside the checkpointed layers: not recomputed
         want["backward layers float32->bfloat16"] = 1.0
     assert count(checkpointing) == want
+
+
+def test_head_variants_agree_with_the_trainers_head(tmp_path):
+    """bench/head.py: the fused head and the compiled one (Inductor on the CPU here) give the unfused head's
+    log p, entropy and gradients (h and the head weight) up to fp32 rounding; head.json has each variant."""
+    from bench.head import VARIANTS, main
+
+    runs = main(["--hidden", "64", "--vocab", "512", "--rows", "2", "--length", "33", "--iters", "2",
+                 "--out", str(tmp_path)])
+    assert [r["variant"] for r in runs] == list(VARIANTS)
+    for r in runs:
+        assert all(r[f"max_diff_{k}"] < 1e-4 for k in ("logp", "entropy", "grad_h", "grad_w")), r
+        assert r["ms"] > 0
+    assert runs[0]["max_diff_grad_w"] == 0  # unfused is the reference
+    assert [r["variant"] for r in json.loads((tmp_path / "head.json").read_text())["runs"]] == list(VARIANTS)
