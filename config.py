@@ -224,8 +224,8 @@ class TrainConfig:
     trainer's, which uses the step's own; on a run's first step, with no measurement yet, the adaptive
     bonus is off). It saves the logprobs pass but learns slower where the mismatch is large: the PPO clip
     then acts on the mismatch (8% of the tokens clipped with FP8 KV on a real model, sampled reward 0.32
-    against 0.36 at the end; docs/results.md#the-bypass-against-the-trainers-old_logp-the-gate-and-a-real-model-2026-12-06-h100-80gb-hbm3),
-    so it is not the default."""
+    against 0.36 at the end: docs/results.md, "The bypass against the trainer's old_logp"), so it is not
+    the default."""
     fused_head: bool = False
     """The policy forward's LM head and log-softmax fused (batch._HeadLogprobs): no [tokens, vocab]
     tensor is kept for backward (7 bytes per token and vocabulary entry: ~14 GiB at 4 x 4128 tokens and
