@@ -5,7 +5,8 @@
 
 What the train pass does after the last decoder layer, alone: hidden states h [rows, length, d] (bf16, with
 grad) through the LM head (fp32 master weight under bf16 autocast, as the trainer runs on CUDA), the
-chosen tokens' log p and the entropy (the entropy bonus's, with grad), then a loss over both and backward.
+chosen tokens' log p (with --entropy also the entropy, with grad, as under an entropy bonus: the quickstart's;
+the 8B configs and the peer workload have none), then a loss over them and backward.
 The first two variants are batch.token_logprobs itself, through a model that is only the head:
 
   unfused   [rows, length, V] bf16 logits, then per row an fp32 log-softmax and its gather (train.fused_head
@@ -46,34 +47,38 @@ class HeadOnly(torch.nn.Module):
         return SimpleNamespace(logits=self.lm_head(self.h))
 
 
-def _logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """log p(target) and the entropy [B, L-1] (fp32) of logits [B, L, V] (position t predicts t + 1)."""
+def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
+    """[log p(target)], and with entropy its distribution's entropy, each [B, L-1] (fp32), of logits [B, L, V]
+    (position t predicts t + 1)."""
     lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return lp.gather(-1, targets[..., None])[..., 0], -(lp.exp() * lp).sum(-1)
+    return [lp.gather(-1, targets[..., None])[..., 0], *([-(lp.exp() * lp).sum(-1)] if entropy else [])]
 
 
-_compiled_logprobs = torch.compile(_logprobs_entropy, dynamic=True)
+_compiled_logprobs = torch.compile(_logprobs, dynamic=True)
 
 
-def head_logprobs(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float):
-    """(log p, entropy) [B, L] with grad, position 0 zero, as token_logprobs(entropy=True) returns them."""
+def head_logprobs(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float, entropy: bool) -> list:
+    """[log p] or [log p, entropy], each [B, L] with grad and 0 at position 0, as token_logprobs returns them."""
     from batch import token_logprobs
 
     if variant != "compiled":
-        return token_logprobs(model, ids, torch.ones_like(ids), temperature, entropy=True, fused=variant == "fused")
-    return [torch.nn.functional.pad(x, (1, 0)) for x in _compiled_logprobs(model(ids).logits, ids[:, 1:], temperature)]
+        out = token_logprobs(model, ids, torch.ones_like(ids), temperature, entropy=entropy, fused=variant == "fused")
+        return list(out) if entropy else [out]
+    return [torch.nn.functional.pad(x, (1, 0))
+            for x in _compiled_logprobs(model(ids).logits, ids[:, 1:], temperature, entropy)]
 
 
-def measure(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float, mixed: bool, iters: int) -> dict:
+def measure(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float, entropy: bool, mixed: bool,
+            iters: int) -> dict:
     """One variant: its outputs and gradients (for the agreement check), its ms and peak memory."""
     coef = torch.linspace(-1, 1, ids.numel(), device=ids.device).view(ids.shape)  # stands in for advantages
 
     def step():
         model.h.grad = model.lm_head.weight.grad = None
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=mixed):
-            logp, ent = head_logprobs(variant, model, ids, temperature)
-        ((logp * coef).sum() + 1e-3 * ent.sum()).backward()
-        return logp.detach(), ent.detach()
+            logp, *ent = head_logprobs(variant, model, ids, temperature, entropy)
+        ((logp * coef).sum() + sum(1e-3 * e.sum() for e in ent)).backward()
+        return logp.detach(), (ent[0] if ent else torch.zeros_like(logp)).detach()
 
     logp, ent = step()
     out = {"variant": variant, "logp": logp, "entropy": ent, "grad_h": model.h.grad.clone(),
@@ -96,6 +101,7 @@ def main(argv=None):
     p.add_argument("--length", type=int, default=1029, help="tokens per row (prompt + response)")
     p.add_argument("--variants", type=lambda t: parse_choices(t, VARIANTS), default=list(VARIANTS),
                    help=f"comma list of {', '.join(VARIANTS)} (agreement is against unfused, always run first)")
+    p.add_argument("--entropy", action="store_true", help="the entropy too, with grad (an entropy bonus)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--hidden", type=int, help="override the shape's hidden size (small CPU runs)")
@@ -111,12 +117,13 @@ def main(argv=None):
     h = (torch.randn(args.rows, args.length, d, device=device) * 2).to(torch.bfloat16 if mixed else torch.float32)
     model = HeadOnly(h.requires_grad_(), head)
     ids = torch.randint(0, V, (args.rows, args.length), device=device)
-    workload = f"{args.rows} rows x {args.length} tokens, hidden {d}, vocabulary {V}"
+    workload = (f"{args.rows} rows x {args.length} tokens, hidden {d}, vocabulary {V}"
+                + (", entropy" if args.entropy else ""))
     say(f"[head] {workload} on {device}")
     variants = ["unfused", *[v for v in args.variants if v != "unfused"]]
     keys, ref, runs = ("logp", "entropy", "grad_h", "grad_w"), None, []
     for variant in variants:
-        r = measure(variant, model, ids, args.temperature, mixed, args.iters)
+        r = measure(variant, model, ids, args.temperature, args.entropy, mixed, args.iters)
         tensors = {k: r.pop(k).float() for k in keys}
         ref = ref or tensors
         r.update({f"max_diff_{k}": float((tensors[k] - ref[k]).abs().max()) for k in keys})  # against unfused

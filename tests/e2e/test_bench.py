@@ -986,11 +986,12 @@ def test_head_variants_agree_with_the_trainers_head(tmp_path):
     log p, entropy and gradients (h and the head weight) up to fp32 rounding; head.json has each variant."""
     from bench.head import VARIANTS, main
 
-    runs = main(["--hidden", "64", "--vocab", "512", "--rows", "2", "--length", "33", "--iters", "2",
-                 "--out", str(tmp_path)])
-    assert [r["variant"] for r in runs] == list(VARIANTS)
-    for r in runs:
-        assert all(r[f"max_diff_{k}"] < 1e-4 for k in ("logp", "entropy", "grad_h", "grad_w")), r
-        assert r["ms"] > 0
-    assert runs[0]["max_diff_grad_w"] == 0  # unfused is the reference
-    assert [r["variant"] for r in json.loads((tmp_path / "head.json").read_text())["runs"]] == list(VARIANTS)
+    for entropy in ([], ["--entropy"]):  # the 8B configs' train forward, and one under an entropy bonus
+        runs = main(["--hidden", "64", "--vocab", "512", "--rows", "2", "--length", "33", "--iters", "2",
+                     "--out", str(tmp_path), *entropy])
+        assert [r["variant"] for r in runs] == list(VARIANTS)
+        for r in runs:
+            assert all(r[f"max_diff_{k}"] < 1e-4 for k in ("logp", "entropy", "grad_h", "grad_w")), r
+            assert r["ms"] > 0 and r["workload"].endswith(", entropy") == bool(entropy)
+        assert runs[0]["max_diff_grad_w"] == 0  # unfused is the reference
+        assert [r["variant"] for r in json.loads((tmp_path / "head.json").read_text())["runs"]] == list(VARIANTS)
