@@ -57,8 +57,10 @@ its mismatch figures comparable with the other runs.
 
 Greedy validation at step 0 and at the last step (train.val_every=--steps); the gain is the final
 accuracy minus step 0's. Reported per run: both accuracies, the gain, the sampled reward's mean over
-the first and the last 5 steps, mismatch/token_mult_prob_error's median and max over steps; per mode
-the mean and standard deviation of the gain and of the final accuracy; the gap fp8kv - bf16 of both
+the first and the last 5 steps and over the run, the share of tokens the PPO clip and the IS truncation
+took out of the gradient (loss/clip_frac, is/truncated_frac; the mean over steps), and
+mismatch/token_mult_prob_error's median and max over steps; per mode the mean and standard deviation of
+the gain, of the final accuracy and of the reward over the run; the gap fp8kv - bf16 of the first two
 means. No PASS/FAIL: the learning gate's thresholds are the quickstart's. A run without its final
 validation is listed as unfinished and left out of the means.
 
@@ -167,6 +169,10 @@ def summarize(rows: list[dict], steps: int) -> dict:
             "steps_logged": len(train), "finished": vend is not None,
             "reward_first5": _mean([r["reward/mean"] for r in train[:TAIL]]),
             "reward_last5": _mean([r["reward/mean"] for r in train[-TAIL:]]),
+            "reward_run": _mean([r["reward/mean"] for r in train]),
+            # what the policy loss left out, mean over steps: the PPO clip's share of tokens, and TIS's capped share
+            "clip_frac": _mean([r["loss/clip_frac"] for r in train if "loss/clip_frac" in r]),
+            "truncated_frac": _mean([r["is/truncated_frac"] for r in train if "is/truncated_frac" in r]),
             # over steps: the median, and the max apart (one token's outlier can lift a step's mean by 100x)
             "token_mult_prob_error": statistics.median(tmpe) if tmpe else None,
             "token_mult_prob_error_max": max(tmpe, default=None)}
@@ -181,7 +187,7 @@ def aggregate(runs: list[dict], modes: list[str]) -> dict:
                      # greedy, the same model, prompts and engine seed: one value per mode, seeds alike
                      "val_step0_values": sorted({r["val_step0"] for r in runs if r["mode"] == mode
                                                  and r["val_step0"] is not None})}
-        for key in ("gain", "val_final"):
+        for key in ("gain", "val_final", "reward_run"):
             xs = [r[key] for r in done if r[key] is not None]
             out[mode][f"{key}_mean"] = _mean(xs)
             out[mode][f"{key}_std"] = statistics.stdev(xs) if len(xs) > 1 else None
@@ -197,18 +203,21 @@ def _f(x, spec=".3f"):
 
 
 def markdown(runs: list[dict], agg: dict, modes: list[str]) -> str:
-    lines = ["| mode | seed | val step 0 | val final | gain | steps | reward first 5 | reward last 5 | "
-             "token_mult_prob_error median (max) over steps |", "|" + "---|" * 9]
+    lines = ["| mode | seed | val step 0 | val final | gain | steps | reward first 5 | reward last 5 | reward, run | "
+             "clip / truncated | token_mult_prob_error median (max) over steps |", "|" + "---|" * 11]
     for r in sorted(runs, key=lambda r: (modes.index(r["mode"]), r["seed"])):
         lines.append(f"| {r['mode']} | {r['seed']} | {_f(r['val_step0'])} | {_f(r['val_final'])} | "
                      f"{_f(r['gain'], '+.3f')} | {r['steps_logged']}{'' if r['finished'] else ' (unfinished)'} | "
-                     f"{_f(r['reward_first5'])} | {_f(r['reward_last5'])} | "
+                     f"{_f(r['reward_first5'])} | {_f(r['reward_last5'])} | {_f(r.get('reward_run'))} | "
+                     f"{_f(r.get('clip_frac'), '.4f')} / {_f(r.get('truncated_frac'), '.4f')} | "
                      f"{_f(r['token_mult_prob_error'], '.4f')} ({_f(r.get('token_mult_prob_error_max'), '.4g')}) |")
-    lines += ["", "| mode | finished | gain mean | gain std | final val mean | final val std |", "|" + "---|" * 6]
+    lines += ["", "| mode | finished | gain mean | gain std | final val mean | final val std | reward over the run, "
+              "mean ± std |", "|" + "---|" * 7]
     for m in modes:
         a = agg[m]
         lines.append(f"| {m} | {a['finished']}/{a['of']} | {_f(a['gain_mean'], '+.3f')} | {_f(a['gain_std'])} | "
-                     f"{_f(a['val_final_mean'])} | {_f(a['val_final_std'])} |")
+                     f"{_f(a['val_final_mean'])} | {_f(a['val_final_std'])} | "
+                     f"{_f(a.get('reward_run_mean'))} ± {_f(a.get('reward_run_std'))} |")
     differ = [f"{m} {', '.join(map(_f, agg[m]['val_step0_values']))}" for m in modes
               if len(agg[m]["val_step0_values"]) > 1]
     if differ:

@@ -32,7 +32,8 @@ def test_task_files_are_held_out_and_deterministic(tmp_path):
 
 def test_summary_gain_std_and_gap():
     def rows(v0, vend, steps=3):
-        r = [{"step": 0, "val/accuracy": v0}] + [{"step": s, "reward/mean": 0.1 * s, real_learn.MISMATCH: 0.01}
+        r = [{"step": 0, "val/accuracy": v0}] + [{"step": s, "reward/mean": 0.1 * s, real_learn.MISMATCH: 0.01,
+                                                  "loss/clip_frac": 0.02 * s, "is/truncated_frac": 0.001}
                                                  for s in range(steps)]
         return r + ([{"step": 3, "val/accuracy": vend}] if vend is not None else [])
     runs = [{"mode": "fp8kv", "seed": 0, **real_learn.summarize(rows(0.1, 0.3), 3)},
@@ -40,12 +41,15 @@ def test_summary_gain_std_and_gap():
             {"mode": "bf16", "seed": 0, **real_learn.summarize(rows(0.2, 0.3), 3)},
             {"mode": "bf16", "seed": 1, **real_learn.summarize(rows(0.2, None, steps=2), 3)}]
     assert runs[0]["gain"] == pytest.approx(0.2) and runs[0]["reward_last5"] == pytest.approx(0.1)
+    assert runs[0]["reward_run"] == pytest.approx(0.1) and runs[0]["clip_frac"] == pytest.approx(0.02)
+    assert runs[0]["truncated_frac"] == pytest.approx(0.001)
     assert not runs[3]["finished"] and runs[3]["gain"] is None and runs[3]["steps_logged"] == 2
     agg = real_learn.aggregate(runs, ["fp8kv", "bf16"])
     assert agg["fp8kv"]["gain_mean"] == pytest.approx(0.3) and agg["fp8kv"]["gain_std"] == pytest.approx(0.1414, abs=1e-3)
     assert agg["bf16"]["finished"] == 1 and agg["bf16"]["gain_std"] is None
-    assert agg["gap_gain"] == pytest.approx(0.2)
+    assert agg["gap_gain"] == pytest.approx(0.2) and agg["fp8kv"]["reward_run_mean"] == pytest.approx(0.1)
     md = real_learn.markdown(runs, agg, ["fp8kv", "bf16"])
+    assert "| 0.100 | 0.0200 / 0.0010 |" in md and "| 0.100 ± 0.000 |" in md
     assert "| fp8kv | 0 | 0.100 | 0.300 | +0.200 | 3 |" in md and "2 (unfinished)" in md and "fp8kv - bf16: gain +0.200" in md
     assert agg["fp8kv"]["val_step0_values"] == [0.1] and "step-0 validation differs" not in md
     runs[1]["val_step0"] = 0.15  # greedy from one model: a seed whose step 0 differs is flagged
