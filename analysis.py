@@ -13,7 +13,9 @@ position t. Fields (CPU tensors, float32 unless stated):
     attention_mask  long [B, L]   1 on real tokens
     mask            [B, L]        1 on response tokens (the ones the loss counts)
     rollout_logp    [B, L]        engine logprobs (vLLM / HFEngine; FP8 if fp8.rollout)
-    old_logp        [B, L]        trainer logprobs as the loss used them (FP8 linears if fp8.train)
+    old_logp        [B, L]        trainer logprobs of the weights that sampled (FP8 linears if fp8.train): the
+                                  loss's old_logp, or under train.old_logp=rollout (whose loss takes the
+                                  engine's) a pass made for the save
     bf16_logp       [B, L]        trainer logprobs, same weights, every linear unquantized
                                   (fp8.linear.bf16_reference): old - bf16 is the trainer's FP8 error
     rewards [B], advantages [B], step (int), config (the run's config dict), prompt_ids and

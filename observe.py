@@ -393,19 +393,21 @@ def load_rollout_batch(path) -> dict:
     return batch
 
 
-def save_step_batch(path: Path, step: int, b: StepBatch, bf16_logp: Tensor, config: dict, tokenizer, tokenizer_dir,
-                    d: distributed.Dist) -> None:
-    """save_rollout_batch of every rank's rows (rank 0 writes them, in rank order); bf16_logp [B, L]: this
-    rank's logprobs of the same weights, linears not quantized (trainer.bf16_logprobs). Collective."""
+def save_step_batch(path: Path, step: int, b: StepBatch, trainer_logp: Tensor, bf16_logp: Tensor, config: dict,
+                    tokenizer, tokenizer_dir, d: distributed.Dist) -> None:
+    """save_rollout_batch of every rank's rows (rank 0 writes them, in rank order); trainer_logp [B, L]: this
+    rank's trainer logprobs of the behaviour weights (saved as old_logp); bf16_logp [B, L]: the same weights',
+    linears not quantized (trainer.bf16_logprobs). Collective."""
     rows = [distributed.gather_rows(x, d, pad=tokenizer.pad_token_id if x is b.input_ids else 0)
-            for x in (b.input_ids, b.attention_mask, b.mask, b.rollout_logp, b.old_logp, bf16_logp)]
+            for x in (b.input_ids, b.attention_mask, b.mask, b.rollout_logp, trainer_logp, bf16_logp)]
     rows += [distributed.gather_rows(x[:, None].to(d.device).float(), d)[:, 0].cpu() for x in (b.rewards, b.advantages)]
     if d.rank == 0:
         save_rollout_batch(path, step, *rows, config, tokenizer, tokenizer_dir)
 
 
-def dump_episodes(run_dir: Path, step: int, b: StepBatch, tokenizer, k: int) -> None:
-    """The first k samples of this rank's batch to <run_dir>/episodes/step_N.jsonl, one JSON object each."""
+def dump_episodes(run_dir: Path, step: int, b: StepBatch, tokenizer, k: int, trainer_logp: bool = True) -> None:
+    """The first k samples of this rank's batch to <run_dir>/episodes/step_N.jsonl, one JSON object each.
+    trainer_logp=False (train.old_logp=rollout: the batch's old_logp is the engine's): "trainer_logp" is null."""
     out = run_dir / "episodes"
     out.mkdir(exist_ok=True)
     answers = b.answers
@@ -416,4 +418,4 @@ def dump_episodes(run_dir: Path, step: int, b: StepBatch, tokenizer, k: int) -> 
                 "prompt": tokenizer.decode(s.prompt_ids, skip_special_tokens=True), "completion": b.texts[i],
                 "answer": answers[i], "reward": float(b.rewards[i]), "advantage": float(b.advantages[i]),
                 "finish_reason": s.finish_reason, "rollout_logp": s.logprobs,
-                "trainer_logp": b.old_logp[i, pos].tolist()}) + "\n")
+                "trainer_logp": b.old_logp[i, pos].tolist() if trainer_logp else None}) + "\n")

@@ -136,7 +136,8 @@ def train(args) -> Path:
         pbar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in
                           ("reward/mean", "mismatch/token_mult_prob_error", "val/accuracy") if k in metrics})
         if d.main and cfg.log.dump_episodes_every and step % cfg.log.dump_episodes_every == 0:
-            observe.dump_episodes(run_dir, step, batch, tokenizer, cfg.log.dump_episodes_n)
+            observe.dump_episodes(run_dir, step, batch, tokenizer, cfg.log.dump_episodes_n,
+                                  trainer_logp=cfg.train.old_logp == "trainer")
         if cfg.train.ckpt_every and (step + 1) % cfg.train.ckpt_every == 0:
             run_setup.save(run, state, step + 1)
 

@@ -261,9 +261,19 @@ def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
 
 
 def save_batch(run: Run, b: StepBatch, step: int) -> None:
-    """The step's batch with its BF16 logprobs, for notebooks/ (observe.save_step_batch); collective."""
-    save_step_batch(run.run_dir / "batches" / f"step_{step:06d}.pt", step, b, bf16_logprobs(run, b),
-                    to_dict(run.cfg), run.tokenizer, run.model_dir, run.d)
+    """The step's batch with the trainer's and the BF16 logprobs, for notebooks/ (observe.save_step_batch);
+    collective. The trainer's are the old_logp pass's; under train.old_logp=rollout, whose loss takes the
+    engine's instead, a no-grad pass of the behaviour weights made for the save, so that the notebooks still
+    compare the trainer with the engine (the loss is untouched)."""
+    cfg = run.cfg
+    trainer_logp = b.old_logp
+    if cfg.train.old_logp == "rollout":
+        routed = routing.forward_context(run.model, b.routed_experts, cfg.moe.router_replay, b.mask.bool())
+        trainer_logp = logprob_pass(run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
+                                    cfg.train.micro_batch_size, mixed=run.mixed, forward_context=routed,
+                                    plan=micro_plan(run, b))
+    save_step_batch(run.run_dir / "batches" / f"step_{step:06d}.pt", step, b, trainer_logp, bf16_logprobs(run, b),
+                    to_dict(cfg), run.tokenizer, run.model_dir, run.d)
 
 
 def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) -> None:

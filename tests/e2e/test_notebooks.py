@@ -269,6 +269,28 @@ def test_batch_model_reproduces_saved_logprobs_and_fp8_ranking(tiny_run):
     assert len(A.fp8_units(model, "kind")) == 7
 
 
+def test_bypass_run_saves_the_trainers_logprobs(tmp_path):
+    """Under train.old_logp=rollout the loss's old_logp is the engine's; the saved batch's old_logp is still the
+    trainer's (a pass for the save), so the notebooks compare trainer with engine: on the IS ablation config,
+    whose engine clips q/k/v, they differ, the batch's model reproduces them, and the step's logged mismatch
+    (the first mini-batch's training forward) is theirs. The episode dump has no trainer logprobs there."""
+    path = A.make_rollout_batch(tmp_path, steps=2, config=ROOT / "configs/ablations/tiny_cpu_is.yaml",
+                                overrides=["rollout.prompts_per_step=8", "train.old_logp=rollout",
+                                           "log.dump_episodes_every=1"])
+    batch = observe.load_rollout_batch(path)
+    episode = json.loads((path.parent.parent / "episodes/step_000001.jsonl").read_text().splitlines()[0])
+    assert episode["trainer_logp"] is None and episode["rollout_logp"]  # no trainer pass ran for the loss
+    m = batch["mask"] != 0
+    assert (batch["old_logp"] - batch["rollout_logp"])[m].abs().max() > 1e-3
+    model, _, cfg = A.load_batch_model(batch)
+    A.convert_fp8(model, cfg)
+    assert torch.equal(A.batch_logprobs(model, batch)[m], batch["old_logp"][m])
+    logged = [json.loads(line) for line in (path.parent.parent / "metrics.jsonl").read_text().splitlines()]
+    logged = next(r for r in logged if r.get("step") == 1 and "mismatch/kl" in r)
+    for k, v in mismatch_metrics(batch["old_logp"], batch["rollout_logp"], batch["mask"]).items():
+        assert logged[f"mismatch/{k}"] == pytest.approx(v, rel=1e-3, abs=1e-6), k
+
+
 def test_kv_quant_error_saturation_and_error(tiny_run):
     _, batch = tiny_run
     model, _, _ = A.load_batch_model(batch)
