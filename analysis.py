@@ -59,7 +59,7 @@ from fp8.calibrate import QKVCalibrator, scales_from_amax
 from fp8.linear import bf16_reference, is_fp8_linear
 from fp8.plan import clean_name
 from fp8.quant import FP8_MAX, fake_quant_per_tensor
-from losses.grpo import IS_CORRECTIONS, LossConfig, is_weights
+from losses.grpo import IS_CORRECTIONS, LossConfig, grpo_loss, is_weights
 from losses.mismatch import masked_mean, mismatch_metrics
 from observe import load_rollout_batch
 
@@ -319,6 +319,22 @@ def is_cap_sweep(batch: dict, caps, variant: str = "tis", a: str = "old_logp", b
         for k in ("truncated_frac", "ess", "weight_mean"):
             out[k].append(r[k])
     return out
+
+
+def bypass_clip(batch: dict, **changes) -> dict[str, float]:
+    """What train.old_logp=rollout would do to this batch's first update. The PPO ratio is then
+    exp(logp - rollout_logp), at the first update exp(old_logp - rollout_logp): the clip acts on the
+    trainer/engine mismatch alone (with the trainer's old_logp that ratio is 1 and nothing is clipped).
+    With the run's clip_low / clip_high unless given in `changes`, over the response tokens:
+    {"clip_frac": the share whose gradient the clip removes, as the loss logs loss/clip_frac (above
+    1 + clip_high where the advantage is positive, below 1 - clip_low where it is negative),
+    "outside_frac": the share whose ratio lies outside [1 - clip_low, 1 + clip_high] at all}."""
+    cfg = loss_config(batch, kl_coef=0.0, **changes)
+    old, rollout, m = batch["old_logp"].float(), batch["rollout_logp"].float(), batch["mask"]
+    _, metrics = grpo_loss(old, rollout, rollout, batch["advantages"].float(), m, cfg)
+    r = (old - rollout).exp()[m != 0]
+    outside = (r < 1 - cfg.clip_low) | (r > 1 + cfg.clip_high)
+    return {"clip_frac": metrics["loss/clip_frac"], "outside_frac": float(outside.float().mean()) if r.numel() else 0.0}
 
 
 # ----------------------------------------------------------------------------- FP8 sensitivity

@@ -81,6 +81,16 @@ def test_is_weights_by_variant_match_the_loss():
 
 # ----------------------------------------------------------------------------- mismatch views
 
+def test_bypass_clip_counts_the_side_the_advantage_pushes():
+    """Ratios exp(old - rollout) 1.5, 1.5, 0.5, 1.0 with advantages +, -, -, + (clip 0.2): the clip removes
+    the first (above 1.2, pushed up) and the third (below 0.8, pushed down); three lie outside the window."""
+    r = torch.tensor([[1.5, 1.5, 0.5, 1.0]])
+    batch = make_batch(r.log().T.tolist(), [[0.0]] * 4, advantages=torch.tensor([1.0, -1.0, -1.0, 1.0]),
+                       config={"loss": {"clip_low": 0.2, "clip_high": 0.2, "kl_coef": 0.1}})
+    assert A.bypass_clip(batch) == pytest.approx({"clip_frac": 0.5, "outside_frac": 0.75})
+    assert A.bypass_clip(batch, clip_high=0.6)["clip_frac"] == pytest.approx(0.25)  # 1.5 is inside [0.8, 1.6]
+
+
 def test_worst_tokens_order_and_context():
     d = [[0.1, -0.5, 0.2, 0.0], [float("inf"), 0.3, -0.3, 0.05]]
     batch = make_batch(d, [[0.0] * 4] * 2, [[0, 1, 1, 1], [1, 1, 1, 1]])
