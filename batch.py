@@ -319,6 +319,8 @@ class StepBatch:
     loss_mask: Tensor           # [B, L] the tokens the loss averages (mask of the kept groups)
     rollout_logp: Tensor        # [B, L] engine logprobs
     old_logp: Tensor | None = None  # [B, L] trainer logprobs of the behaviour weights
+    entropy: Tensor | None = None   # [B, L] their token entropy (policy/entropy); with old_logp, the first
+                                    # mini-batch's rows filled by its training forward
     ref_logp: Tensor | None = None  # [B, L] KL reference (loss.kl_coef > 0)
     routed_experts: Tensor | None = None  # [B, L, moe layers, k] int16 engine routing, -1 = none (routing.py)
     multiple: int = 1           # a micro-batch's length is a multiple of this (collate's; FP8 GEMMs' tokens)

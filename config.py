@@ -213,16 +213,18 @@ class TrainConfig:
     the configs leave it off
     (docs/results.md#packed-micro-batches-the-llama-pair-at-16-prompts-2026-11-27-2-x-nvidia-h200-141-gb-one-host)."""
     old_logp: Literal["trainer", "rollout"] = "trainer"
-    """Where the PPO ratio's behaviour logprobs (old_logp) come from. trainer: a no-grad forward of the
-    weights that sampled (textbook PPO; the IS correction then weighs the engine/trainer mismatch).
-    rollout: the engine's own logprobs, and that forward is skipped: the "bypass" form of decoupled PPO
-    (verl), where the clipped ratio exp(logp - rollout_logp) takes the mismatch in and the IS weight is 1.
-    mismatch/*, policy/entropy and the q/k/v amax (fp8.calib_pass=logprobs) then come from the first
-    mini-batch's training forward (the behaviour weights, before any optimizer step), over its rows
-    (every row with train.mini_batch_size=0). That forward already needs the entropy bonus's coefficient,
-    so loss.entropy_target's controller steps on the previous step's policy/entropy (one step behind
-    trainer's, which uses the step's own; on a run's first step, with no measurement yet, the adaptive
-    bonus is off). It saves the logprobs pass but learns slower where the mismatch is large: the PPO clip
+    """Where the PPO ratio's behaviour logprobs (old_logp) come from. trainer: the trainer's forward of the
+    weights that sampled (textbook PPO; the IS correction then weighs the engine/trainer mismatch): a
+    no-grad pass over every mini-batch but the first, whose own training forward runs on those weights
+    before any optimizer step and gives its rows' (their ratio is exactly 1; with train.mini_batch_size=0
+    the no-grad pass is gone). mismatch/*, policy/entropy and the q/k/v amax (fp8.calib_pass=logprobs)
+    are measured over every row once that forward has run. It already needs the entropy bonus's
+    coefficient, so loss.entropy_target's controller steps on the previous step's policy/entropy (on a
+    run's first step, with no measurement yet, the adaptive bonus is off).
+    rollout: the engine's own logprobs, and the no-grad pass is skipped: the "bypass" form of decoupled
+    PPO (verl), where the clipped ratio exp(logp - rollout_logp) takes the mismatch in and the IS weight
+    is 1; the measurements above are then over the first mini-batch's rows. It saves the rest of the
+    logprobs pass but learns slower where the mismatch is large: the PPO clip
     then acts on the mismatch (8% of the tokens clipped with FP8 KV on a real model, sampled reward 0.32
     against 0.36 at the end: docs/results.md, "The bypass against the trainer's old_logp"), so it is not
     the default."""

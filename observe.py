@@ -103,8 +103,8 @@ def _guard(value: float, shown: str, step: int, warn: tuple[str, float], stop: t
 
 def mismatch_guard(metrics: dict, step: int, cfg, logger: RunLogger) -> None:
     """cfg: TrainConfig. Warn when mismatch/token_mult_prob_error exceeds train.mismatch_warn; raise
-    UserError when it exceeds train.mismatch_stop (0 = never). Not measured yet (train.old_logp=rollout,
-    whose first mini-batch measures it and calls this before its optimizer step): nothing to do."""
+    UserError when it exceeds train.mismatch_stop (0 = never). trainer.train_phase calls it once the first
+    mini-batch's forward has measured it, before any optimizer step; not measured: nothing to do."""
     if "mismatch/token_mult_prob_error" not in metrics:
         return
     mult_err = metrics["mismatch/token_mult_prob_error"]

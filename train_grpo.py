@@ -9,8 +9,9 @@
 
 Each step: rollout (engine samples n completions per prompt, with each token's logprob) ->
 reward (data.reward: math-verify) -> group advantages -> trainer logprobs of the behaviour
-weights (`old_logp`) and rollout/trainer mismatch -> one or more optimizer steps on the clipped
-surrogate with truncated importance sampling -> q/k/v scale recalibration (FP8 KV cache) ->
+weights (`old_logp`; the first mini-batch's from its own training forward) -> one or more optimizer
+steps on the clipped surrogate with truncated importance sampling, the rollout/trainer mismatch
+measured before the first -> q/k/v scale recalibration (FP8 KV cache) ->
 weight sync into the engine (FP8 weights made by fp8/quant.py) -> log. Each phase is a function
 of trainer.py, the setup before the steps and the checkpoints are run_setup.py's; batch.py makes
 the tensors, observe.py logs, profiles and dumps.
@@ -22,8 +23,8 @@ Where this departs from textbook GRPO:
 - Loss aggregation, KL and IS variants are config knobs (losses/grpo.py documents each).
 - Validation is greedy (temperature 0) accuracy on a held-out split.
 - `train.old_logp=rollout` (off by default) skips the old_logp forward: the engine's logprobs are the
-  behaviour policy, decoupled PPO's "bypass" form (verl), and the IS weight is 1. The mismatch and
-  policy/entropy are then measured in the first mini-batch's training forward, so the adaptive entropy
+  behaviour policy, decoupled PPO's "bypass" form (verl), and the IS weight is 1.
+- policy/entropy is complete only after the first mini-batch's forward, so the adaptive entropy
   coefficient (loss.entropy_target) steps on the previous step's entropy.
 
 FP8_GRPO_CACHE_DIR=DIR keeps every compile and JIT cache in one directory that later runs reuse (caches.py).
@@ -122,11 +123,10 @@ def train(args) -> Path:
         rounds = trainer.rollout_phase(run, step, metrics)            # generate + reward
         prof.after_rollout()
         batch = trainer.assemble_batch(run, rounds, metrics)          # advantages, [B, L] tensors
-        trainer.old_logprob_phase(run, batch, metrics)                # old_logp, ref_logp, mismatch
+        trainer.old_logprob_phase(run, batch, step, metrics)          # old_logp (but the first mini-batch's), ref_logp
         if cfg.log.save_batch_every and step % cfg.log.save_batch_every == 0:  # for notebooks/ (analysis.py)
             trainer.save_batch(run, batch, step)                      # with BF16 logprobs
-        observe.mismatch_guard(metrics, step, cfg.train, logger)
-        trainer.train_phase(run, state, batch, step, metrics)         # policy forward, the objective, optimizer steps
+        trainer.train_phase(run, state, batch, step, metrics)         # policy forward, objective, mismatch, optimizer
         trainer.refit_phase(run, state, batch, step, metrics)         # recalibrate q/k/v, sync the engine
         metrics.update(trainer.step_metrics(run, batch, t_step, metrics))
         prof.finish(run_dir, d.rank, logger)

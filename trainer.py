@@ -3,12 +3,13 @@
     rollout_phase   engine samples n completions per prompt and scores them (rewards.REWARDS);
                     dynamic sampling may roll out more rounds
     assemble_batch  group advantages, the kept groups, the padded [B, L] tensors (batch.StepBatch)
-    old_logprob_phase  trainer logprobs of the behaviour weights (old_logp), the KL reference,
-                    entropy and the rollout/trainer mismatch (train.old_logp=rollout: the KL
-                    reference only; the first mini-batch of train_phase measures the rest)
+    old_logprob_phase  trainer logprobs of the behaviour weights (old_logp) for every row but the
+                    first mini-batch's, and the KL reference (train.old_logp=rollout: the KL
+                    reference only)
     train_phase     mini-batches of micro-batches: the policy forward, the objective (losses/grpo.py's
                     micro_batch_loss), one optimizer step per mini-batch (non-finite steps skipped
-                    and counted)
+                    and counted); the first mini-batch's forward gives its rows' old_logp, then
+                    the step's entropy and rollout/trainer mismatch are measured
     refit_phase     q/k/v scale recalibration (FP8 KV cache), then the weight sync into the engine
     validate        greedy accuracy on the held-out prompts
 
@@ -78,7 +79,7 @@ class State:
     kv_scales: dict | None = None           # {layer: (q, k, v)} the engine's FP8 attention scales
     bad_steps: int = 0                      # consecutive optimizer steps skipped as non-finite
     entropy_control: collapse.EntropyControl | None = None  # loss.entropy_target's adaptive coefficient
-    entropy: float | None = None            # the last step's policy/entropy (train.old_logp=rollout's control input)
+    entropy: float | None = None            # the last step's policy/entropy (loss.entropy_target's control input)
 
 
 # ----------------------------------------------------------------------------- rollout and reward
@@ -217,40 +218,47 @@ def micro_plan(run: Run, b: StepBatch, rows: torch.Tensor | None = None) -> list
     return plan
 
 
-def old_logprob_phase(run: Run, b: StepBatch, metrics: dict) -> None:
-    """b.old_logp (and b.ref_logp) from no-grad passes; policy/entropy and mismatch/* over all ranks.
-    fp8.calib_pass=logprobs: this forward's q/k/v amax gives the next rollout's scales.
-    train.old_logp=rollout: old_logp is the engine's, and only the KL reference pass runs (train_phase
-    measures the mismatch, policy/entropy and the amax in its first mini-batch)."""
+def mini_batches(run: Run, b: StepBatch, step: int) -> list[torch.Tensor]:
+    """The step's mini-batches on this rank: its rows in an order seeded by train.seed + step, cut into
+    train.mini_batch_size / world rows each (0: one mini-batch of every row); one optimizer step each."""
     cfg, d = run.cfg, run.d
+    B = len(b.samples)
+    order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(d.device)
+    mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
+    return [order[s] for s in micro_batches(B, mini)]
+
+
+def old_logprob_phase(run: Run, b: StepBatch, step: int, metrics: dict) -> None:
+    """b.old_logp and b.entropy [B, L] of the behaviour weights from a no-grad pass over every row but the
+    first mini-batch's: train_phase's first forward runs on the same weights, before any optimizer step, and
+    fills those rows (their PPO ratio is then exactly 1, as verl's on-policy mini-batch has it). b.ref_logp
+    from the KL reference. fp8.calib_pass=logprobs: this pass's q/k/v amax, with the first mini-batch's,
+    gives the next rollout's scales. train.old_logp=rollout: old_logp is the engine's, and only the KL
+    reference pass runs."""
+    cfg = run.cfg
     t0 = time.perf_counter()
     if cfg.train.old_logp == "rollout":
         b.old_logp = b.rollout_logp
-        if run.ref_model is not None:
-            b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
-                                      cfg.train.micro_batch_size, mixed=run.mixed, plan=micro_plan(run, b))
-        metrics["time/logprobs"] = time.perf_counter() - t0
-        return
-    capture = run.calibrator.capture() if run.calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
-        else contextlib.nullcontext()
-    stats = routing.RoutingStats()  # MoE: the trainer's top-k vs the engine's, over response tokens
-    routed = routing.forward_context(run.model, b.routed_experts, cfg.moe.router_replay, b.mask.bool(), stats)
-    plan = micro_plan(run, b)
-    with capture, torch.profiler.record_function("logprobs"):
-        b.old_logp, entropy = logprob_pass(run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
-                                           cfg.train.micro_batch_size, entropy=True, mixed=run.mixed,
-                                           forward_context=routed, plan=plan)  # [B, L]
+    else:
+        rest = mini_batches(run, b, step)[1:]
+        b.old_logp, b.entropy = torch.zeros_like(b.rollout_logp), torch.zeros_like(b.rollout_logp)
+        if rest:  # one mini-batch: its forward gives all of them
+            capture = run.calibrator.capture() if run.calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
+                else contextlib.nullcontext()
+            stats = routing.RoutingStats()  # MoE: the trainer's top-k vs the engine's, over response tokens
+            routed = routing.forward_context(run.model, b.routed_experts, cfg.moe.router_replay, b.mask.bool(), stats)
+            with capture, torch.profiler.record_function("logprobs"):
+                b.old_logp, b.entropy = logprob_pass(
+                    run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature, cfg.train.micro_batch_size,
+                    entropy=True, mixed=run.mixed, forward_context=routed, plan=micro_plan(run, b, torch.cat(rest)))
+            if routed is not None:
+                tally = distributed.all_sum(torch.tensor([stats.differ, stats.pairs, stats.tokens_differ,
+                                                          stats.tokens], device=run.d.device), run.d).tolist()
+                metrics.update(routing.RoutingStats(*tally).metrics())
     if run.ref_model is not None:
         b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
-                                  cfg.train.micro_batch_size, mixed=run.mixed, plan=plan)
+                                  cfg.train.micro_batch_size, mixed=run.mixed, plan=micro_plan(run, b))
     metrics["time/logprobs"] = time.perf_counter() - t0
-    metrics["policy/entropy"] = mean_entropy(entropy, b.mask, d)
-    metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
-        *(distributed.gather_rows(x, d) for x in (b.old_logp, b.rollout_logp, b.mask))).items()})
-    if routed is not None:
-        tally = distributed.all_sum(torch.tensor([stats.differ, stats.pairs, stats.tokens_differ, stats.tokens],
-                                                 device=d.device), d).tolist()
-        metrics.update(routing.RoutingStats(*tally).metrics())
 
 
 def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
@@ -262,54 +270,52 @@ def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
 
 def save_batch(run: Run, b: StepBatch, step: int) -> None:
     """The step's batch with the trainer's and the BF16 logprobs, for notebooks/ (observe.save_step_batch);
-    collective. The trainer's are the old_logp pass's; under train.old_logp=rollout, whose loss takes the
-    engine's instead, a no-grad pass of the behaviour weights made for the save, so that the notebooks still
-    compare the trainer with the engine (the loss is untouched)."""
+    collective. The trainer's come from a no-grad pass of the behaviour weights over every row, made for the
+    save (the loss's old_logp of the first mini-batch come only with its forward, and under
+    train.old_logp=rollout the loss takes the engine's), so that the notebooks compare the trainer with
+    the engine; the loss is untouched."""
     cfg = run.cfg
-    trainer_logp = b.old_logp
-    if cfg.train.old_logp == "rollout":
-        routed = routing.forward_context(run.model, b.routed_experts, cfg.moe.router_replay, b.mask.bool())
-        trainer_logp = logprob_pass(run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
-                                    cfg.train.micro_batch_size, mixed=run.mixed, forward_context=routed,
-                                    plan=micro_plan(run, b))
+    routed = routing.forward_context(run.model, b.routed_experts, cfg.moe.router_replay, b.mask.bool())
+    trainer_logp = logprob_pass(run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
+                                cfg.train.micro_batch_size, mixed=run.mixed, forward_context=routed,
+                                plan=micro_plan(run, b))
     save_step_batch(run.run_dir / "batches" / f"step_{step:06d}.pt", step, b, trainer_logp, bf16_logprobs(run, b),
                     to_dict(cfg), run.tokenizer, run.model_dir, run.d)
 
 
 def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) -> None:
-    """The policy update: mini-batches (one optimizer step each) of micro-batches. A mini-batch whose
-    loss or grad norm is non-finite on any rank is skipped (state.bad_steps counts them in a row;
-    train.max_bad_steps aborts)."""
+    """The policy update: mini-batches (one optimizer step each) of micro-batches. The first mini-batch's
+    forward runs on the behaviour weights: it fills its rows of b.old_logp and b.entropy, and before its
+    optimizer step policy/entropy and mismatch/* are measured (over every row; under train.old_logp=rollout
+    over its rows, in a buffer of their own) and the mismatch guard runs. A mini-batch whose loss or grad
+    norm is non-finite on any rank is skipped (state.bad_steps counts them in a row; train.max_bad_steps
+    aborts)."""
     cfg, d = run.cfg, run.d
     probe_before = bf16_logprobs(run, b) if cfg.train.probe else None  # the policy before the update
     t0 = time.perf_counter()
-    bypass = cfg.train.old_logp == "rollout"  # the first mini-batch's forward stands in for the old_logp pass
-    entropy_coef = entropy_coefficient(state, None if bypass else metrics["policy/entropy"], cfg.loss.entropy_coef)
+    entropy_coef = entropy_coefficient(state, cfg.loss.entropy_coef)
     if cfg.loss.entropy_coef or state.entropy_control is not None:
         metrics["loss/entropy_coef"] = entropy_coef
     run.weight_change.start()
     with torch.profiler.record_function("train"):
         run.model.train()
-        B = len(b.samples)
-        order = torch.randperm(B, generator=torch.Generator().manual_seed(cfg.train.seed + step)).to(d.device)
-        mini = (cfg.train.mini_batch_size or B * d.world) // d.world  # per rank; the global one spans ranks
-        minis = micro_batches(B, mini)
+        minis = mini_batches(run, b, step)
+        bypass = cfg.train.old_logp == "rollout"
+        behaviour = torch.zeros_like(b.rollout_logp) if bypass else b.old_logp  # the first forward writes here
+        entropy = torch.zeros_like(b.rollout_logp) if bypass else b.entropy
+        measured = minis[0] if bypass else slice(None)  # the rows whose behaviour logprobs are known after it
         tally = TrainTally()
-        first_logp = torch.zeros_like(b.rollout_logp) if bypass else None
-        first_entropy = torch.zeros_like(b.rollout_logp) if bypass else None
         first_capture = contextlib.ExitStack()  # and with fp8.calib_pass=logprobs its q/k/v amax, the next scales
-        if bypass and run.calibrator is not None and cfg.fp8.calib_pass == "logprobs":
-            first_capture.enter_context(run.calibrator.capture())
-        for m, mini_slice in enumerate(minis):
-            idx = order[mini_slice]
+        if run.calibrator is not None and cfg.fp8.calib_pass == "logprobs":  # with old_logprob_phase's, if it ran
+            first_capture.enter_context(run.calibrator.capture(reset=bypass or len(minis) == 1))
+        for m, idx in enumerate(minis):
             nonfinite_loss = mini_batch_backward(run, b, idx, entropy_coef, len(minis), tally,
-                                                 first_logp=first_logp if m == 0 else None,
-                                                 first_entropy=first_entropy if m == 0 else None)
+                                                 first=(behaviour, entropy) if m == 0 else None)
             first_capture.close()  # before any optimizer step
-            if bypass and m == 0:
+            if m == 0:
                 metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(
-                    *(distributed.gather_rows(x[idx], d) for x in (first_logp, b.rollout_logp, b.mask))).items()})
-                metrics["policy/entropy"] = mean_entropy(first_entropy[idx], b.mask[idx], d)
+                    *(distributed.gather_rows(x[measured], d) for x in (behaviour, b.rollout_logp, b.mask))).items()})
+                metrics["policy/entropy"] = mean_entropy(entropy[measured], b.mask[measured], d)
                 mismatch_guard(metrics, step, cfg.train, run.logger)
             if not optimizer_step(run, state, nonfinite_loss, step, metrics):
                 tally.skipped += 1
@@ -321,17 +327,14 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
     update_metrics(run, b, step, probe_before, metrics)
 
 
-def entropy_coefficient(state: State, entropy: float | None, fixed: float) -> float:
+def entropy_coefficient(state: State, fixed: float) -> float:
     """The entropy bonus's coefficient for this step: loss.entropy_coef (fixed), or the adaptive
-    controller's value from policy/entropy. entropy: this step's, measured before the training forward
-    (the old_logp pass); None under train.old_logp=rollout, where this step's is measured in the
-    training forward that already needs the coefficient, so the controller steps on the previous step's
-    (state.entropy) and lags the trainer mode by one step; none yet (a run's first step): the bonus is
-    off and the coefficient stays where it is."""
+    controller's value from the previous step's policy/entropy (state.entropy: this step's is measured
+    in the first training forward, which already needs the coefficient); none yet (a run's first step):
+    the bonus is off and the coefficient stays where it is."""
     if state.entropy_control is None:
         return fixed
-    entropy = state.entropy if entropy is None else entropy
-    return 0.0 if entropy is None else state.entropy_control(entropy)
+    return 0.0 if state.entropy is None else state.entropy_control(state.entropy)
 
 
 def mean_entropy(entropy: torch.Tensor, mask: torch.Tensor, d: distributed.Dist) -> float:
@@ -363,13 +366,13 @@ class TrainTally:
 
 
 def mini_batch_backward(run: Run, b: StepBatch, idx: torch.Tensor, entropy_coef: float, n_mini: int,
-                        tally: TrainTally, first_logp: torch.Tensor | None = None,
-                        first_entropy: torch.Tensor | None = None) -> torch.Tensor:
+                        tally: TrainTally, first: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One mini-batch's gradients (rows idx of b, [M]), accumulated over its micro-batches; each
     micro-batch's loss metrics go to tally, weighted by its share of the mini-batch and 1 / n_mini.
-    first_logp, first_entropy [B, L]: given, they get the forward's logprobs and token entropies, detached
-    (no optimizer step has run: the behaviour weights'). Returns this rank's count of non-finite
-    micro-batch losses (a 0-dim tensor, no host sync)."""
+    first: (logp, entropy) [B, L] each, given for the first mini-batch (no optimizer step has run: the
+    behaviour weights'): they get each forward's logprobs and token entropies, detached, before its loss
+    reads b.old_logp (which is first's logp, but under train.old_logp=rollout). Returns this rank's count
+    of non-finite micro-batch losses (a 0-dim tensor, no host sync)."""
     cfg, d, model = run.cfg, run.d, run.model
     totals = MiniBatchTotals(  # over every rank's share of the mini-batch
         tokens=distributed.all_sum(b.loss_mask[idx].sum(), d).clamp(min=1),
@@ -382,15 +385,13 @@ def mini_batch_backward(run: Run, b: StepBatch, idx: torch.Tensor, entropy_coef:
         j = (rows, slice(0, n))
         routed = routing.prepare(model, None if b.routed_experts is None else b.routed_experts[j],
                                  cfg.moe.router_replay, keep_logits=cfg.moe.aux_loss_coef > 0)  # MoE
-        entropy = entropy_coef > 0 or first_entropy is not None  # the bonus's (with grad), or the metric's
+        entropy = entropy_coef > 0 or first is not None  # the bonus's (with grad), or the metric's
         with amp(run.mixed):  # the policy forward, with grad
             logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
                                   entropy=entropy, fused=cfg.train.fused_head, entropy_grad=entropy_coef > 0)
         logp, policy_entropy = logp if entropy else (logp, None)
-        if first_logp is not None:  # train.old_logp=rollout's stand-in for the old_logp pass
-            first_logp[j] = logp.detach()
-        if first_entropy is not None:
-            first_entropy[j] = policy_entropy.detach()
+        if first is not None:  # the behaviour weights' logprobs and entropy
+            first[0][j], first[1][j] = logp.detach(), policy_entropy.detach()
         aux = routing.load_balancing_loss(routed.logits, b.attention_mask[j]) \
             if routed is not None and cfg.moe.aux_loss_coef > 0 else None  # MoE, over the real tokens
         out = micro_batch_loss(LossInputs(

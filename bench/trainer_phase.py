@@ -147,7 +147,7 @@ def main():
         gc_timer().take()
         t0 = time.perf_counter()
         b = trainer.assemble_batch(run, [groups], metrics)
-        trainer.old_logprob_phase(run, b, metrics)
+        trainer.old_logprob_phase(run, b, step, metrics)
         trainer.train_phase(run, state, b, step, metrics)
         if d.device.type == "cuda":
             torch.cuda.synchronize(d.device)

@@ -1,7 +1,9 @@
 """End to end on CPU: the tiny run learns; the run interface; bad input exits with one line."""
 
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -121,6 +123,52 @@ def test_calib_pass_logprobs_equals_separate_pass_when_weights_do_not_move(tmp_p
         assert sep["fp8/k_scale_mean"] > 0
 
 
+RECORD_OLD_LOGP = """
+import json, os, trainer
+_loss, _pass, calls = trainer.micro_batch_loss, trainer.logprob_pass, []
+def micro_batch_loss(x, *a, **k):  # what each micro-batch's loss compared: its logp against old_logp
+    m = x.mask.bool()
+    calls.append({"loss": float((x.logp.detach() - x.old_logp)[m].abs().max()), "rows": len(x.logp)})
+    return _loss(x, *a, **k)
+def logprob_pass(model, input_ids, *a, plan=None, **k):  # the rows each no-grad pass scored
+    calls.append({"pass": sum(len(r) for r, _ in plan)})
+    return _pass(model, input_ids, *a, plan=plan, **k)
+trainer.micro_batch_loss, trainer.logprob_pass = micro_batch_loss, logprob_pass
+import atexit; atexit.register(lambda: open(os.environ["RECORD_TO"], "w").write(json.dumps(calls)))
+"""
+
+
+def test_the_first_mini_batch_takes_its_old_logp_from_its_own_forward(tmp_path):
+    """train.old_logp=trainer with 2 mini-batches of 2 micro-batches: the no-grad pass scores only the
+    second mini-batch's rows; the first's old_logp is its own training forward's, so their PPO ratio is 1 to
+    the last bit, while the second's come from the no-grad pass (the fused head, where training goes
+    through the unfused one): equal to float rounding on weights that do not move (lr=1e-30); one
+    mini-batch: no pass at all. mismatch/* (an FP8 KV cache's, in the engine only) and policy/entropy cover
+    every row either way: with weights that do not move, the same as with one mini-batch, to rounding."""
+    base = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.steps=1",
+            "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "optim.lr=1e-30",
+            "rollout.prompts_per_step=8", "train.micro_batch_size=16", "fp8.kv_cache=true"]
+    calls, metrics = {}, {}
+    for name, mini in (("two", 32), ("one", 0)):
+        out = tmp_path / f"{name}.json"
+        p = subprocess.run(  # train_grpo.py with the recorder patched in, in its process
+            [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{RECORD_OLD_LOGP}\n"
+             "import runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+             str(ROOT / "train_grpo.py"), *base, f"train.run_name={name}", f"train.mini_batch_size={mini}"],
+            cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "RECORD_TO": str(out)})
+        assert p.returncode == 0, p.stderr[-3000:]
+        calls[name], metrics[name] = json.loads(out.read_text()), read_metrics(tmp_path / name)[0]
+    two = calls["two"]
+    assert [c.get("pass") for c in two][:1] == [32]  # the second mini-batch's 32 of the 64 rows
+    losses = [c["loss"] for c in two if "loss" in c]
+    assert len(losses) == 4 and losses[:2] == [0.0, 0.0], losses  # the first mini-batch: its own forward
+    assert max(losses[2:]) < 1e-4, losses  # the second: the no-grad pass's, to rounding
+    assert [c for c in calls["one"] if "pass" in c] == []  # one mini-batch: no no-grad pass
+    assert metrics["one"]["mismatch/token_mult_prob_error"] > 1.0005  # the FP8 KV emulation's, there to see
+    for k in ("mismatch/token_mult_prob_error", "mismatch/mean_abs_diff", "policy/entropy"):
+        assert metrics["two"][k] == pytest.approx(metrics["one"][k], rel=1e-4), k
+
+
 def test_old_logp_from_the_rollout_skips_the_pass_and_measures_in_the_first_mini_batch(tmp_path):
     """train.old_logp=rollout: no old_logp forward, so the IS weight is 1 everywhere; mismatch/*,
     policy/entropy and the q/k/v amax (fp8.calib_pass=logprobs) come from the first mini-batch's training
@@ -137,13 +185,12 @@ def test_old_logp_from_the_rollout_skips_the_pass_and_measures_in_the_first_mini
 
 
 def test_old_logp_from_the_rollout_steers_the_adaptive_entropy_bonus(tmp_path):
-    """train.old_logp=rollout with loss.entropy_target: policy/entropy is logged every step, and equals the
-    skipped old_logp pass's (a no-grad pass through the fused LM head, where the training forward's goes
-    through the unfused head, with grad for the bonus) on the same batch: the weights never move (lr=1e-30,
-    as above) and the q/k/v scales come from the separate pass, so both runs sample the same batches. The
-    controller steps on the previous step's entropy, one step behind trainer's (the target is above any
-    entropy, so the coefficient climbs by its step), with the bonus off on the first step; a resumed run
-    goes on from the checkpoint's entropy, not from a first step's."""
+    """loss.entropy_target with either train.old_logp: policy/entropy is logged every step, measured in the
+    first mini-batch's training forward, the same in both on the same batch: the weights never move
+    (lr=1e-30, as above) and the q/k/v scales come from the separate pass, so both runs sample the same
+    batches. The controller steps on the previous step's entropy (the target is above any entropy, so the
+    coefficient climbs by its step), with the bonus off on the first step; a resumed run goes on from the
+    checkpoint's entropy, not from a first step's."""
     bonus = ["loss.entropy_target=10", "loss.entropy_coef=0.5", "loss.entropy_coef_step=0.25", "train.steps=3"]
     runs = frozen_runs(tmp_path, "train.old_logp", ("trainer", "rollout"), *bonus)
     old, new = runs["trainer"], runs["rollout"]
@@ -152,8 +199,7 @@ def test_old_logp_from_the_rollout_steers_the_adaptive_entropy_bonus(tmp_path):
         assert n["policy/entropy"] == pytest.approx(o["policy/entropy"], rel=1e-5, abs=0)
         assert n["reward/mean"] == o["reward/mean"]  # the same samples
         assert n["is/weight_mean"] == 1.0
-    assert [m["loss/entropy_coef"] for m in old] == [0.75, 1.0, 1.0]
-    assert [m["loss/entropy_coef"] for m in new] == [0.0, 0.75, 1.0]
+    assert [m["loss/entropy_coef"] for m in old] == [m["loss/entropy_coef"] for m in new] == [0.0, 0.75, 1.0]
     cut = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={tmp_path}", "train.run_name=cut",
            "train.val_every=0", "log.tensorboard=false", "log.dump_episodes_every=0", "fp8.kv_cache=true",
            "optim.lr=1e-30", "rollout.prompts_per_step=4", "train.old_logp=rollout", *bonus]
