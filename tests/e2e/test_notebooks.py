@@ -225,10 +225,14 @@ def test_figures_are_laid_out_before_saving(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    """3 tiny GRPO steps (8 prompts x 8 samples) saving batches at steps 0 and 2."""
+    """3 tiny GRPO steps (8 prompts x 8 samples) saving batches at steps 0 and 2. The training forward
+    through the fused head (train.fused_head): the old_logp its one mini-batch gives the loss, the logged
+    mismatch and the episode dump are then the bits of the no-grad pass the saved batch holds (through
+    the unfused head they differ by float rounding)."""
     out = tmp_path_factory.mktemp("runs")
     path = A.make_rollout_batch(out, steps=3, overrides=[
-        "rollout.prompts_per_step=8", "train.micro_batch_size=64", "log.dump_episodes_every=2"])
+        "rollout.prompts_per_step=8", "train.micro_batch_size=64", "log.dump_episodes_every=2",
+        "train.fused_head=true"])
     return path, observe.load_rollout_batch(path)
 
 
