@@ -228,37 +228,56 @@ def mini_batches(run: Run, b: StepBatch, step: int) -> list[torch.Tensor]:
     return [order[s] for s in micro_batches(B, mini)]
 
 
+def first_from_forward(run: Run) -> bool:
+    """Whether the first mini-batch's training forward gives its rows' old_logp (train.old_logp=trainer on a
+    dense model). An MoE model's no-grad pass scores every row: it measures the trainer/engine routing
+    mismatch (moe/routing_mismatch), a host sync per layer that the training forward must not take."""
+    return run.cfg.train.old_logp == "trainer" and not routing.is_moe(run.model)
+
+
 def old_logprob_phase(run: Run, b: StepBatch, step: int, metrics: dict) -> None:
     """b.old_logp and b.entropy [B, L] of the behaviour weights from a no-grad pass over every row but the
     first mini-batch's: train_phase's first forward runs on the same weights, before any optimizer step, and
-    fills those rows (their PPO ratio is then exactly 1, as verl's on-policy mini-batch has it). b.ref_logp
-    from the KL reference. fp8.calib_pass=logprobs: this pass's q/k/v amax, with the first mini-batch's,
-    gives the next rollout's scales. train.old_logp=rollout: old_logp is the engine's, and only the KL
-    reference pass runs."""
+    fills those rows (their PPO ratio is then exactly 1, as verl's on-policy mini-batch has it); an MoE
+    model's pass scores every row (first_from_forward). b.ref_logp from the KL reference.
+    fp8.calib_pass=logprobs: this pass's q/k/v amax, with the first mini-batch's, gives the next rollout's
+    scales. train.old_logp=rollout: old_logp is the engine's, and only the KL reference pass runs."""
     cfg = run.cfg
     t0 = time.perf_counter()
-    if cfg.train.old_logp == "rollout":
-        b.old_logp = b.rollout_logp
-    else:
-        rest = mini_batches(run, b, step)[1:]
-        b.old_logp, b.entropy = torch.zeros_like(b.rollout_logp), torch.zeros_like(b.rollout_logp)
-        if rest:  # one mini-batch: its forward gives all of them
-            capture = run.calibrator.capture() if run.calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
-                else contextlib.nullcontext()
-            stats = routing.RoutingStats()  # MoE: the trainer's top-k vs the engine's, over response tokens
-            routed = routing.forward_context(run.model, b.routed_experts, cfg.moe.router_replay, b.mask.bool(), stats)
-            with capture, torch.profiler.record_function("logprobs"):
-                b.old_logp, b.entropy = logprob_pass(
-                    run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature, cfg.train.micro_batch_size,
-                    entropy=True, mixed=run.mixed, forward_context=routed, plan=micro_plan(run, b, torch.cat(rest)))
-            if routed is not None:
-                tally = distributed.all_sum(torch.tensor([stats.differ, stats.pairs, stats.tokens_differ,
-                                                          stats.tokens], device=run.d.device), run.d).tolist()
-                metrics.update(routing.RoutingStats(*tally).metrics())
-    if run.ref_model is not None:
-        b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
-                                  cfg.train.micro_batch_size, mixed=run.mixed, plan=micro_plan(run, b))
+    with torch.profiler.record_function("logprobs"):
+        if cfg.train.old_logp == "rollout":
+            b.old_logp = b.rollout_logp
+        else:
+            minis = mini_batches(run, b, step)
+            b.old_logp, b.entropy = torch.zeros_like(b.rollout_logp), torch.zeros_like(b.rollout_logp)
+            metrics["perf/logprob_micro_batches"] = 0
+            if rest := minis[1:] if first_from_forward(run) else minis:  # else one mini-batch: its forward gives all
+                behaviour_pass(run, b, torch.cat(rest), metrics)
+        if run.ref_model is not None:
+            b.ref_logp = logprob_pass(run.ref_model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
+                                      cfg.train.micro_batch_size, mixed=run.mixed, plan=micro_plan(run, b))
     metrics["time/logprobs"] = time.perf_counter() - t0
+
+
+def behaviour_pass(run: Run, b: StepBatch, rows: torch.Tensor, metrics: dict) -> None:
+    """b.old_logp and b.entropy of `rows` from a no-grad pass (by train_phase's micro-batches, counted in
+    perf/logprob_micro_batches); under fp8.calib_pass=logprobs its q/k/v amax recorded (the calibrator reset
+    first); an MoE model's routing mismatch against the engine's, over every rank."""
+    cfg = run.cfg
+    plan = micro_plan(run, b, rows)
+    metrics["perf/logprob_micro_batches"] = len(plan)
+    capture = run.calibrator.capture() if run.calibrator is not None and cfg.fp8.calib_pass == "logprobs" \
+        else contextlib.nullcontext()
+    stats = routing.RoutingStats()  # MoE: the trainer's top-k vs the engine's, over response tokens
+    routed = routing.forward_context(run.model, b.routed_experts, cfg.moe.router_replay, b.mask.bool(), stats)
+    with capture:
+        b.old_logp, b.entropy = logprob_pass(run.model, b.input_ids, b.attention_mask, cfg.rollout.temperature,
+                                             cfg.train.micro_batch_size, entropy=True, mixed=run.mixed,
+                                             forward_context=routed, plan=plan)
+    if routed is not None:
+        tally = distributed.all_sum(torch.tensor([stats.differ, stats.pairs, stats.tokens_differ, stats.tokens],
+                                                 device=run.d.device), run.d).tolist()
+        metrics.update(routing.RoutingStats(*tally).metrics())
 
 
 def bf16_logprobs(run: Run, b: StepBatch) -> torch.Tensor:
@@ -285,8 +304,8 @@ def save_batch(run: Run, b: StepBatch, step: int) -> None:
 
 def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) -> None:
     """The policy update: mini-batches (one optimizer step each) of micro-batches. The first mini-batch's
-    forward runs on the behaviour weights: it fills its rows of b.old_logp and b.entropy, and before its
-    optimizer step policy/entropy and mismatch/* are measured (over every row; under train.old_logp=rollout
+    forward runs on the behaviour weights: it fills its rows of b.old_logp and b.entropy (first_from_forward),
+    and before its optimizer step policy/entropy and mismatch/* are measured (over every row; under train.old_logp=rollout
     over its rows, in a buffer of their own) and the mismatch guard runs. A mini-batch whose loss or grad
     norm is non-finite on any rank is skipped (state.bad_steps counts them in a row; train.max_bad_steps
     aborts)."""
@@ -300,17 +319,17 @@ def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) 
     with torch.profiler.record_function("train"):
         run.model.train()
         minis = mini_batches(run, b, step)
-        bypass = cfg.train.old_logp == "rollout"
+        bypass, own = cfg.train.old_logp == "rollout", first_from_forward(run)
         behaviour = torch.zeros_like(b.rollout_logp) if bypass else b.old_logp  # the first forward writes here
         entropy = torch.zeros_like(b.rollout_logp) if bypass else b.entropy
         measured = minis[0] if bypass else slice(None)  # the rows whose behaviour logprobs are known after it
         tally = TrainTally()
         first_capture = contextlib.ExitStack()  # and with fp8.calib_pass=logprobs its q/k/v amax, the next scales
-        if run.calibrator is not None and cfg.fp8.calib_pass == "logprobs":  # with old_logprob_phase's, if it ran
-            first_capture.enter_context(run.calibrator.capture(reset=bypass or len(minis) == 1))
+        if (bypass or own) and run.calibrator is not None and cfg.fp8.calib_pass == "logprobs":
+            first_capture.enter_context(run.calibrator.capture(reset=bypass or len(minis) == 1))  # else with the pass's
         for m, idx in enumerate(minis):
             nonfinite_loss = mini_batch_backward(run, b, idx, entropy_coef, len(minis), tally,
-                                                 first=(behaviour, entropy) if m == 0 else None)
+                                                 first=(behaviour, entropy) if m == 0 and (bypass or own) else None)
             first_capture.close()  # before any optimizer step
             if m == 0:
                 metrics.update({f"mismatch/{k}": v for k, v in mismatch_metrics(

@@ -157,17 +157,18 @@ def main():
             torch.cuda.memory._record_memory_history(enabled=None)
         if prof is not None:
             say(f"[trainer_phase] profile: {save_profile(prof, Path(args.out) / 'profile', step, d.rank, d.device)}")
-        micro = metrics["perf/micro_batches"]
+        micro, scored = metrics["perf/micro_batches"], metrics.get("perf/logprob_micro_batches", 0)
         row = {"step": step, "timed": step > 0, "samples_per_rank": len(b.samples),
                "response_mean": float(b.mask.sum(1).float().mean()), "micro_batches": micro,
+               "logprob_micro_batches": scored,  # the first mini-batch's old_logp come from its training forward
                "logprobs_s": round(metrics["time/logprobs"], 3), "train_s": round(metrics["time/train"], 3),
-               "logprobs_s_per_micro_batch": round(metrics["time/logprobs"] / micro, 4),
+               "logprobs_s_per_micro_batch": round(metrics["time/logprobs"] / max(scored, 1), 4),
                "train_s_per_micro_batch": round(metrics["time/train"] / micro, 4), "wall_s": round(wall, 3),
                "compiled_graphs": distributed.compiled_graphs(d),  # all ranks': grown in a timed step = compiling
                **{k: round(v, 3) for k, v in gc_timer().take().items()},
                **{k: round(v, 2) for k, v in distributed.memory_metrics(d.device).items()}}
         say(f"[trainer_phase] step {step}: logprobs {row['logprobs_s']:.2f} s, train {row['train_s']:.2f} s "
-            f"({micro} micro-batches: {row['logprobs_s_per_micro_batch']:.3f} + "
+            f"({scored} / {micro} micro-batches: {row['logprobs_s_per_micro_batch']:.3f} / "
             f"{row['train_s_per_micro_batch']:.3f} s each), {row['compiled_graphs']} graphs compiled so far "
             "over the ranks", flush=True)
         rows.append(row)

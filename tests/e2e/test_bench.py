@@ -852,15 +852,17 @@ def test_trainer_phase_runs_the_trainers_phases_under_fsdp2(tmp_path):
     untimed; a --prompts that does not split into whole micro-batches, or --memory off CUDA, is a one-line
     error, exit 2."""
     cmd = ["-m", "bench.trainer_phase", "--config", "configs/tiny_cpu.yaml", "--set", "rollout.max_new_tokens=40",
-           "rollout.n=4", "train.micro_batch_size=4"]
+           "rollout.n=4", "train.micro_batch_size=4", "rollout.prompts_per_step=8", "train.mini_batch_size=16"]
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd,
                         "--prompts", "8", "--prompt", "5", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0, p.stderr[-3000:]
     doc = json.loads((tmp_path / "trainer_phase.json").read_text())
-    assert doc["overrides"] == ["rollout.max_new_tokens=40", "rollout.n=4", "train.micro_batch_size=4"]
+    assert doc["overrides"] == ["rollout.max_new_tokens=40", "rollout.n=4", "train.micro_batch_size=4",
+                                "rollout.prompts_per_step=8", "train.mini_batch_size=16"]
     runs = doc["runs"]
     assert [(r["step"], r["timed"]) for r in runs] == [(0, False), (1, True)]
     assert all(r["workload"].endswith("2 rank(s)") and r["samples_per_rank"] == 16 and r["micro_batches"] == 4
+               and r["logprob_micro_batches"] == 2  # 2 optimizer steps of 8 rows a rank: the second's
                and r["response_mean"] == 40 and r["train_s"] > 0 and r["logprobs_s"] > 0
                and r["compiled_graphs"] == 0 for r in runs)  # eager on CPU: nothing compiled on either rank
     bad = subprocess.run([sys.executable, *cmd[:4], "--set", "rollout.n=3", "train.micro_batch_size=4", "--prompts", "3",

@@ -25,19 +25,20 @@ def test_dynamic_sampling_keeps_ranks_in_lockstep(tmp_path):
 def test_entropy_bonus_keeps_a_collapsing_policy_exploring(tmp_path):
     """lr 0.05 collapses the tiny policy within 3 steps; the bonus (always on: the target is above any
     entropy) keeps its entropy higher, and the adaptive coefficient climbs by its step up to 1, across
-    a resume too."""
+    a resume too. It steps on the previous step's entropy (this step's is measured in the training forward
+    that needs it), so the first step runs without the bonus."""
     from test_distributed import by_step, launch
 
     extra = ["fp8.train=false", "fp8.rollout=false", "optim.lr=0.05", "optim.warmup_steps=0"]
     plain = launch(tmp_path, "plain", 1, extra)
     bonus = launch(tmp_path, "bonus", 1, [*extra, "loss.entropy_target=10", "loss.entropy_coef=0.5",
                                           "loss.entropy_coef_step=0.25"])
-    assert by_step(bonus, "loss/entropy_coef") == [0.75, 1.0, 1.0]
+    assert by_step(bonus, "loss/entropy_coef") == [0.0, 0.75, 1.0]
     ent_plain, ent_bonus = by_step(plain, "policy/entropy"), by_step(bonus, "policy/entropy")
     assert ent_plain[0] == ent_bonus[0] and ent_bonus[-1] > ent_plain[-1] + 0.1, (ent_plain, ent_bonus)
-    # the coefficient is run state: a run stopped after 2 steps and resumed goes on from 1.0, not 0.5
+    # the coefficient is run state: a run stopped after 2 steps and resumed goes on to 1.0, not from 0
     from test_distributed import read, torchrun
     launch(tmp_path, "cut", 1, [*extra, "loss.entropy_target=10", "loss.entropy_coef=0.5",
                                 "loss.entropy_coef_step=0.25", "train.steps=2"])
     torchrun(tmp_path, 1, "--resume", str(tmp_path / "cut"), "train.steps=3")
-    assert by_step(read(tmp_path / "cut"), "loss/entropy_coef") == [0.75, 1.0, 1.0]
+    assert by_step(read(tmp_path / "cut"), "loss/entropy_coef") == [0.0, 0.75, 1.0]
