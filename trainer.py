@@ -305,10 +305,10 @@ def save_batch(run: Run, b: StepBatch, step: int) -> None:
 def train_phase(run: Run, state: State, b: StepBatch, step: int, metrics: dict) -> None:
     """The policy update: mini-batches (one optimizer step each) of micro-batches. The first mini-batch's
     forward runs on the behaviour weights: it fills its rows of b.old_logp and b.entropy (first_from_forward),
-    and before its optimizer step policy/entropy and mismatch/* are measured (over every row; under train.old_logp=rollout
-    over its rows, in a buffer of their own) and the mismatch guard runs. A mini-batch whose loss or grad
-    norm is non-finite on any rank is skipped (state.bad_steps counts them in a row; train.max_bad_steps
-    aborts)."""
+    and before its optimizer step policy/entropy and mismatch/* are measured (over every row; under
+    train.old_logp=rollout over its rows, in a buffer of their own) and the mismatch guard runs. A
+    mini-batch whose loss or grad norm is non-finite on any rank is skipped (state.bad_steps counts them in
+    a row; train.max_bad_steps aborts)."""
     cfg, d = run.cfg, run.d
     probe_before = bf16_logprobs(run, b) if cfg.train.probe else None  # the policy before the update
     t0 = time.perf_counter()
