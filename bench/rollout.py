@@ -430,11 +430,14 @@ def run_worker(args) -> int:
             row.update(gen_s=round(dt, 3), gen_tokens=gen, out_tok_s=round(gen / dt, 1),
                        total_tok_s=round((gen + w.prompts * w.prompt_len) / dt, 1),
                        fixed_length=len(samples) == w.prompts and all(n == w.gen_len for n in lens))
+            row.update(generation_bounds(row, gen, dt))
             if not row["fixed_length"] and not engine.cfg.rollout.ignore_eos_median:  # (drawn lengths: not fixed)
                 say(f"WARNING {w.name}: {len(samples)} samples, lengths {min(lens)}..{max(lens)} (ignore_eos?)")
             say(f"{w.name}: {gen:,} tokens in {dt:.1f} s = {gen / dt:,.0f} out tok/s "
                 f"(KV fits {row['seqs_fit']} of these sequences); {row.get('engine_steps', '?')} engine steps, host ms "
-                f"per step {row['host_ms_per_step']}; GPU busy {row.get('gpu_busy_frac', '?')}")
+                f"per step {row['host_ms_per_step']} ({row.get('host_us_per_token', '?')} us a token at "
+                f"{row.get('mean_batch', '?')} sequences a step); GPU busy {row.get('gpu_busy_frac', '?')} "
+                f"({row.get('gpu_busy_s', '?')} s)")
             emit(args.result_file, row)
         return 0
     except Exception as e:  # recorded for the parent; the traceback goes to the log
@@ -598,6 +601,20 @@ def gc_timed(totals: dict[str, list]):
         yield totals
     finally:
         gc.callbacks.remove(on_gc)
+
+
+def generation_bounds(row: dict, gen_tokens: int, gen_s: float) -> dict:
+    """What bounds a generation, from a run row's engine_steps, host_ms_per_step and gpu_busy_frac (each
+    where measured): mean_batch (sequences decoded per engine step), host_us_per_token (vLLM's host loop per
+    generated token: at a fixed cost per sequence and step, the batch does not amortise it) and gpu_busy_s
+    (the GPU's time at work: the rollout a host with no cost would leave)."""
+    out = {}
+    if row.get("engine_steps") and "step" in row.get("host_ms_per_step", {}):
+        out["mean_batch"] = round(gen_tokens / row["engine_steps"], 1)
+        out["host_us_per_token"] = round(1000 * row["host_ms_per_step"]["step"] / out["mean_batch"], 1)
+    if "gpu_busy_frac" in row:
+        out["gpu_busy_s"] = round(gen_s * row["gpu_busy_frac"], 2)
+    return out
 
 
 @contextlib.contextmanager

@@ -214,6 +214,16 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
         assert e.value.code == 2 and "--decode-repeats" in capsys.readouterr().err
 
 
+def test_generation_bounds_from_a_measured_row():
+    """generation_bounds on the FP8 KV row of the 2,048-sequence run on an H100 (docs/results.md): 1,042 engine
+    steps of 49.653 ms for 1,048,576 tokens in 52.5 s at GPU busy 0.637; a row without vLLM's timings or
+    nvidia-smi's samples gets nothing."""
+    row = {"engine_steps": 1042, "host_ms_per_step": {"step": 49.653, "schedule": 9.715}, "gpu_busy_frac": 0.637}
+    assert br.generation_bounds(row, 1_048_576, 52.5) == {"mean_batch": 1006.3, "host_us_per_token": 49.3,
+                                                          "gpu_busy_s": 33.44}
+    assert br.generation_bounds({"host_ms_per_step": {"error": "not timed: HF engine"}}, 1000, 1.0) == {}
+
+
 def test_gpu_busy_averages_nvml_samples_and_says_why_when_there_are_none(tmp_path, monkeypatch):
     """gpu_busy: the mean of `nvidia-smi -lms` utilization samples taken while inside, as a fraction; its
     command names this process's first visible GPU; a missing or silent nvidia-smi gives gpu_busy_error."""
