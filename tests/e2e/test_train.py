@@ -111,12 +111,16 @@ def frozen_runs(tmp_path, key: str, values, *extra: str) -> dict[str, list[dict]
     return runs
 
 
-def test_calib_pass_logprobs_equals_separate_pass_when_weights_do_not_move(tmp_path):
-    """fp8.calib_pass=logprobs takes the q/k/v amax from the old_logp forward instead of a separate
-    forward after the update. With lr=1e-30 (lr=0 is refused) every Adam update (<= ~lr) is below the fp32
-    resolution of every weight, so the weights never move, and the separate pass covers every row
-    (calib_samples >= batch), so both must give the same scales, step by step, exactly."""
-    runs = frozen_runs(tmp_path, "fp8.calib_pass", ("separate", "logprobs"), "fp8.calib_samples=100000")
+@pytest.mark.parametrize("extra", [[], ["train.mini_batch_size=16", "fp8.calib_percentile=100"]])
+def test_calib_pass_logprobs_equals_separate_pass_when_weights_do_not_move(tmp_path, extra):
+    """fp8.calib_pass=logprobs takes the q/k/v amax from the old_logp forwards (the no-grad pass over every
+    mini-batch but the first, and the first's training forward; with one mini-batch that forward alone)
+    instead of a separate forward after the update. With lr=1e-30 (lr=0 is refused) every Adam update (<= ~lr)
+    is below the fp32 resolution of every weight, so the weights never move, and the separate pass covers
+    every row (calib_samples >= batch), so both must give the same scales, step by step, exactly: with one
+    micro-batch each, or, with two mini-batches of micro-batches other than the separate pass's, at the
+    100th percentile of the micro-batches' amax (the largest: every row's, however grouped)."""
+    runs = frozen_runs(tmp_path, "fp8.calib_pass", ("separate", "logprobs"), "fp8.calib_samples=100000", *extra)
     for sep, lp in zip(runs["separate"], runs["logprobs"]):
         for k in ("fp8/q_scale_mean", "fp8/k_scale_mean", "fp8/v_scale_mean", "mismatch/token_mult_prob_error"):
             assert sep[k] == lp[k], (k, sep[k], lp[k])
