@@ -78,12 +78,15 @@ def _tail_mean(rows: list[dict], key: str) -> float | None:
 
 def summarize_run(rows: list[dict], steps: int) -> dict:
     """One run's metrics.jsonl rows -> its table row. final_val: the val/accuracy logged at step
-    `steps` (the end-of-run validation), None if the run did not get there."""
+    `steps` (the end-of-run validation), None if the run did not get there; start_val: at step 0, before
+    any update (the warm start's, which differs between GPU hosts: compare gates by the gain too)."""
     train = [r for r in rows if "reward/mean" in r]
     final = [r["val/accuracy"] for r in rows if r.get("step") == steps and "val/accuracy" in r]
+    start = [r["val/accuracy"] for r in rows if r.get("step") == 0 and "val/accuracy" in r]
     zero_grad = [r["step"] for r in train if r.get("optim/grad_norm") == 0]
     return {
         "final_val": float(final[-1]) if final else None,
+        "start_val": float(start[0]) if start else None,
         "steps_logged": len(train),
         "unsolved_groups": _tail_mean(train, "reward/unsolved_groups"),
         "zero_std_groups": _tail_mean(train, "reward/zero_std_groups"),
@@ -131,10 +134,11 @@ def _fmt(x, spec=".2f"):
 
 
 def table(runs: list[dict], means: dict, modes=MODES) -> str:
-    lines = ["| mode | seed | final val | steps | unsolved groups | zero-std groups | distinct answers | "
-             "entropy | first grad_norm 0 | s/step |", "|" + "---|" * 10]
+    lines = ["| mode | seed | start val | final val | steps | unsolved groups | zero-std groups | distinct answers | "
+             "entropy | first grad_norm 0 | s/step |", "|" + "---|" * 11]
     for r in sorted(runs, key=lambda r: (list(modes).index(r["mode"]), r["seed"])):
-        lines.append(f"| {r['mode']} | {r['seed']} | {_fmt(r['final_val'])} | {r['steps_logged']} | "
+        lines.append(f"| {r['mode']} | {r['seed']} | {_fmt(r.get('start_val'))} | {_fmt(r['final_val'])} | "
+                     f"{r['steps_logged']} | "
                      f"{_fmt(r['unsolved_groups'])} | {_fmt(r['zero_std_groups'])} | {_fmt(r['distinct_answers'])} | "
                      f"{_fmt(r['entropy'], '.3f')} | {_fmt(r['first_zero_grad_step'], 'd')} | "
                      f"{_fmt(r['time_step_s'], '.2f')} |")
@@ -142,6 +146,9 @@ def table(runs: list[dict], means: dict, modes=MODES) -> str:
     lines.append(" ".join(f"mean final val {m}: {_fmt(means.get(m), '.3f')};" for m in modes)
                  + (f" gap fp8 - bf16: {_fmt(means.get('gap'), '+.3f')}" if "gap" in means else "")
                  + (f"; gap fp8_async - fp8: {_fmt(means['async_gap'], '+.3f')}" if "async_gap" in means else ""))
+    gains = {m: [r["final_val"] - r["start_val"] for r in runs if r["mode"] == m
+                 and r["final_val"] is not None and r.get("start_val") is not None] for m in modes}
+    lines.append(" ".join(f"mean gain over the run {m}: {sum(g) / len(g):+.3f};" for m, g in gains.items() if g))
     return "\n".join(lines)
 
 

@@ -51,7 +51,8 @@ def test_passing_runs_pass(tmp_path):
     assert r["final_val"] == 0.84 and r["steps_logged"] == STEPS and r["first_zero_grad_step"] == 7
     assert r["unsolved_groups"] == pytest.approx(0.1) and r["zero_std_groups"] == pytest.approx(0.3)
     md = learn_gate.table(runs, means)
-    assert md.count("\n| fp8 |") == 4 and md.count("\n| bf16 |") == 4 and "| 0.84 | 20 | 0.10 | 0.30 |" in md
+    assert md.count("\n| fp8 |") == 4 and md.count("\n| bf16 |") == 4 and "| 0.10 | 0.84 | 20 | 0.10 | 0.30 |" in md
+    assert r["start_val"] == 0.1 and "mean gain over the run fp8: +0.730; mean gain over the run bf16: +0.730;" in md
 
 
 @pytest.mark.parametrize("kwargs, reason", [
