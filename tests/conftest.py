@@ -31,9 +31,14 @@ TINY_RUN = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "log.tensorboard=fa
 TINY_STEPS = 8
 
 
-def train_cmd(*args) -> list[str]:
-    """`python train_grpo.py *args`, for a child process (a test that needs its own process)."""
-    return [sys.executable, str(ROOT / "train_grpo.py"), *args]
+def train_cmd(*args, patch: str | None = None) -> list[str]:
+    """`python train_grpo.py *args`, for a child process (a test that needs its own process). patch: Python
+    executed first in that process (a mutation, a recorder), then train_grpo.py as __main__."""
+    if patch is None:
+        return [sys.executable, str(ROOT / "train_grpo.py"), *args]
+    main = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    return [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{patch}\n{main}",
+            str(ROOT / "train_grpo.py"), *args]
 
 
 @dataclasses.dataclass

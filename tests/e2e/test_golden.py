@@ -36,6 +36,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # conftest, also when this file runs as a script (--write)
+from conftest import train_cmd  # noqa: E402
 GOLDEN = ROOT / "tests/assets/tiny_cpu_golden.json"
 OVERRIDES = ["train.steps=10", "train.val_every=5", "train.ckpt_every=0", "log.tensorboard=false",
              "log.dump_episodes_every=0"]
@@ -72,11 +74,10 @@ h.HFEngine.generate = generate
 
 def run_tiny_cpu(out_dir: Path, patch: str = "") -> list[dict]:
     """tiny_cpu for 10 steps in a child process under PINNED_ENV, `patch` (Python) executed first."""
-    main = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
-    argv = [str(ROOT / "train_grpo.py"), "--config", str(ROOT / "configs/tiny_cpu.yaml"),
-            f"train.out_dir={out_dir}", "train.run_name=golden", *OVERRIDES]
-    p = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{patch}\n{main}", *argv],
-                       cwd=out_dir, capture_output=True, text=True, timeout=600, env={**os.environ, **PINNED_ENV})
+    argv = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), f"train.out_dir={out_dir}", "train.run_name=golden",
+            *OVERRIDES]
+    p = subprocess.run(train_cmd(*argv, patch=patch), cwd=out_dir, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, **PINNED_ENV})
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (out_dir / "golden/metrics.jsonl").read_text().splitlines()]
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in rows]

@@ -3,7 +3,6 @@
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -155,11 +154,10 @@ def test_the_first_mini_batch_takes_its_old_logp_from_its_own_forward(tmp_path):
     calls, metrics = {}, {}
     for name, mini in (("two", 32), ("one", 0)):
         out = tmp_path / f"{name}.json"
-        p = subprocess.run(  # train_grpo.py with the recorder patched in, in its process
-            [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT)!r})\n{RECORD_OLD_LOGP}\n"
-             "import runpy; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
-             str(ROOT / "train_grpo.py"), *base, f"train.run_name={name}", f"train.mini_batch_size={mini}"],
-            cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "RECORD_TO": str(out)})
+        p = subprocess.run(train_cmd(*base, f"train.run_name={name}", f"train.mini_batch_size={mini}",
+                                     patch=RECORD_OLD_LOGP),  # the recorder patched in, in its process
+                           cwd=tmp_path, capture_output=True, text=True, timeout=900,
+                           env={**os.environ, "RECORD_TO": str(out)})
         assert p.returncode == 0, p.stderr[-3000:]
         calls[name], metrics[name] = json.loads(out.read_text()), read_metrics(tmp_path / name)[0]
     two = calls["two"]
