@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests/unit"), str(ROOT / "tests/e2e")]
 # the scripts and benchmarks run as modules (`python -m scripts.learn_gate`): a child finds them from any directory
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p)
+# a child killed by a signal (a native crash) prints its Python stack to the stderr a test shows
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # tiny_cpu with the whole recipe (FP8 trainer + W8A8 engine + FP8 KV with recalibrated scales) on a
 # small batch: ~0.2 s per step after ~8 s of start-up on 2 cores. Validation every 3 steps,
 # a checkpoint every 2 (keep 2).

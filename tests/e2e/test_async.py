@@ -12,7 +12,7 @@ ASYNC_ONLY = ("rollout/policy_version", "rollout/staleness", "rollout/engine_s")
 
 def launch(tmp_path, name, nproc, *extra):
     torchrun(tmp_path, nproc, "--config", str(ROOT / "configs/tiny_cpu.yaml"), *COMMON, f"train.out_dir={tmp_path}",
-             f"train.run_name={name}", *extra)
+             f"train.run_name={name}", *extra, fresh=tmp_path / name)
     return read(tmp_path / name)
 
 

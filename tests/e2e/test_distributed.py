@@ -3,9 +3,12 @@ sharded (DCP) checkpoint of either resumes on the other: one checkpoint format f
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -20,14 +23,46 @@ COMMON = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "log.tensorboard=fals
           "train.steps=3", "rollout.prompts_per_step=8", "train.micro_batch_size=16", "train.device=cpu"]
 
 
-def torchrun(cwd, nproc, *args) -> str:
-    """train_grpo.py on nproc gloo ranks; its stdout."""
+def torchrun(cwd, nproc, *args, fresh: Path | None = None) -> str:
+    """train_grpo.py on nproc gloo ranks; its stdout. A rank killed by a signal prints its Python stack
+    (faulthandler: conftest), shown with the failure. fresh: the run dir of a new run (not a resume); such a run, a
+    rank of which died of a signal (a native crash inside torch or gloo, never an error the run raised),
+    runs once more from scratch, the first crash's stack in a warning."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(ROOT / "train_grpo.py"), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
-    assert p.returncode == 0, p.stderr[-4000:]
+    if p.returncode and fresh is not None and (sig := crash_signal(p.stderr)):
+        warnings.warn(f"a rank of {fresh.name} died of {sig}; run again from scratch:\n{crash_report(p.stderr)}")
+        shutil.rmtree(fresh, ignore_errors=True)
+        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, crash_report(p.stderr)
     return p.stdout
+
+
+def crash_signal(stderr: str) -> str | None:
+    """The signal that killed the first rank to fail (torchrun's "Root Cause" exit code), e.g. "SIGSEGV"."""
+    m = re.search(r"Root Cause.*?exitcode\s*:\s*-(\d+)", stderr, re.S)
+    return signal.Signals(int(m[1])).name if m else None
+
+
+def crash_report(stderr: str) -> str:
+    """The end of a failed launch's stderr, after faulthandler's stack of a crashed rank if there is one."""
+    at = stderr.find("Fatal Python error")
+    return (stderr[at:at + 3000] + "\n...\n" if at >= 0 else "") + stderr[-4000:]
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_its_stack(tmp_path):
+    """What torchrun prints when a rank segfaults: crash_signal names the signal (the retry's condition) and
+    crash_report leads with the rank's Python stack."""
+    (tmp_path / "crash.py").write_text("import ctypes, os, time\n"
+                                       "if os.environ['RANK'] == '1':\n    ctypes.string_at(0)\ntime.sleep(30)\n")
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        str(tmp_path / "crash.py")], capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0 and crash_signal(p.stderr) == "SIGSEGV", p.stderr[-3000:]
+    report = crash_report(p.stderr)
+    assert report.startswith("Fatal Python error: Segmentation fault") and "crash.py" in report
+    assert crash_signal("Root Cause (first observed failure):\n  exitcode  : 1 (pid: 7)") is None
 
 
 def read(run_dir):
@@ -35,7 +70,8 @@ def read(run_dir):
 
 
 def launch(tmp_path, name, nproc, extra=()):
-    torchrun(tmp_path, nproc, *COMMON, f"train.out_dir={tmp_path}", f"train.run_name={name}", *extra)
+    torchrun(tmp_path, nproc, *COMMON, f"train.out_dir={tmp_path}", f"train.run_name={name}", *extra,
+             fresh=tmp_path / name)
     return read(tmp_path / name)
 
 
@@ -177,7 +213,7 @@ def test_checkpoint_loads_exactly_on_another_world_size(runs, tmp_path, written,
            str(script), str(runs[written]), str(tmp_path / "out")]
     p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stderr[-4000:]
+    assert p.returncode == 0, crash_report(p.stderr)
     want, got = ckpt(runs[written], 3), load_checkpoint(tmp_path / "out/step_000003")
     assert got["world"] == resumed and want["world"] == written and len(got["rng"]) == resumed
     assert got["model"].keys() == want["model"].keys()
