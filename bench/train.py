@@ -211,7 +211,9 @@ def stack_flops(hf_cfg, tokens: int, seq_len: int) -> float:
 
 
 def summarize_kernels(kernels: list[tuple], iters: int, top: int = 40) -> dict:
-    """[(kernel name, total ms, ...)] over `iters` iterations -> ms/iter per category and the top kernels."""
+    """[(kernel name, total ms[, calls])] over `iters` iterations -> ms/iter per category and the top kernels,
+    each with its launches per iteration where the calls are given (ms / calls: a launch's time, to hold
+    against the bytes it moves)."""
     from observe import kernel_kind as category
 
     total = sum(k[1] for k in kernels) or 1.0
@@ -221,7 +223,8 @@ def summarize_kernels(kernels: list[tuple], iters: int, top: int = 40) -> dict:
     ranked = sorted(kernels, key=lambda k: -k[1])[:top]
     return {"gpu_ms_per_iter": total / iters,
             "categories": {c: {"ms": ms / iters, "share": ms / total} for c, ms in sorted(cats.items(), key=lambda c: -c[1])},
-            "top_kernels": [{"name": k[0][:120], "category": category(k[0]), "ms": k[1] / iters} for k in ranked]}
+            "top_kernels": [{"name": k[0][:120], "category": category(k[0]), "ms": k[1] / iters,
+                             **({"calls": k[2] / iters} if len(k) > 2 else {})} for k in ranked]}
 
 
 def profile_kernels(fn, iters: int = 2, per_call: int = 1) -> dict:

@@ -810,7 +810,7 @@ def test_gpu_check_queue_runs_parts_on_free_gpus_and_collects_them_as_they_end(t
 
 def test_kernel_summary_categories():
     """--profile's kernel table: names map to categories, ms are per iteration, shares add up."""
-    kernels = [("triton_fp8_blockwise_act_quant_lhs_kernel", 4.0), ("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA", 10.0),
+    kernels = [("triton_fp8_blockwise_act_quant_lhs_kernel", 4.0, 56), ("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA", 10.0),
                ("pytorch_flash::flash_fwd_kernel<...>", 3.0), ("void at::native::(anonymous)::fused_adam", 1.0),
                ("void at::native::vectorized_elementwise_kernel<4, silu>", 1.0), ("CatArrayBatchedCopy", 1.0)]
     s = bt.summarize_kernels(kernels, iters=2, top=3)
@@ -820,6 +820,7 @@ def test_kernel_summary_categories():
                                                      "optimizer": 0.5, "elementwise": 0.5, "copy": 0.5}
     assert list(cats)[0] == "gemm" and abs(sum(v["share"] for v in cats.values()) - 1) < 1e-9
     assert [k["category"] for k in s["top_kernels"]] == ["gemm", "quant", "attention"]
+    assert [k.get("calls") for k in s["top_kernels"]] == [None, 28, None]  # launches per iteration, where given
 
 
 def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
