@@ -1,6 +1,7 @@
 """Multi-process data parallel on CPU (gloo + FSDP2): 2 ranks reproduce the 1-rank run, and a
 sharded (DCP) checkpoint of either resumes on the other: one checkpoint format for every world size."""
 
+import functools
 import json
 import os
 import re
@@ -30,12 +31,13 @@ def torchrun(cwd, nproc, *args, fresh: Path | None = None) -> str:
     runs once more from scratch, the first crash's stack in a warning."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(ROOT / "train_grpo.py"), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+    run = functools.partial(subprocess.run, cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = run()
     if p.returncode and fresh is not None and (sig := crash_signal(p.stderr)):
         warnings.warn(f"a rank of {fresh.name} died of {sig}; run again from scratch:\n{crash_report(p.stderr)}")
         shutil.rmtree(fresh, ignore_errors=True)
-        p = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+        p = run()  # the same command
     assert p.returncode == 0, crash_report(p.stderr)
     return p.stdout
 
