@@ -385,7 +385,7 @@ def test_one_rank_engine_rendezvous_under_torchrun(tmp_path, mode):
     (tmp_path / "rdzv.py").write_text(RENDEZVOUS)
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                         str(tmp_path / "rdzv.py"), mode], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     if mode == "guarded":
         assert p.returncode == 0 and "agent store after: True" in p.stdout, p.stderr[-2000:]
     else:
