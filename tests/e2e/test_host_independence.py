@@ -25,6 +25,7 @@ def test_unit_tests_hold_on(host, tmp_path):
     # an inductor cache of its own: torch 2.11 reuses a kernel generated for another ISA from a shared
     # cache and fails to build it (AVX-512 code under ATEN_CPU_CAPABILITY=default)
     env = {**os.environ, **HOSTS[host], "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    p = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests/unit"), "-q", "-p", "no:cacheprovider"],
+    p = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests/unit"), "-q", "-p", "no:cacheprovider",
+                        "--tb=short"],  # short tracebacks: every failure's assertion fits in the message
                        cwd=ROOT, capture_output=True, text=True, timeout=1200, env=env)
-    assert p.returncode == 0, f"tests/unit as an {host} host ({HOSTS[host]}):\n{p.stdout[-4000:]}"
+    assert p.returncode == 0, f"tests/unit as an {host} host ({HOSTS[host]}):\n{p.stdout[-8000:]}"
