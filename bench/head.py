@@ -14,7 +14,11 @@ The first two variants are batch.token_logprobs itself, through a model that is 
   fused     batch._HeadLogprobs (train.fused_head true): the head and the log-softmax chunk by chunk, nothing
             [tokens, V] kept, the logits recomputed in backward (one more head GEMM)
   compiled  the unfused math over the whole micro-batch in one torch.compile'd function: Inductor fuses the
-            fp32 work into the passes over the bf16 logits and chooses what backward keeps
+            fp32 work into the passes over the bf16 logits and chooses what backward keeps; compiled for the
+            one shape timed
+  compiled_lengths  the same, compiled once for any rows and length (the vocabulary static), as the train
+            pass would need it: its micro-batches differ in both; its row says how many graphs a second,
+            shorter micro-batch compiled (recompiles: 0 is what the trainer needs)
 
 Each variant: median ms of forward + backward (CUDA events; perf_counter on the CPU), peak memory above the
 inputs (CUDA), and the largest difference of its log p, entropy, grad h and grad W from `unfused`'s. Writes
@@ -25,11 +29,12 @@ import argparse
 from types import SimpleNamespace
 
 import torch
+from torch._dynamo.utils import counters
 
 from bench.rollout import ALIASES, MODELS
 from bench.runner import RESULTS, cuda_time_ms, parse_choices, say, write_results
 
-VARIANTS = ("unfused", "fused", "compiled")
+VARIANTS = ("unfused", "fused", "compiled", "compiled_lengths")
 
 
 class HeadOnly(torch.nn.Module):
@@ -57,17 +62,23 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, e
 # static shapes: one micro-batch shape per run. dynamic=True failed on an H100 (torch 2.11, 4 x 1,029 x 128,256):
 # an assertion in Inductor's Triton tiling analysis (tiling_utils.get_pw_red_splits) on the symbolic sizes
 _compiled_logprobs = torch.compile(_logprobs, dynamic=False)
+# rows and length symbolic, the vocabulary marked static (head_logprobs): the symbolic sizes the assertion above
+# tripped on may have been the vocabulary's reduction split
+_compiled_any_length = torch.compile(_logprobs, dynamic=True)
 
 
 def head_logprobs(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float, entropy: bool) -> list:
     """[log p] or [log p, entropy], each [B, L] with grad and 0 at position 0, as token_logprobs returns them."""
     from batch import token_logprobs
 
-    if variant != "compiled":
+    if variant in ("unfused", "fused"):
         out = token_logprobs(model, ids, torch.ones_like(ids), temperature, entropy=entropy, fused=variant == "fused")
         return list(out) if entropy else [out]
-    return [torch.nn.functional.pad(x, (1, 0))
-            for x in _compiled_logprobs(model(ids).logits, ids[:, 1:], temperature, entropy)]
+    logits = model(ids).logits
+    if variant == "compiled_lengths":
+        torch._dynamo.mark_static(logits, 2)
+    fn = _compiled_any_length if variant == "compiled_lengths" else _compiled_logprobs
+    return [torch.nn.functional.pad(x, (1, 0)) for x in fn(logits, ids[:, 1:], temperature, entropy)]
 
 
 def measure(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float, entropy: bool, mixed: bool,
@@ -92,6 +103,16 @@ def measure(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float
     out["ms"] = round(cuda_time_ms(step, warmup=2, iters=iters), 2)
     if ids.is_cuda:
         out["peak_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
+    if variant == "compiled_lengths":  # a row fewer and about half the length: a new graph? (Dynamo specializes
+        # a size of 1, so a 1-row micro-batch gets a graph of its own once; 2 rows stay 2)
+        rows, length = max(2, ids.shape[0] - 1) if ids.shape[0] > 1 else 1, max(2, ids.shape[1] // 2)
+        graphs = counters["stats"]["unique_graphs"]
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=mixed):
+            logp, *_ = head_logprobs(variant, HeadOnly(model.h[:rows, :length], model.lm_head),
+                                     ids[:rows, :length].contiguous(),  # as a micro-batch's own ids: their strides
+                                     temperature, entropy)
+        logp.sum().backward()
+        out["recompiles"] = counters["stats"]["unique_graphs"] - graphs
     return out
 
 
@@ -131,7 +152,8 @@ def main(argv=None):
         r.update({f"max_diff_{k}": float((tensors[k] - ref[k]).abs().max()) for k in keys})  # against unfused
         runs.append({"workload": workload, **r})
         say(f"[head] {variant}: {r['ms']} ms" + (f", peak {r['peak_gib']} GiB" if "peak_gib" in r else "")
-            + ", max |diff| from unfused: " + ", ".join(f"{k} {r['max_diff_' + k]:.2e}" for k in keys))
+            + ", max |diff| from unfused: " + ", ".join(f"{k} {r['max_diff_' + k]:.2e}" for k in keys)
+            + (f", graphs a shorter micro-batch compiled: {r['recompiles']}" if "recompiles" in r else ""))
     path = write_results("head", runs, args.out)
     say(f"[head] wrote {path}")
     return runs

@@ -995,16 +995,18 @@ def test_casts_counts_each_weight_cast_of_a_train_micro_batch(checkpointing):
 
 
 def test_head_variants_agree_with_the_trainers_head(tmp_path):
-    """bench/head.py: the fused head and the compiled one (Inductor on the CPU here) give the unfused head's
-    log p, entropy and gradients (h and the head weight) up to fp32 rounding; head.json has each variant."""
+    """bench/head.py: the fused head and the compiled ones (Inductor on the CPU here) give the unfused head's
+    log p, entropy and gradients (h and the head weight) up to fp32 rounding; head.json has each variant; the
+    one compiled for any length serves a shorter micro-batch without a new graph."""
     from bench.head import VARIANTS, main
 
     for entropy in ([], ["--entropy"]):  # the 8B configs' train forward, and one under an entropy bonus
-        runs = main(["--hidden", "64", "--vocab", "512", "--rows", "2", "--length", "33", "--iters", "2",
+        runs = main(["--hidden", "64", "--vocab", "512", "--rows", "3", "--length", "33", "--iters", "2",
                      "--out", str(tmp_path), *entropy])
         assert [r["variant"] for r in runs] == list(VARIANTS)
         for r in runs:
             assert all(r[f"max_diff_{k}"] < 1e-4 for k in ("logp", "entropy", "grad_h", "grad_w")), r
             assert r["ms"] > 0 and r["workload"].endswith(", entropy") == bool(entropy)
         assert runs[0]["max_diff_grad_w"] == 0  # unfused is the reference
+        assert [r.get("recompiles") for r in runs] == [None, None, None, 0]
         assert [r["variant"] for r in json.loads((tmp_path / "head.json").read_text())["runs"]] == list(VARIANTS)
