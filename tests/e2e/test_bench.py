@@ -25,6 +25,7 @@ import torch
 from bench import runner
 from bench import rollout as br
 from bench import train as bt
+from test_distributed import crash_report, ranks_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -864,10 +865,10 @@ def test_trainer_phase_runs_the_trainers_phases_under_fsdp2(tmp_path):
     error, exit 2."""
     cmd = ["-m", "bench.trainer_phase", "--config", "configs/tiny_cpu.yaml", "--set", "rollout.max_new_tokens=40",
            "rollout.n=4", "train.micro_batch_size=4", "rollout.prompts_per_step=8", "train.mini_batch_size=16"]
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd,
-                        "--prompts", "8", "--prompt", "5", "--out", str(tmp_path)], capture_output=True, text=True, cwd=REPO)
-    assert p.returncode == 0, p.stderr[-3000:]
-    doc = json.loads((tmp_path / "trainer_phase.json").read_text())
+    p = ranks_run(["--nproc_per_node", "2", *cmd, "--prompts", "8", "--prompt", "5", "--out", str(tmp_path / "two")],
+                  REPO, tmp_path / "two")
+    assert p.returncode == 0, crash_report(p.stderr)
+    doc = json.loads((tmp_path / "two/trainer_phase.json").read_text())
     assert doc["overrides"] == ["rollout.max_new_tokens=40", "rollout.n=4", "train.micro_batch_size=4",
                                 "rollout.prompts_per_step=8", "train.mini_batch_size=16"]
     runs = doc["runs"]
@@ -895,9 +896,9 @@ def test_trainer_pass_under_fsdp2_computes_the_unsharded_logprobs(tmp_path):
     cmd = ["-m", "bench.trainer_pass", "--config", "configs/tiny_cpu.yaml", "--set", *wide, "--rows", "2", "--prompt", "5",
            "--response", "40", "--iters", "1", "--modes", "bf16,fp8,fp8_cached"]
     one = subprocess.run([sys.executable, *cmd, "--out", str(tmp_path / "one")], capture_output=True, text=True, cwd=REPO)
-    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *cmd,
-                          "--out", str(tmp_path / "two")], capture_output=True, text=True, cwd=REPO)
-    assert one.returncode == 0 and two.returncode == 0, (one.stderr + two.stderr)[-3000:]
+    two = ranks_run(["--nproc_per_node", "2", *cmd, "--out", str(tmp_path / "two")], REPO, tmp_path / "two")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert two.returncode == 0, crash_report(two.stderr)
     assert "8 FP8 weights all-gathered in FP8" in two.stdout
     ref = {r["mode"]: r for r in json.loads((tmp_path / "one/trainer_pass.json").read_text())["runs"]}
     runs = json.loads((tmp_path / "two/trainer_pass.json").read_text())["runs"]

@@ -25,21 +25,26 @@ COMMON = ["--config", str(ROOT / "configs/tiny_cpu.yaml"), "log.tensorboard=fals
 
 
 def torchrun(cwd, nproc, *args, fresh: Path | None = None) -> str:
-    """train_grpo.py on nproc gloo ranks; its stdout. A rank killed by a signal prints its Python stack
-    (faulthandler: conftest), shown with the failure. fresh: the run dir of a new run (not a resume); such a run, a
-    rank of which died of a signal (a native crash inside torch or gloo, never an error the run raised),
-    runs once more from scratch, the first crash's stack in a warning."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(ROOT / "train_grpo.py"), *args]
-    run = functools.partial(subprocess.run, cmd, cwd=cwd, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """train_grpo.py on nproc gloo ranks (ranks_run); its stdout."""
+    p = ranks_run(["--nproc_per_node", str(nproc), str(ROOT / "train_grpo.py"), *args], cwd, fresh, timeout=600,
+                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, crash_report(p.stderr)
+    return p.stdout
+
+
+def ranks_run(args, cwd, fresh: Path | None, **kwargs) -> subprocess.CompletedProcess:
+    """`torchrun --standalone ARGS`, output captured. A rank killed by a signal prints its Python stack
+    (faulthandler: conftest), which crash_report shows. fresh: the output dir of a launch that starts from
+    nothing (not a resume); such a launch, a rank of which died of a signal (a native crash inside torch or
+    gloo, never an error the run raised), runs once more from scratch, the first crash's stack in a warning."""
+    run = functools.partial(subprocess.run, [sys.executable, "-m", "torch.distributed.run", "--standalone", *args],
+                            cwd=cwd, capture_output=True, text=True, **kwargs)
     p = run()
     if p.returncode and fresh is not None and (sig := crash_signal(p.stderr)):
         warnings.warn(f"a rank of {fresh.name} died of {sig}; run again from scratch:\n{crash_report(p.stderr)}")
         shutil.rmtree(fresh, ignore_errors=True)
         p = run()  # the same command
-    assert p.returncode == 0, crash_report(p.stderr)
-    return p.stdout
+    return p
 
 
 def crash_signal(stderr: str) -> str | None:
@@ -65,6 +70,23 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_stack(tmp_path):
     report = crash_report(p.stderr)
     assert report.startswith("Fatal Python error: Segmentation fault") and "crash.py" in report
     assert crash_signal("Root Cause (first observed failure):\n  exitcode  : 1 (pid: 7)") is None
+
+
+def test_a_launch_whose_rank_crashed_runs_once_more_from_scratch(tmp_path):
+    """ranks_run with fresh: rank 1 segfaults in the first launch only, leaving a file in the run dir; the retry
+    removes that dir first (a rank that finds the file fails) and passes, the crash in a warning. Without
+    fresh, a crash is not retried."""
+    (tmp_path / "once.py").write_text(
+        "import ctypes, os, sys\nfrom pathlib import Path\nout = Path(sys.argv[1])\n"
+        "if (out / 'left').exists(): sys.exit(3)\n"
+        "if os.environ['RANK'] == '1' and not Path(sys.argv[2]).exists():\n"
+        "    out.mkdir(); (out / 'left').touch(); Path(sys.argv[2]).touch(); ctypes.string_at(0)\n")
+    run = ["--nproc_per_node", "2", str(tmp_path / "once.py"), str(tmp_path / "run"), str(tmp_path / "crashed")]
+    with pytest.warns(UserWarning, match=r"a rank of run died of SIGSEGV; run again from scratch:\nFatal Python error"):
+        assert ranks_run(run, tmp_path, tmp_path / "run", timeout=120).returncode == 0
+    (tmp_path / "crashed").unlink()
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
+    assert crash_signal(ranks_run(run, tmp_path, None, timeout=120).stderr) == "SIGSEGV"
 
 
 def read(run_dir):
@@ -302,7 +324,7 @@ def test_moe_router_replay_under_fsdp2_and_compile(tmp_path):
     moe = ["--config", str(ROOT / "configs/tiny_moe_cpu.yaml"), *COMMON[2:], "moe.aux_loss_coef=0",
            f"train.out_dir={tmp_path}"]
     for name, nproc, extra in (("one", 1, []), ("eager", 2, []), ("compiled", 2, ["train.compile=aot_eager"])):
-        torchrun(tmp_path, nproc, *moe, f"train.run_name={name}", *extra)
+        torchrun(tmp_path, nproc, *moe, f"train.run_name={name}", *extra, fresh=tmp_path / name)
     one, eager, compiled = (read(tmp_path / n) for n in ("one", "eager", "compiled"))
     for key in ("reward/mean", "optim/grad_norm", "moe/routing_mismatch", "mismatch/token_mult_prob_error"):
         assert by_step(compiled, key) == pytest.approx(by_step(eager, key), rel=1e-6, abs=1e-9), key

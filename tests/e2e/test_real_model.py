@@ -199,7 +199,7 @@ def test_two_processes_reproduce_one(run, real_model_dir, data, tmp_path):
     """FSDP2 over 2 gloo ranks, tied embeddings sharded once: the first step's rollouts, rewards and
     gradient norm equal the 1-process run's."""
     torchrun(tmp_path, 2, *run_args(real_model_dir, data, tmp_path, "two", "train.steps=1", "train.ckpt_every=0",
-                                    "train.save_final=false"))
+                                    "train.save_final=false"), fresh=tmp_path / "two")
     one, two = read_metrics(run)[0], read_metrics(tmp_path / "two")[0]
     for key in ("reward/mean", "response/length_mean", "val/accuracy"):
         assert two[key] == one[key], key

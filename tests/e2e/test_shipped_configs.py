@@ -46,7 +46,7 @@ def tiny_overrides(path: Path, out_dir: Path) -> list[str]:
 def test_shipped_config_trains_on_cpu(path, tmp_path):
     shipped = load_config(path)
     if shipped.rollout.mode == "async":  # the engine in a process of its own: 2 ranks
-        torchrun(tmp_path, 2, "--config", str(path), *tiny_overrides(path, tmp_path))
+        torchrun(tmp_path, 2, "--config", str(path), *tiny_overrides(path, tmp_path), fresh=tmp_path / "run")
         run_dir = tmp_path / "run"
     else:
         run = run_train("--config", str(path), *tiny_overrides(path, tmp_path))
