@@ -732,7 +732,8 @@ def test_gpu_check_seeds_and_packs_flashinfer_modules(tmp_path):
 
     def run(home, out, **env):
         env = {**os.environ, "HOME": str(tmp_path / home), "OUT": str(tmp_path / out), "PY": sys.executable,
-               "PYTHONPATH": os.pathsep.join([str(pkg.parent), os.environ["PYTHONPATH"]]), "TRITON_CACHE_DIR": str(tmp_path / "triton"), **env}
+               "PYTHONPATH": os.pathsep.join([str(pkg.parent), os.environ["PYTHONPATH"]]),  # the stand-in first
+               "TRITON_CACHE_DIR": str(tmp_path / "triton"), **env}
         r = subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), "nosuch"], capture_output=True, text=True,
                            env=env, cwd=REPO, timeout=120)
         assert r.returncode == 2, r.stderr  # the unknown part: usage; the exit handler still runs

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,8 +29,6 @@ from fp8.quant import (
     dequantize_act_1x128, dequantize_act_128x1, dequantize_blockwise, quantize_act_1x128, quantize_act_128x1,
     quantize_blockwise,
 )
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def tiny_llama(layers=4, dtype=torch.float32, seed=0):
@@ -450,7 +447,7 @@ def test_torchao_autotuning_kept_on_disk(preset, tmp_path):
     skips the first step's autotuning); a caller's own settings win."""
     pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
     env = {k: v for k, v in os.environ.items() if not k.startswith("TRITON_CACHE")}
-    env |= {"HOME": str(tmp_path), **preset}  # PYTHONPATH: ROOT first (conftest), then the host's
+    env |= {"HOME": str(tmp_path), **preset}  # PYTHONPATH: the repo first (conftest), then the host's
     p = subprocess.run([sys.executable, "-c", AUTOTUNE_PROBE], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
