@@ -74,13 +74,15 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_stack(tmp_path):
 
 def test_a_launch_whose_rank_crashed_runs_once_more_from_scratch(tmp_path):
     """ranks_run with fresh: rank 1 segfaults in the first launch only, leaving a file in the run dir; the retry
-    removes that dir first (a rank that finds the file fails) and passes, the crash in a warning. Without
-    fresh, a crash is not retried."""
+    removes that dir first (rank 1 fails if it finds the file) and passes, the crash in a warning. Without
+    fresh, a crash is not retried. Rank 0 only exits: a rank of its own that read the file could see it made
+    in the same launch and fail first, and torchrun would name that failure instead of the crash."""
     (tmp_path / "once.py").write_text(
-        "import ctypes, os, sys\nfrom pathlib import Path\nout = Path(sys.argv[1])\n"
-        "if (out / 'left').exists(): sys.exit(3)\n"
-        "if os.environ['RANK'] == '1' and not Path(sys.argv[2]).exists():\n"
-        "    out.mkdir(); (out / 'left').touch(); Path(sys.argv[2]).touch(); ctypes.string_at(0)\n")
+        "import ctypes, os, sys\nfrom pathlib import Path\nout, crashed = Path(sys.argv[1]), Path(sys.argv[2])\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    if (out / 'left').exists(): sys.exit(3)\n"
+        "    if not crashed.exists():\n"
+        "        out.mkdir(); (out / 'left').touch(); crashed.touch(); ctypes.string_at(0)\n")
     run = ["--nproc_per_node", "2", str(tmp_path / "once.py"), str(tmp_path / "run"), str(tmp_path / "crashed")]
     with pytest.warns(UserWarning, match=r"a rank of run died of SIGSEGV; run again from scratch:\nFatal Python error"):
         assert ranks_run(run, tmp_path, tmp_path / "run", timeout=120).returncode == 0
