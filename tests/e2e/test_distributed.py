@@ -64,8 +64,7 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_stack(tmp_path):
     crash_report leads with the rank's Python stack."""
     (tmp_path / "crash.py").write_text("import ctypes, os, time\n"
                                        "if os.environ['RANK'] == '1':\n    ctypes.string_at(0)\ntime.sleep(30)\n")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        str(tmp_path / "crash.py")], capture_output=True, text=True, timeout=120)
+    p = ranks_run(["--nproc_per_node", "2", str(tmp_path / "crash.py")], tmp_path, None, timeout=120)
     assert p.returncode != 0 and crash_signal(p.stderr) == "SIGSEGV", p.stderr[-3000:]
     report = crash_report(p.stderr)
     assert report.startswith("Fatal Python error: Segmentation fault") and "crash.py" in report
@@ -235,10 +234,8 @@ def test_checkpoint_loads_exactly_on_another_world_size(runs, tmp_path, written,
     with shards that do not divide evenly (FSDP2 pads dim 0 to a multiple of the world size)."""
     script = tmp_path / "reshard.py"
     script.write_text(RESHARD.format(root=str(ROOT)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(resumed),
-           str(script), str(runs[written]), str(tmp_path / "out")]
-    p = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = ranks_run(["--nproc_per_node", str(resumed), str(script), str(runs[written]), str(tmp_path / "out")],
+                  tmp_path, None, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, crash_report(p.stderr)
     want, got = ckpt(runs[written], 3), load_checkpoint(tmp_path / "out/step_000003")
     assert got["world"] == resumed and want["world"] == written and len(got["rng"]) == resumed
@@ -407,9 +404,8 @@ def test_one_rank_engine_rendezvous_under_torchrun(tmp_path, mode):
     engines.vllm.own_rendezvous, and times out without it (torchrun's agent-store flag makes torch
     dial the fresh port as a client); the flag is back afterwards."""
     (tmp_path / "rdzv.py").write_text(RENDEZVOUS)
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-                        str(tmp_path / "rdzv.py"), mode], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    p = ranks_run(["--nproc_per_node", "1", str(tmp_path / "rdzv.py"), mode], tmp_path, None, timeout=120,
+                  env={**os.environ, "OMP_NUM_THREADS": "1"})
     if mode == "guarded":
         assert p.returncode == 0 and "agent store after: True" in p.stdout, p.stderr[-2000:]
     else:
