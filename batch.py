@@ -184,7 +184,9 @@ class _HeadLogprobs(torch.autograd.Function):
             gz = grad(hc[s] @ wc.t(), lse[s], ent[s], g[s], targets[s], T, ctx.entropy)  # [c, V]
             if need_h:
                 grad_h[s] = gz @ wc
-            if need_w:
+            if need_w and hc.is_cuda:  # cuBLAS adds the fp32 product into grad_w: no bf16 [V, d] product
+                torch.addmm(grad_w, gz.t(), hc[s], out_dtype=torch.float32, out=grad_w)
+            elif need_w:
                 grad_w += gz.t() @ hc[s]
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
