@@ -260,10 +260,13 @@ def _logits_logprobs(logits: Tensor, targets: Tensor, temperature: float, entrop
 def _compiled_head(backend: str):
     """_logits_logprobs compiled once for any rows and length (the vocabulary static: token_logprobs marks
     it); Inductor fuses the fp32 passes over the bf16 logits and keeps only what backward needs. On an H100
-    at 4 x 1,029 tokens and a 128,256 vocabulary: 18.0 against 28.2 ms forward and backward, row by row
+    at 4 x 1,029 tokens and a 128,256 vocabulary: 18.4 against 28.0 ms forward and backward, row by row
     eager (docs/results.md, the LM head alone). A size of 1 is specialized: a 1-row micro-batch gets a
     graph of its own once."""
-    return torch.compile(_logits_logprobs, backend=backend, dynamic=True)
+    # Inductor's memory-coalescing tiling analysis (an optional heuristic) fails an assertion on this graph's
+    # symbolic sizes (torch 2.11, H100: tiling_utils.get_pw_red_splits); without it the graph compiles
+    options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
+    return torch.compile(_logits_logprobs, backend=backend, dynamic=True, options=options)
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy: bool = False,

@@ -60,8 +60,8 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, e
     return [lp.gather(-1, targets[..., None])[..., 0], *([-(lp.exp() * lp).sum(-1)] if entropy else [])]
 
 
-# static shapes: one micro-batch shape per run. dynamic=True failed on an H100 (torch 2.11, 4 x 1,029 x 128,256):
-# an assertion in Inductor's Triton tiling analysis (tiling_utils.get_pw_red_splits) on the symbolic sizes
+# static shapes: one micro-batch shape per run. With dynamic=True Inductor's Triton tiling analysis fails an
+# assertion (tiling_utils.get_pw_red_splits, H100, torch 2.11): batch._compiled_head turns that analysis off
 _compiled_logprobs = torch.compile(_logprobs, dynamic=False)
 
 
