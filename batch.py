@@ -184,7 +184,9 @@ class _HeadLogprobs(torch.autograd.Function):
             gz = grad(hc[s] @ wc.t(), lse[s], ent[s], g[s], targets[s], T, ctx.entropy)  # [c, V]
             if need_h:
                 grad_h[s] = gz @ wc
-            if need_w:
+            if need_w and hc.is_cuda:  # cuBLAS adds the fp32 product into grad_w: no bf16 [V, d] product
+                torch.addmm(grad_w, gz.t(), hc[s], out_dtype=torch.float32, out=grad_w)
+            elif need_w:
                 grad_w += gz.t() @ hc[s]
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
@@ -245,14 +247,37 @@ def rows_not_packed():
         masking_utils.find_packed_sequence_indices = check
 
 
+def _logits_logprobs(logits: Tensor, targets: Tensor, temperature: float, entropy: bool,
+                     entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """log p of targets [B, L-1] under log_softmax(logits[:, :-1] / T) of logits [B, L, V], in fp32, and
+    with entropy its distribution's entropy [B, L-1] (entropy_grad=False: detached)."""
+    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    logp = lp.gather(-1, targets[..., None])[..., 0]
+    return logp, (collapse.token_entropy(lp if entropy_grad else lp.detach()) if entropy else None)
+
+
+@functools.cache
+def _compiled_head(backend: str):
+    """_logits_logprobs compiled once for any rows and length (the vocabulary static: token_logprobs marks
+    it); Inductor fuses the fp32 passes over the bf16 logits and keeps only what backward needs. On an H100
+    at 4 x 1,029 tokens and a 128,256 vocabulary: 18.4 against 28.0 ms forward and backward, row by row
+    eager (docs/results.md, the LM head alone). A size of 1 is specialized: a 1-row micro-batch gets a
+    graph of its own once."""
+    # Inductor's memory-coalescing tiling analysis (an optional heuristic) fails an assertion on this graph's
+    # symbolic sizes (torch 2.11, H100: tiling_utils.get_pw_red_splits); without it the graph compiles
+    options = {"triton.coalesce_tiling_analysis": False} if backend == "inductor" else None
+    return torch.compile(_logits_logprobs, backend=backend, dynamic=True, options=options)
+
+
 def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy: bool = False,
-                   fused: bool = True, entropy_grad: bool = True):
+                   fused: bool = True, entropy_grad: bool = True, compile_head: str = "none"):
     """log p(token t | tokens < t) under log_softmax(logits / T), aligned to position t. [B, L]
     entropy=True: (logp, H) with H [B, L] the entropy (nats) of the distribution token t was drawn from;
     entropy_grad=False: H detached, a metric beside a loss that leaves it out (no graph kept for it).
     fused: the LM head and the log-softmax in one, chunk by chunk (_HeadLogprobs: faster without grad,
     and with grad it keeps no [B, L, V] tensor for backward, at the cost of recomputing the logits
-    there); else [B, L, V] logits, then a per-row fp32 log-softmax.
+    there); else [B, L, V] logits, then a per-row fp32 log-softmax, or with compile_head (a torch.compile
+    backend, the trainer's train.compile) the whole micro-batch's log-softmax in one compiled function.
 
     attention_mask must be right padding (collate's): under causal attention no real token then sees
     a pad, so the model runs without it (pad positions get finite values, masked out downstream).
@@ -266,6 +291,13 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy
     if head_fused:
         ent = out[..., 1] if entropy_grad else out[..., 1].detach()
         return (out[..., 0], ent) if entropy else out[..., 0]
+    if compile_head != "none":
+        torch._dynamo.mark_static(out, 2)
+        # the targets' own strides (a slice's would make dynamo guard on the full row's length)
+        logp, ent = _compiled_head(compile_head)(out, input_ids[:, 1:].contiguous(), temperature, entropy,
+                                                 entropy_grad)
+        logp = torch.nn.functional.pad(logp, (1, 0))
+        return (logp, torch.nn.functional.pad(ent, (1, 0))) if entropy else logp
     lps, ents = [], []
     for row_logits, row_ids in zip(out, input_ids):  # one row at a time: fp32 [L, V] stays small
         lp = torch.log_softmax(row_logits[:-1].float() / temperature, dim=-1)  # [L-1, V]

@@ -277,8 +277,10 @@ class TrainConfig:
     buys little); 'aot_eager' traces without code generation, to debug compile problems. The
     first step pays the compilation, and the second distinct sequence length one more (a
     dynamic-shape graph); q/k/v calibration records inside the compiled layers (a second graph
-    variant: recording on). Off: eager PyTorch. 'auto': inductor on a GPU, eager on CPU (the 8B
-    configs: one file for their GPU runs and their CPU test)."""
+    variant: recording on). With the unfused head (fused_head false), the train forward's log-softmax over
+    the [rows, length, vocab] logits is compiled too, one graph for every micro-batch shape. Off: eager
+    PyTorch. 'auto': inductor on a GPU, eager on CPU (the 8B configs: one file for their GPU runs and
+    their CPU test)."""
 
 
 @dataclass

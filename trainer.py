@@ -407,7 +407,8 @@ def mini_batch_backward(run: Run, b: StepBatch, idx: torch.Tensor, entropy_coef:
         entropy = entropy_coef > 0 or first is not None  # the bonus's (with grad), or the metric's
         with amp(run.mixed):  # the policy forward, with grad
             logp = token_logprobs(model, b.input_ids[j], b.attention_mask[j], cfg.rollout.temperature,
-                                  entropy=entropy, fused=cfg.train.fused_head, entropy_grad=entropy_coef > 0)
+                                  entropy=entropy, fused=cfg.train.fused_head, entropy_grad=entropy_coef > 0,
+                                  compile_head=compile_backend(cfg, d.device))
         logp, policy_entropy = logp if entropy else (logp, None)
         if first is not None:  # the behaviour weights' logprobs and entropy
             first[0][j], first[1][j] = logp.detach(), policy_entropy.detach()

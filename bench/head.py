@@ -16,9 +16,10 @@ The first two variants are batch.token_logprobs itself, through a model that is 
   compiled  the unfused math over the whole micro-batch in one torch.compile'd function: Inductor fuses the
             fp32 work into the passes over the bf16 logits and chooses what backward keeps; compiled for the
             one shape timed
-  compiled_lengths  the same, compiled once for any rows and length (the vocabulary static), as the train
-            pass would need it: its micro-batches differ in both; its row says how many graphs a second,
-            shorter micro-batch compiled (recompiles: 0 is what the trainer needs)
+  compiled_lengths  token_logprobs(compile_head="inductor"), what the train pass runs where train.compile
+            resolves to inductor: the same math compiled once for any rows and length (the vocabulary static);
+            its row says how many graphs a second, shorter micro-batch compiled (recompiles: 0 is what the
+            trainer needs)
 
 Each variant: median ms of forward + backward (CUDA events; perf_counter on the CPU), peak memory above the
 inputs (CUDA), and the largest difference of its log p, entropy, grad h and grad W from `unfused`'s. Writes
@@ -59,26 +60,21 @@ def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, e
     return [lp.gather(-1, targets[..., None])[..., 0], *([-(lp.exp() * lp).sum(-1)] if entropy else [])]
 
 
-# static shapes: one micro-batch shape per run. dynamic=True failed on an H100 (torch 2.11, 4 x 1,029 x 128,256):
-# an assertion in Inductor's Triton tiling analysis (tiling_utils.get_pw_red_splits) on the symbolic sizes
+# static shapes: one micro-batch shape per run. With dynamic=True Inductor's Triton tiling analysis fails an
+# assertion (tiling_utils.get_pw_red_splits, H100, torch 2.11): batch._compiled_head turns that analysis off
 _compiled_logprobs = torch.compile(_logprobs, dynamic=False)
-# rows and length symbolic, the vocabulary marked static (head_logprobs): the symbolic sizes the assertion above
-# tripped on may have been the vocabulary's reduction split
-_compiled_any_length = torch.compile(_logprobs, dynamic=True)
 
 
 def head_logprobs(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float, entropy: bool) -> list:
     """[log p] or [log p, entropy], each [B, L] with grad and 0 at position 0, as token_logprobs returns them."""
     from batch import token_logprobs
 
-    if variant in ("unfused", "fused"):
-        out = token_logprobs(model, ids, torch.ones_like(ids), temperature, entropy=entropy, fused=variant == "fused")
+    if variant != "compiled":
+        out = token_logprobs(model, ids, torch.ones_like(ids), temperature, entropy=entropy, fused=variant == "fused",
+                             compile_head="inductor" if variant == "compiled_lengths" else "none")
         return list(out) if entropy else [out]
-    logits = model(ids).logits
-    if variant == "compiled_lengths":
-        torch._dynamo.mark_static(logits, 2)
-    fn = _compiled_any_length if variant == "compiled_lengths" else _compiled_logprobs
-    return [torch.nn.functional.pad(x, (1, 0)) for x in fn(logits, ids[:, 1:], temperature, entropy)]
+    return [torch.nn.functional.pad(x, (1, 0)) for x in _compiled_logprobs(model(ids).logits, ids[:, 1:],
+                                                                           temperature, entropy)]
 
 
 def measure(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float, entropy: bool, mixed: bool,

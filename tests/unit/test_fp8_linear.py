@@ -302,28 +302,50 @@ class _SiLUAsSwiglu(nn.Module):
         return _SwigluSiLU.apply(g)
 
 
+def _mlp_pass(model, x, g):
+    """The layer-0 MLP's output and the gradients of its input and three weights, for output gradient g."""
+    mlp = model.model.layers[0].mlp
+    xi = x.clone().requires_grad_(True)
+    y = mlp(xi)
+    y.backward(g)
+    return [y.detach(), xi.grad] + [mlp.get_submodule(n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")]
+
+
 def test_fused_swiglu_mlp_matches_hf_mlp():
     """fp8.fuse_swiglu: a SwiGLU MLP runs as ONE autograd node (silu*mul between its two FP8 GEMMs) with
-    the HF MLP's numerics, with a token count that needs padding to 128: the HF MLP whose silu computes
-    its value and derivative as the fused node does gives the same output and the same gradients, bit for
-    bit. Exact, so no FP8 rounding of grad_gu can land elsewhere on a host whose BLAS or vector unit
-    rounds differently; that derivative is silu's (gradcheck). A wrong slice or silu' is off by O(1)."""
+    the HF MLP's numerics: the HF MLP whose silu computes its value and derivative as the fused node does
+    gives the same output and the same gradients, bit for bit. 128 tokens, so that neither path pads and
+    both run GEMMs of the same shapes (a BLAS may sum in another order for another row count: an Intel
+    host's AVX2 MKL did); exact, so no FP8 rounding of grad_gu can land elsewhere on a host whose BLAS or
+    vector unit rounds differently. That derivative is silu's (gradcheck). A wrong slice or silu' is off
+    by O(1)."""
     torch.autograd.gradcheck(_SwigluSiLU.apply, (torch.randn(64, dtype=torch.float64, requires_grad=True),))
     plain, fused = tiny_llama(layers=1), tiny_llama(layers=1)
     convert_fast(plain, FP8Config(fuse_swiglu=False))
     convert_fast(fused, FP8Config())
     plain.model.layers[0].mlp.act_fn = _SiLUAsSwiglu()
-    x = torch.randn(2, 40, 256, generator=torch.Generator().manual_seed(0))
-    g = torch.randn(2, 40, 256, generator=torch.Generator().manual_seed(1))
-    outs = []
-    for model in (plain, fused):
-        mlp = model.model.layers[0].mlp
-        xi = x.clone().requires_grad_(True)
-        y = mlp(xi)
-        y.backward(g)
-        outs.append([y.detach(), xi.grad] + [mlp.get_submodule(n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")])
+    x = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(2, 64, 256, generator=torch.Generator().manual_seed(1))
+    outs = [_mlp_pass(model, x, g) for model in (plain, fused)]
     assert isinstance(fused.model.layers[0].mlp, FusedSwiGLU)
     for name, a, b in zip(("y", "x", "gate", "up", "down"), *outs):
+        assert torch.equal(a, b), name
+
+
+def test_fused_swiglu_pads_tokens_with_zero_rows():
+    """A token count that is not a multiple of 128 (80): the fused node pads it with zero rows and slices
+    them off, giving bit for bit what the same 80 tokens followed by 48 zero tokens give unpadded (the
+    same GEMM calls on the same bytes, so on any host): output rows, input gradient, weight gradients."""
+    fused = tiny_llama(layers=1)
+    convert_fast(fused, FP8Config())
+    x = torch.randn(1, 80, 256, generator=torch.Generator().manual_seed(0))
+    g = torch.randn(1, 80, 256, generator=torch.Generator().manual_seed(1))
+    padded = _mlp_pass(fused, F.pad(x, (0, 0, 0, 48)), F.pad(g, (0, 0, 0, 48)))
+    fused.zero_grad(set_to_none=True)
+    y, dx, *dw = _mlp_pass(fused, x, g)
+    assert torch.equal(y, padded[0][:, :80]) and torch.equal(dx, padded[1][:, :80])
+    assert padded[0][:, 80:].abs().max() == 0  # zero tokens stay zero through the MLP (no bias)
+    for name, a, b in zip(("gate", "up", "down"), dw, padded[2:]):
         assert torch.equal(a, b), name
 
 

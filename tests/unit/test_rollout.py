@@ -289,3 +289,35 @@ def test_samples_do_not_depend_on_batch_composition():
     assert len({tuple(s.token_ids) for s in both}) > 2  # and they are samples, not one greedy answer
     for a, b in zip(both, first + second):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_compiled_head_matches_the_row_by_row_log_softmax(entropy_grad):
+    """compile_head (train.compile with the unfused head): the whole micro-batch's log-softmax in one compiled
+    function gives the row-by-row path's logprobs, entropies and every parameter's gradient (an entropy
+    bonus, or the entropy as a detached metric), at T != 1; micro-batches of other rows and lengths reuse
+    its one graph."""
+    from torch._dynamo.utils import counters
+
+    cfg, model, tok, engine = make()
+    samples = [Sample(0, [5, 6], [7, 9, 11, 3], [-1.0] * 4, "stop"), Sample(0, [5, 6, 9], [7] * 9, [-1.0] * 9, "length"),
+               Sample(0, [5], [8] * 6, [-1.0] * 6, "stop")]
+    input_ids, attention_mask, mask, _ = collate(samples, tok.pad_token_id)
+    results = {}
+    for backend in ("inductor", "none"):
+        model.zero_grad()
+        logp, ent = token_logprobs(model, input_ids, attention_mask, 0.7, entropy=True, fused=False,
+                                   entropy_grad=entropy_grad, compile_head=backend)
+        ((logp * mask).sum() + (0.3 * (ent * mask).sum() if entropy_grad else 0)).backward()
+        results[backend] = logp, ent, {n: q.grad.clone() for n, q in model.named_parameters()}
+    (lc, ec, gc), (le, ee, ge) = results["inductor"], results["none"]
+    torch.testing.assert_close(lc, le, atol=2e-6, rtol=0)
+    torch.testing.assert_close(ec, ee, atol=2e-6, rtol=0)
+    assert ec.requires_grad == entropy_grad and not lc[:, 0].any()
+    for name in ge:
+        torch.testing.assert_close(gc[name], ge[name], atol=1e-6, rtol=1e-4, msg=name)
+    graphs = counters["stats"]["unique_graphs"]
+    for rows, n in ((slice(0, 2), 9), (slice(1, 3), 12)):
+        token_logprobs(model, input_ids[rows, :n], attention_mask[rows, :n], 0.7, entropy=True, fused=False,
+                       entropy_grad=entropy_grad, compile_head="inductor")[0].sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs
