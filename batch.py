@@ -295,18 +295,18 @@ def token_logprobs(model, input_ids, attention_mask, temperature: float, entropy
         torch._dynamo.mark_static(out, 2)
         # the targets' own strides (a slice's would make dynamo guard on the full row's length)
         logp, ent = _compiled_head(compile_head)(out, input_ids[:, 1:].contiguous(), temperature, entropy,
-                                                 entropy_grad)
-        logp = torch.nn.functional.pad(logp, (1, 0))
-        return (logp, torch.nn.functional.pad(ent, (1, 0))) if entropy else logp
-    lps, ents = [], []
-    for row_logits, row_ids in zip(out, input_ids):  # one row at a time: fp32 [L, V] stays small
-        lp = torch.log_softmax(row_logits[:-1].float() / temperature, dim=-1)  # [L-1, V]
-        lps.append(lp.gather(-1, row_ids[1:, None]).squeeze(-1))  # [L-1]
-        if entropy:  # a metric's (entropy_grad=False) a chunk of positions at a time: no second [L, V] buffer
-            ents.append(collapse.token_entropy(lp) if entropy_grad else torch.cat(
-                [collapse.token_entropy(c) for c in lp.detach().split(_chunk(lp.shape[-1]))]))  # [L-1]
-    logp = torch.nn.functional.pad(torch.stack(lps), (1, 0))  # [B, L]
-    return (logp, torch.nn.functional.pad(torch.stack(ents), (1, 0))) if entropy else logp
+                                                 entropy_grad)  # [B, L-1]
+    else:
+        lps, ents = [], []
+        for row_logits, row_ids in zip(out, input_ids):  # one row at a time: fp32 [L, V] stays small
+            lp = torch.log_softmax(row_logits[:-1].float() / temperature, dim=-1)  # [L-1, V]
+            lps.append(lp.gather(-1, row_ids[1:, None]).squeeze(-1))  # [L-1]
+            if entropy:  # a metric's (entropy_grad=False) a chunk of positions at a time: no second [L, V] buffer
+                ents.append(collapse.token_entropy(lp) if entropy_grad else torch.cat(
+                    [collapse.token_entropy(c) for c in lp.detach().split(_chunk(lp.shape[-1]))]))  # [L-1]
+        logp, ent = torch.stack(lps), torch.stack(ents) if entropy else None  # [B, L-1]
+    logp = torch.nn.functional.pad(logp, (1, 0))  # [B, L]
+    return (logp, torch.nn.functional.pad(ent, (1, 0))) if entropy else logp
 
 
 @torch.no_grad()

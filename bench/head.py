@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import torch
 from torch._dynamo.utils import counters
 
+from batch import _logits_logprobs, token_logprobs
 from bench.rollout import ALIASES, MODELS
 from bench.runner import RESULTS, cuda_time_ms, parse_choices, say, write_results
 
@@ -53,28 +54,20 @@ class HeadOnly(torch.nn.Module):
         return SimpleNamespace(logits=self.lm_head(self.h))
 
 
-def _logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
-    """[log p(target)], and with entropy its distribution's entropy, each [B, L-1] (fp32), of logits [B, L, V]
-    (position t predicts t + 1)."""
-    lp = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    return [lp.gather(-1, targets[..., None])[..., 0], *([-(lp.exp() * lp).sum(-1)] if entropy else [])]
-
-
-# static shapes: one micro-batch shape per run. With dynamic=True Inductor's Triton tiling analysis fails an
-# assertion (tiling_utils.get_pw_red_splits, H100, torch 2.11): batch._compiled_head turns that analysis off
-_compiled_logprobs = torch.compile(_logprobs, dynamic=False)
+# the train pass's math (batch._logits_logprobs), compiled for the one shape timed. With dynamic=True Inductor's
+# Triton tiling analysis fails an assertion (tiling_utils.get_pw_red_splits, H100, torch 2.11):
+# batch._compiled_head, the trainer's, turns that analysis off
+_compiled_logprobs = torch.compile(_logits_logprobs, dynamic=False)
 
 
 def head_logprobs(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float, entropy: bool) -> list:
     """[log p] or [log p, entropy], each [B, L] with grad and 0 at position 0, as token_logprobs returns them."""
-    from batch import token_logprobs
-
     if variant != "compiled":
         out = token_logprobs(model, ids, torch.ones_like(ids), temperature, entropy=entropy, fused=variant == "fused",
                              compile_head="inductor" if variant == "compiled_lengths" else "none")
         return list(out) if entropy else [out]
-    return [torch.nn.functional.pad(x, (1, 0)) for x in _compiled_logprobs(model(ids).logits, ids[:, 1:],
-                                                                           temperature, entropy)]
+    logp, ent = _compiled_logprobs(model(ids).logits, ids[:, 1:], temperature, entropy, True)
+    return [torch.nn.functional.pad(x, (1, 0)) for x in (logp, *([ent] if entropy else []))]
 
 
 def measure(variant: str, model: HeadOnly, ids: torch.Tensor, temperature: float, entropy: bool, mixed: bool,

@@ -317,8 +317,8 @@ def test_fused_swiglu_mlp_matches_hf_mlp():
     gives the same output and the same gradients, bit for bit. 128 tokens, so that neither path pads and
     both run GEMMs of the same shapes (a BLAS may sum in another order for another row count, as by all
     signs an Intel host's AVX2 MKL did); exact, so no FP8 rounding of grad_gu can land elsewhere on a host
-    whose BLAS or vector unit rounds differently. That derivative is silu's (gradcheck). A wrong slice or silu' is off
-    by O(1)."""
+    whose BLAS or vector unit rounds differently. That derivative is silu's (gradcheck). A wrong slice or
+    silu' is off by O(1)."""
     torch.autograd.gradcheck(_SwigluSiLU.apply, (torch.randn(64, dtype=torch.float64, requires_grad=True),))
     plain, fused = tiny_llama(layers=1), tiny_llama(layers=1)
     convert_fast(plain, FP8Config(fuse_swiglu=False))
