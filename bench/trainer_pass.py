@@ -29,7 +29,8 @@ into them, as the trainer's micro-batches after a mini-batch's first do (without
 from no gradients: autograd takes the first one as .grad and adds nothing).
 logp_sum: the sum of the token logprobs of the unmasked call (float64): equal for fp8 and fp8_cached.
 --compile: the decoder layers torch.compile'd as train.compile=inductor does (distributed.compile_layers),
-only the `<mode>` variant (the others would add graphs); the first calls of a mode compile. --dynamic: each
+and the train pass's unfused head with them (batch.token_logprobs' compile_head, as the trainer's policy
+forward), only the `<mode>` variant (the others would add graphs); the first calls of a mode compile. --dynamic: each
 variant first runs both passes 128 tokens shorter, so compiled layers time their length-generic graphs (the
 trainer's: its micro-batches differ in length) instead of graphs specialized to this one length.
 Under torchrun with several ranks (FSDP2, the 80 GB recipe), each mode builds its own model and prepares
@@ -61,19 +62,19 @@ MODES = ("bf16", "fp8", "fp8_cached", "fp8_acc")  # in this order on one model: 
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int, profile: bool = False,
-           calib=None, dynamic: bool = False, accumulate: bool = False) -> dict:
+           calib=None, dynamic: bool = False, accumulate: bool = False, compile_head: str = "none") -> dict:
     from batch import token_logprobs
 
-    def forward(cut: int):  # the batch's columns from `cut` on
+    def forward(cut: int, head: str = "none"):  # the batch's columns from `cut` on
         m = functools.partial(model, attention_mask=attention_mask[:, cut:]) if masked else model  # the old call
-        return token_logprobs(m, input_ids[:, cut:], attention_mask[:, cut:], 1.0, fused=fused)
+        return token_logprobs(m, input_ids[:, cut:], attention_mask[:, cut:], 1.0, fused=fused, compile_head=head)
 
     def logprobs(cut: int = 0):
         with torch.no_grad():
             forward(cut)
 
-    def train(cut: int = 0):
-        (forward(cut) * mask[:, cut:]).sum().backward()
+    def train(cut: int = 0):  # the trainer's policy forward compiles an unfused head with its layers
+        (forward(cut, compile_head) * mask[:, cut:]).sum().backward()
         if not accumulate:
             model.zero_grad(set_to_none=True)
 
@@ -216,7 +217,8 @@ def main():
         fused = "unfused" not in label
         r = {"workload": workload, "mode": f"{mode} {label}".strip(), "tokens": rows * L[batch],
              **passes(model, *batches[batch], masked, fused, args.iters, args.profile and device.type == "cuda",
-                      QKVCalibrator(model) if "calib" in label else None, args.dynamic, args.accumulate),
+                      QKVCalibrator(model) if "calib" in label else None, args.dynamic, args.accumulate,
+                      "inductor" if "compiled" in label else "none"),
              **memory_metrics(device)}
         with torch.no_grad():
             r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()
