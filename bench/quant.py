@@ -99,7 +99,7 @@ def sweep_swiglu(tokens=(16384,), inter=14336, configs=SWIGLU_CONFIGS) -> tuple[
         dh = torch.randn(m, inter, device="cuda", dtype=torch.bfloat16)
         timed = {"unfused (inductor + quant_dual)": (lambda: quant_dual_with(fwd_ref(gu), CONFIG),
                                                       lambda: quant_dual_with(bwd_ref(dh, gu), CONFIG))}
-        timed |= {name: (lambda c=c: _launch(gu, gu, inter, mode=1, config=c),
+        timed |= {name: (lambda c=c: _launch(None, gu, inter, mode=1, config=c),
                          lambda c=c: _launch(dh, gu, 2 * inter, mode=2, config=c)) for name, c in named.items()}
         for name, (fwd, bwd) in timed.items():
             ms = [launchable(lambda: cuda_time_ms(fn, warmup=3, iters=20), name) for fn in (fwd, bwd)]

@@ -200,7 +200,7 @@ def quant_dual(x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def quant_dual_with(x: Tensor, config: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """quant_dual with an explicit launch configuration (split, num_warps)."""
     _check(x, "x")
-    return _launch(x, x, x.shape[1], mode=0, config=config)
+    return _launch(x, None, x.shape[1], mode=0, config=config)
 
 
 # The SwiGLU MLP's activations quantized where they are made (fp8.fuse_swiglu): h = silu(gate) * up
@@ -209,14 +209,14 @@ def quant_dual_with(x: Tensor, config: tuple[int, int]) -> tuple[Tensor, Tensor,
 def swiglu_quant_dual(gu: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """gu = [gate | up] [M, 2I] BF16 -> h = silu(gate) * up [M, I] quantized as quant_dual(h)."""
     _check(gu, "gu", 2 * BLOCK, bf16=True)
-    return _launch(gu, gu, gu.shape[1] // 2, mode=1, config=SWIGLU_CONFIG)
+    return _launch(None, gu, gu.shape[1] // 2, mode=1, config=SWIGLU_CONFIG)
 
 
 @triton_op("fp8_grpo::swiglu_quant_lhs", mutates_args={})
 def swiglu_quant_lhs(gu: Tensor) -> tuple[Tensor, Tensor]:
     """swiglu_quant_dual's 1x128 groups only (q, s): the forward GEMM's operand, no weight gradient."""
     _check(gu, "gu", 2 * BLOCK, bf16=True)
-    return _launch(gu, gu, gu.shape[1] // 2, mode=1, cols=False, config=SWIGLU_CONFIG)
+    return _launch(None, gu, gu.shape[1] // 2, mode=1, cols=False, config=SWIGLU_CONFIG)
 
 
 @triton_op("fp8_grpo::swiglu_backward_quant_dual", mutates_args={})
@@ -241,19 +241,26 @@ def _check(x: Tensor, name: str, multiple: int = BLOCK, shape: tuple[int, int] |
                          "(train.micro_batch_size)")
 
 
-def _launch(x: Tensor, gu: Tensor, k: int, mode: int, cols: bool = True, config: tuple[int, ...] | None = None,
-            x_out: Tensor | None = None) -> tuple[Tensor, ...]:
-    """Run _quant_dual_kernel over an [M, k] output: (q, s, qt, st), or (q, s) without cols."""
-    m = x.shape[0]
+def _launch(x: Tensor | None, gu: Tensor | None, k: int, mode: int, cols: bool = True,
+            config: tuple[int, ...] | None = None, x_out: Tensor | None = None) -> tuple[Tensor, ...]:
+    """Run _quant_dual_kernel over an [M, k] output: (q, s, qt, st), or (q, s) without cols. x: what
+    modes 0 and 2 read, gu: what modes 1 and 2 read (None where the mode reads none)."""
+    src = x if x is not None else gu
+    m = src.shape[0]
     split, warps, stages, per_sm = _launch_params(config or CONFIG)
-    q = torch.empty(m, k, dtype=E4M3, device=x.device)
-    s = torch.empty(k // BLOCK, m, dtype=torch.float32, device=x.device).t()
-    qt = torch.empty(k, m, dtype=E4M3, device=x.device) if cols else q
-    st = torch.empty(m // BLOCK, k, dtype=torch.float32, device=x.device) if cols else s
+    q = torch.empty(m, k, dtype=E4M3, device=src.device)
+    s = torch.empty(k // BLOCK, m, dtype=torch.float32, device=src.device).t()
+    qt = torch.empty(k, m, dtype=E4M3, device=src.device) if cols else q
+    st = torch.empty(m // BLOCK, k, dtype=torch.float32, device=src.device) if cols else s
     tiles = m // BLOCK * k // BLOCK // (2 if mode == 2 else 1)
-    programs = min(tiles, per_sm * _sm_count(x.device.index)) if stages else tiles
+    programs = min(tiles, per_sm * _sm_count(src.device.index)) if stages else tiles
+    # Each input once, a one-element stand-in in the pointer slots this mode never reads: a compiled
+    # graph makes one copy of a tensor per argument it is passed in when a fused kernel produces it
+    # (Inductor's user-kernel lowering), so x in all three slots had an RMSNorm write its output 3 times.
+    unread = src.new_empty(1)
     wrap_triton(_quant_dual_kernel)[(programs,)](
-        x, gu, x if x_out is None else x_out, q, s, qt, st, m // BLOCK, k, BLOCK=BLOCK, SPLIT=split, MODE=mode, COLS=cols,
+        unread if x is None else x, unread if gu is None else gu, unread if x_out is None else x_out,
+        q, s, qt, st, m // BLOCK, k, BLOCK=BLOCK, SPLIT=split, MODE=mode, COLS=cols,
         STORE_X=x_out is not None, STAGES=stages, EPS=TORCHAO_EPS, FP8_MAX=FP8_MAX, num_warps=warps)
     return (q, s, qt, st) if cols else (q, s)
 

@@ -189,7 +189,7 @@ def test_swiglu_quant_kernels_quantize_swiglu_like_quant_dual():
     m, inter = 384, 1408
     gu = (torch.randn(m, 2 * inter, device="cuda", generator=g) * 3).bfloat16()
     dh = (torch.randn(m, inter, device="cuda", generator=g) * torch.logspace(-3, 1, inter, device="cuda")).bfloat16()
-    cases = (("forward", (gu, gu), inter, 1, swiglu(gu), swiglu_quant_dual(gu)),
+    cases = (("forward", (None, gu), inter, 1, swiglu(gu), swiglu_quant_dual(gu)),
              ("backward", (dh, gu), 2 * inter, 2, swiglu_backward(dh, gu), swiglu_backward_quant_dual(dh, gu)))
     for name, args, k, mode, ref, op_out in cases:
         for cfg in [(2, 4), (1, 8), (4, 4), (1, 8, 2, 1), (1, 16, 2, 1), SWIGLU_CONFIG]:
@@ -270,6 +270,30 @@ def test_compiled_fp8_linear_equals_eager(cache):
     same = {k: torch.equal(a, b) for k, a, b in zip(("out", "grad_x", "grad_w"), *outs)}
     print(f"\ncompiled vs eager TorchaoFP8Linear (cache={cache}): bitwise {same}")
     assert all(same.values()), same
+
+
+def test_compiled_norm_into_quant_dual_writes_the_norm_once():
+    """An RMSNorm compiled into quant_dual (the FP8 layer's qkv and gate/up input) writes its output once:
+    with x passed in three of the kernel's pointer slots, Inductor made one copy per slot, and the
+    fused norm kernel wrote three identical [M, K] float32 tensors. Bytes as eager."""
+    from torch._inductor.utils import run_and_get_code
+
+    from fp8.fast.kernels import quant_dual
+
+    def norm_quant(h, w):
+        x = w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+        return quant_dual(x.reshape(-1, x.shape[-1]))
+
+    torch.manual_seed(0)
+    h = torch.randn(2, 256, 512, device="cuda")
+    w = torch.rand(512, device="cuda") + 0.5
+    torch._dynamo.reset()
+    got, (code, *_) = run_and_get_code(torch.compile(norm_quant, fullgraph=True), h, w)
+    torch._dynamo.reset()
+    copies = code.count("empty_strided_cuda((512, 512), (512, 1), torch.float32)")
+    print(f"\n[512, 512] float32 buffers in the compiled norm + quant_dual: {copies}")
+    assert copies == 1, code
+    assert all(same_bytes(a, b) if a.dtype == E4M3 else torch.equal(a, b) for a, b in zip(got, norm_quant(h, w)))
 
 
 def test_torchao_linear_uses_quant_py_weights(monkeypatch):
