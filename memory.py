@@ -9,7 +9,8 @@ them; activations are per rank), GiB = 2^30 bytes:
     optimizer     P x 2 / N for adamw8bit(_rms) (8-bit m and v); torch AdamW: two states of the weights' dtype
     fp8 cache     P x 2 with fp8.cache_weights (an FP8 copy of each linear weight in the GEMMs' two layouts,
                   released while vLLM runs); over N > 1 ranks P x 1 / N (each rank's FP8 shard, which FSDP2
-                  all-gathers instead of the bf16 weight; fp8/fast/gather.py)
+                  all-gathers instead of the bf16 weight; fp8/fast/gather.py). The BF16 twin (fp8.train=false) on
+                  one GPU: P x 2 as well (a bf16 copy; fp8/fast/bf16.py), none over N > 1 ranks
     reference     the KL reference model (loss.kl_coef > 0): a copy of the weights
     gathered      N > 1: FSDP2's all-gathered bf16 units, 3 x 2 x max(layer, V x h): the all-gather stream's
                   cache held 3 of Qwen3-8B's largest (V x h) at the 2-rank trainer peak
@@ -167,7 +168,7 @@ def estimate(shape: ModelShape, cfg: Config, world: int, device_gib: float) -> E
     unit = max((p - 2 * shape.vocab * h) / shape.layers, shape.vocab * h)  # a decoder layer, or an embedding
     return Estimate(
         world=n, device=device_gib, weights=weights / GIB, grads=weights / GIB, optimizer=p * state_bytes / n / GIB,
-        fp8_cache=(p * 2 if n == 1 else p / n) / GIB if cfg.fp8.train and cfg.fp8.cache_weights else 0.0,
+        fp8_cache=(p * 2 if n == 1 else p / n) / GIB if cfg.fp8.cache_weights and (cfg.fp8.train or n == 1) else 0.0,
         reference=weights / GIB if cfg.loss.kl_coef > 0 else 0.0,
         gathered=3 * 2 * unit / GIB if n > 1 else 0.0, reduce_scatter=4 * unit / GIB if n > 1 else 0.0,
         activations=tokens * per_token / GIB, tokens=tokens,

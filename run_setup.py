@@ -4,7 +4,7 @@ step's phases.
     read_config      --config + overrides, or --resume's run and its config.yaml
     make_run_dir     a new run's directory (rank 0 creates it, every rank gets its name)
     reference_model  the KL reference: a frozen BF16 copy of the initial policy
-    prepare_trainer  FP8 linears (fp8_model, and fp8/fast where a switch asks), compiled layers, FSDP2
+    prepare_trainer  FP8 linears (fp8_model, and fp8/fast where a switch asks; a BF16 run: the twin's), compiled layers, FSDP2
     lr_schedule      warm-up, then constant
     entropy_control  loss.entropy_target's adaptive coefficient for a new State
     resume           the State (and model, optimizer, schedule, sampler, RNG) of the newest checkpoint
@@ -98,7 +98,9 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
     """FP8 linears (fp8.train) with fp8/fast's speed-only structure where a switch asks for it,
     compiled layers (train.compile), FSDP2 (world > 1), in that order; returns the token multiple the
     trainer's FP8 GEMMs want (1 = any). Without fp8.uses_fast (fuse_projections, cache_weights and
-    fuse_grad_accum off, dense_gemm cublas), fp8/fast is never imported: the recipe runs without it."""
+    fuse_grad_accum off, dense_gemm cublas), fp8/fast is never imported: the recipe runs without it. A BF16
+    run (fp8.train=false) with fp8.cache_weights or fp8.fuse_grad_accum on one GPU gets the FP8 path's
+    structure in BF16 instead (fp8/fast/bf16.py)."""
     fp8_tokens = 1
     modeling.pin_sdpa_backends(cfg.model.cudnn_sdpa)  # before any forward or compile: no import flips it later
     if (cfg.moe.router_replay or cfg.moe.aux_loss_coef) and not routing.is_moe(model):
@@ -121,6 +123,12 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
         if fp8.uses_fast:
             logger.print("fp8.fast: " + (", ".join(fast_done) or "fast kernels"))
         fp8_tokens = BLOCK if use_torchao(fp8, d.device) else 1
+    elif (cfg.fp8.cache_weights or cfg.fp8.fuse_grad_accum) and d.world > 1:
+        logger.print(f"fp8.cache_weights, fp8.fuse_grad_accum: the BF16 twin's are off over {d.world} ranks (FSDP2 "
+                     "casts in its all-gather and reduce-scatters each gradient as autograd makes it)")
+    elif cfg.fp8.cache_weights or cfg.fp8.fuse_grad_accum:  # the FP8 path's structure in BF16 (fp8/fast/bf16.py)
+        from fp8.fast.bf16 import bf16_twin
+        logger.print("fp8.fast, BF16 twin: " + ", ".join(bf16_twin(model, cfg.fp8, torch.bfloat16 if mixed else None)))
     backend = compile_backend(cfg, d.device)
     if backend != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
         distributed.compile_layers(model, backend)
@@ -190,8 +198,8 @@ def save(run: Run, state: State, step: int) -> None:
 # ----------------------------------------------------------------------------- before the first step
 
 def hook_weight_caches(run: Run) -> None:
-    """fp8.cache_weights: fill the FP8 weight caches and hook their refresh to the optimizer's step."""
-    if run.cfg.fp8.train and run.cfg.fp8.cache_weights:
+    """fp8.cache_weights: fill the weight caches (FP8, or the BF16 twin's) and hook their refresh to the optimizer's step."""
+    if run.cfg.fp8.cache_weights:
         from fp8.fast.cache import refresh_weight_caches_on_step
         refresh_weight_caches_on_step(run.model, run.optimizer)
 

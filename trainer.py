@@ -126,8 +126,8 @@ def rollout_phase(run: Run, step: int, metrics: dict) -> list[collapse.Groups]:
     groups with reward variance (every rank runs the same rounds: losses/collapse.py)."""
     cfg, n = run.cfg, run.cfg.rollout.n
     t0 = time.perf_counter()
-    # the FP8 weight cache makes room for the KV cache (async: the engines have GPUs of their own)
-    cached = cfg.fp8.train and cfg.fp8.cache_weights and cfg.rollout.mode == "colocated"
+    # the weight cache (FP8, or the BF16 twin's) makes room for the KV cache (async: the engines have GPUs of their own)
+    cached = cfg.fp8.cache_weights and cfg.rollout.mode == "colocated"
     if cached:
         from fp8.fast.cache import refill_weight_caches, release_weight_caches
         from fp8.fast.gather import release_fp8_shards
@@ -464,10 +464,11 @@ def update_metrics(run: Run, b: StepBatch, step: int, probe_before: torch.Tensor
 
 
 def zero_grads(run: Run, keep: bool = True) -> None:
-    """optimizer.zero_grad(set_to_none=True). With fp8.fuse_grad_accum the FP8 linears' gradient buffers are
-    then zeroed and their .grad views put back (keep), or their memory given back (the engine's turn)."""
+    """optimizer.zero_grad(set_to_none=True). With fp8.fuse_grad_accum the linears' gradient buffers (FP8, or
+    the BF16 twin's) are then zeroed and their .grad views put back (keep), or their memory given back (the
+    engine's turn)."""
     run.optimizer.zero_grad(set_to_none=True)
-    if run.cfg.fp8.train and run.cfg.fp8.fuse_grad_accum:
+    if run.cfg.fp8.fuse_grad_accum:
         from fp8.fast.accum import release_grad_accumulators, zero_grad_accumulators
         zero_grad_accumulators(run.model) if keep else release_grad_accumulators(run.model)
 

@@ -21,7 +21,9 @@ masked sum + backward (the policy update, without the optimizer step). Variants:
                  pass's default): its time and memory against the fused head
   <mode> calib   (--calib) the `<mode>` variant with its logprobs calls inside one q/k/v amax capture
                  (fp8.calib_pass=logprobs: what recording costs the logprobs pass; the train pass as `<mode>`)
-Modes: bf16, then fp8 (run_setup.fp8_model of the same model; torchao on Hopper),
+Modes, run in this order: bf16, then bf16_acc (the BF16 twin with the FP8 path's structure, fp8/fast/bf16.py: the
+bf16 weights cast once, as between two optimizer steps, and each wgrad GEMM adding into the fp32 gradient),
+then fp8 (run_setup.fp8_model of the same model; torchao on Hopper),
 then fp8_cached (fp8.cache_weights: the FP8 weights quantized once, as between two optimizer steps),
 then fp8_acc (fp8_cached + fp8.fuse_grad_accum: each FP8 wgrad GEMM adds into the weight's gradient buffer).
 --accumulate: the gradients are kept from one train call to the next, so each call after the first adds
@@ -58,7 +60,7 @@ from bench.rollout import ALIASES, MODELS, tiny_flow
 from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write_results
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
-MODES = ("bf16", "fp8", "fp8_cached", "fp8_acc")  # in this order on one model: fp8 converts it, then caches, accumulators
+MODES = ("bf16", "bf16_acc", "fp8", "fp8_cached", "fp8_acc")  # in this order on one model: each converts or wraps it
 
 
 def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, iters: int, profile: bool = False,
@@ -108,7 +110,7 @@ def main():
     p.add_argument("--prompt", type=int, default=32)
     p.add_argument("--response", type=int, help="default: the config's rollout.max_new_tokens")
     p.add_argument("--modes", type=lambda text: parse_choices(text, MODES), default=["bf16", "fp8"],
-                   help=f"comma list of {list(MODES)}")
+                   help=f"comma list of {list(MODES)} (run in that order)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked)")
     p.add_argument("--compile", action="store_true", help="compile the decoder layers (train.compile=inductor)")
@@ -122,11 +124,13 @@ def main():
     p.add_argument("--profile", action="store_true", help="CUDA: also each variant's kernels under torch.profiler "
                    "(2 calls per pass): ms per kernel category and the top kernels, as bench/train.py --profile")
     args = p.parse_args()
+    args.modes = sorted(args.modes, key=MODES.index)
     import distributed
     from config import load_config
     from distributed import compile_layers, memory_metrics
     from fp8.calibrate import QKVCalibrator
     from fp8.fast.accum import attach_grad_accumulators, zero_grad_accumulators
+    from fp8.fast.bf16 import bf16_twin
     from fp8.fast.cache import attach_weight_caches, refresh_weight_caches
     from fp8.linear import is_fp8_linear
     from run_setup import fp8_model, prepare_trainer
@@ -181,8 +185,9 @@ def main():
                 torch.cuda.empty_cache()
             model = build()[0]
         prepared = True
-        fp8 = dataclasses.replace(cfg.fp8, train=mode != "bf16", cache_weights=mode in ("fp8_cached", "fp8_acc"),
-                                  fuse_grad_accum=mode == "fp8_acc")  # (prepare_trainer: off over FSDP2 ranks)
+        fp8 = dataclasses.replace(cfg.fp8, train=mode.startswith("fp8"),
+                                  cache_weights=mode in ("bf16_acc", "fp8_cached", "fp8_acc"),
+                                  fuse_grad_accum=mode.endswith("_acc"))  # (prepare_trainer: off over FSDP2 ranks)
         run_cfg = dataclasses.replace(cfg, fp8=fp8,
                                       train=dataclasses.replace(cfg.train, compile="inductor" if args.compile else "none"))
         prepare_trainer(model, None, run_cfg, d, mixed, argparse.Namespace(print=print if d.main else lambda *a: None))
@@ -193,7 +198,13 @@ def main():
     def measure(mode) -> list[dict]:
         torch._dynamo.reset()  # fp8 replaces the linears: a fresh graph
         model.zero_grad(set_to_none=True)  # the previous mode's (--accumulate)
-        if mode != "bf16" and not any(is_fp8_linear(m) for m in model.modules()):
+        if mode == "bf16_acc":
+            twin = dataclasses.replace(cfg.fp8, train=False, cache_weights=True, fuse_grad_accum=True)
+            print(f"[trainer_pass] bf16_acc: {', '.join(bf16_twin(model, twin, torch.bfloat16 if mixed else None))}",
+                  flush=True)
+            refresh_weight_caches(model)
+            zero_grad_accumulators(model)
+        if mode.startswith("fp8") and not any(is_fp8_linear(m) for m in model.modules()):
             # the caches only in fp8_cached: a compiled forward cannot fill them (fp8.cache_weights)
             fp8 = dataclasses.replace(cfg.fp8, train=True, cache_weights=False, fuse_grad_accum=False)
             print(f"[trainer_pass] fp8: {len(fp8_model(model, fp8)[0])} linears", flush=True)

@@ -51,14 +51,17 @@ class FP8Config:
     micro-batch. Costs 2 bytes per FP8 parameter (torchao's two GEMM layouts). Over FSDP2 ranks each
     rank keeps its shard's FP8 bytes (1 byte per parameter / ranks) and FSDP2 all-gathers those instead
     of the bf16 weight (fp8/fast/gather.py; weights whose rows split into whole 128-row blocks per rank;
-    off with train.probe, whose BF16 reference needs the bf16 weights)."""
+    off with train.probe, whose BF16 reference needs the bf16 weights). With train=false (the BF16 twin), on
+    one GPU: the bf16 copy of each weight the FP8 recipe would quantize, cast once per optimizer step
+    instead of in every forward and recompute (fp8/fast/bf16.py; 2 bytes per parameter)."""
     fuse_grad_accum: bool = False
     """Trainer, one GPU: each FP8 weight-gradient GEMM adds its product into the weight's gradient itself
     (fp8/fast/accum.py; on SM90 DeepGEMM's wgrad kernel accumulates into the fp32 gradient in its epilogue),
     so autograd's BF16 weight gradient, its cast to the master weights' dtype and the add across
     micro-batches are gone. The gradients of the FP8 linears then live in one buffer per GEMM, zeroed at
     each mini-batch; the sum is not rounded to BF16 on the way. Off over FSDP2 ranks (their gradients are
-    reduce-scattered as autograd makes them)."""
+    reduce-scattered as autograd makes them). With train=false (the BF16 twin): the bf16 wgrad GEMM of
+    those linears adds into the fp32 gradient (cuBLAS, an fp32 output; fp8/fast/bf16.py)."""
     dense_gemm: Literal["cublas", "deep_gemm"] = "cublas"
     """Trainer on SM90: the kernel of the dense FP8 linears' forward and data-gradient GEMMs. cublas:
     torchao's block-scaled cuBLAS GEMM. deep_gemm: DeepGEMM's 1D2D kernel (an installed `deep_gemm`, else

@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 from fp8.fast.fused import FusedLinear
-from fp8.linear import is_fp8_linear
 
 
 class KernelsWrapper:
@@ -47,11 +46,16 @@ class KernelsWrapper:
         return self.kernels.bwd_swiglu(grad_h, gu, w_op, saved, need_x, need_w, acc)
 
 
+def has_kernels(m: nn.Module) -> bool:
+    """A linear whose GEMMs go through _BlockFP8MM's `kernels`: an FP8 linear, or the BF16 twin's (bf16.py)."""
+    return isinstance(m, nn.Linear) and hasattr(m, "kernels")
+
+
 def kernels_of(model: nn.Module, cls: type) -> list:
-    """The `cls` kernels objects of `model`'s FP8 GEMMs, each once, found along each linear's wrappers."""
+    """The `cls` kernels objects of `model`'s GEMMs (has_kernels), each once, found along each linear's wrappers."""
     found = {}
     for m in model.modules():
-        k = m.kernels if is_fp8_linear(m) else None
+        k = m.kernels if has_kernels(m) else None
         while k is not None and not isinstance(k, cls):
             k = k.kernels if isinstance(k, KernelsWrapper) else None
         if k is not None:
@@ -113,11 +117,11 @@ class WeightCache(KernelsWrapper):
 
 
 def wrap_kernels(model: nn.Module, cls: type) -> int:
-    """One cls(kernels, weights) per FP8 GEMM of `model` (a fused group's members share one), wrapping the
+    """One cls(kernels, weights) per GEMM of `model` (has_kernels; a fused group's members share one), wrapping the
     kernels the GEMM had: the outermost. GEMMs already wrapped by a cls keep theirs. Returns the count added."""
     n = 0
     for m in model.modules():
-        if is_fp8_linear(m) and not isinstance(m.kernels, cls):
+        if has_kernels(m) and not isinstance(m.kernels, cls):
             members = m.group.members if isinstance(m, FusedLinear) else [m]
             wrapper = cls(m.kernels, [x.weight for x in members])
             for x in members:

@@ -848,15 +848,18 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
 def test_trainer_pass_accumulates_like_the_trainer_with_the_gradient_buffers(tmp_path):
     """--accumulate keeps the gradients between train calls; fp8_acc adds fp8.fuse_grad_accum's buffers to the
     cached FP8 model (emulated on CPU): the same logprobs as fp8_cached, and the FP8 weights' .grad views of
-    the buffers after the timed calls."""
+    the buffers after the timed calls. bf16_acc, the BF16 twin with that structure, computes bf16's logprobs;
+    the modes run in their fixed order whatever the order asked."""
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "-m", "bench.trainer_pass", "--config", str(root / "configs/tiny_cpu.yaml"),
                         "--rows", "2", "--prompt", "5", "--response", "40", "--iters", "1", "--accumulate",
-                        "--modes", "fp8_cached,fp8_acc", "--out", str(tmp_path)], capture_output=True, text=True, cwd=root)
+                        "--modes", "fp8_acc,fp8_cached,bf16_acc,bf16", "--out", str(tmp_path)], capture_output=True,
+                       text=True, cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert "fp8_acc: 8 gradient buffers" in p.stdout
+    assert "fp8_acc: 8 gradient buffers" in p.stdout and "bf16_acc: 14 linears through one autograd node" in p.stdout
     runs = {r["mode"]: r for r in json.loads((tmp_path / "trainer_pass.json").read_text())["runs"]}
     assert runs["fp8_acc"]["logp_sum"] == runs["fp8_cached"]["logp_sum"] and runs["fp8_acc"]["train_ms"] > 0
+    assert abs(runs["bf16_acc"]["logp_sum"] - runs["bf16"]["logp_sum"]) < 1e-5 * abs(runs["bf16"]["logp_sum"])
 
 
 def test_trainer_phase_runs_the_trainers_phases_under_fsdp2(tmp_path):
