@@ -45,7 +45,7 @@ def test_twin_matches_autocast_linears_compiled():
                              "model.tiny.intermediate_size=1024", "model.tiny.num_layers=2", "model.tiny.num_heads=8",
                              "model.tiny.num_kv_heads=8", "model.tiny.head_dim=64"])
     torch.manual_seed(0)
-    plain, _ = load_model_and_tokenizer(cfg.model, torch.device("cuda"))
+    plain, tok = load_model_and_tokenizer(cfg.model, torch.device("cuda"))
     plain.train()
     twin = copy.deepcopy(plain)
     done = bf16_twin(twin, FP8Config(cache_weights=True, fuse_grad_accum=True), torch.bfloat16)
@@ -53,7 +53,7 @@ def test_twin_matches_autocast_linears_compiled():
     assert done[0].startswith("14 linears") and len(done) == 3
     runs = {}
     g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(3, 200, (4, 256), generator=g).cuda() for _ in range(2)]
+    batches = [torch.randint(3, len(tok), (4, 256), generator=g).cuda() for _ in range(2)]
     for name, model in (("plain", plain), ("twin", twin)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         refresh_weight_caches_on_step(model, opt)

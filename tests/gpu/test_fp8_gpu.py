@@ -278,7 +278,7 @@ def test_compiled_fp8_linear_equals_eager(cache):
 def test_compiled_norm_into_quant_dual_writes_the_norm_once():
     """An RMSNorm compiled into quant_dual (the FP8 layer's qkv and gate/up input) writes its output once:
     with x passed in three of the kernel's pointer slots, Inductor made one copy per slot, and the
-    fused norm kernel wrote three identical [M, K] float32 tensors. Bytes as eager."""
+    fused norm kernel wrote three identical [M, K] float32 tensors. Values as eager's, up to the norm's last bit."""
     from torch._inductor.utils import run_and_get_code
 
     from fp8.fast.kernels import quant_dual
@@ -294,10 +294,15 @@ def test_compiled_norm_into_quant_dual_writes_the_norm_once():
     got, (code, *_) = run_and_get_code(torch.compile(norm_quant, fullgraph=True), h, w)
     torch._dynamo.reset()
     shapes = re.findall(r"empty_strided_cuda\(\(([\d, ]+)\), \([\d, ]+\), torch\.float32\)", code)
-    copies = sum(math.prod(int(n) for n in shape.split(",")) == h.numel() for shape in shapes)
+    copies = sum(math.prod(int(n) for n in shape.split(",") if n.strip()) == h.numel() for shape in shapes)
     print(f"\nfloat32 buffers of the norm's size in the compiled norm + quant_dual: {copies}")
     assert copies == 1, code
-    assert all(same_bytes(a, b) if a.dtype == E4M3 else torch.equal(a, b) for a, b in zip(got, norm_quant(h, w)))
+    for a, b in zip(got, norm_quant(h, w)):  # Inductor's norm may round its last bit apart from eager's
+        if a.dtype == E4M3:  # then an FP8 value lands one step away, rarely
+            a, b = a.float(), b.float()
+            assert ((a - b).abs() <= b.abs() / 8 + 2**-9).all() and (a != b).float().mean() < 1e-2
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
 
 
 def test_torchao_linear_uses_quant_py_weights(monkeypatch):
