@@ -27,10 +27,18 @@ def cfg(name, *overrides):
                                                  ("qwen3_8b_bf16", QWEN3_8B, 112.0),
                                                  ("qwen3_8b_fp8_kv", QWEN3_8B, 123.7)])
 def test_trainer_peak_within_5_percent_of_the_h200_measurement(name, shape, measured):
-    e = memory.estimate(shape, cfg(name), 1, H200)
+    """The BF16 peaks were measured before the BF16 configs took the weight cache: estimated without it; with it
+    the bf16 copy's 2 bytes a parameter more, as the FP8 configs' cache, and no warning."""
+    twin = name.endswith("bf16")
+    e = memory.estimate(shape, cfg(name, *["fp8.cache_weights=false"] * twin), 1, H200)
     assert abs(e.trainer_peak - measured) < 0.05 * measured, e.trainer_peak
     assert 107 < e.rollout_peak < 113  # measured 109-112 GiB: weights + 8-bit states beside vLLM's 0.45
     assert memory.check(e) is None
+    if twin and cfg(name).fp8.cache_weights:  # llama31_8b_bf16 (qwen3_8b_bf16 leaves it off: its yaml says why)
+        shipped = memory.estimate(shape, cfg(name), 1, H200)
+        assert shipped.fp8_cache == pytest.approx(shape.params * 2 / 2**30)
+        assert shipped.trainer_peak == pytest.approx(e.trainer_peak + shipped.fp8_cache)
+        assert shipped.rollout_peak == e.rollout_peak and memory.check(shipped) is None
 
 
 def test_counted_bytes_and_sharding():
