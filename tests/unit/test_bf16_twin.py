@@ -12,61 +12,30 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from config import FP8Config
-from fp8.fast.accum import grad_accumulators, release_grad_accumulators, zero_grad_accumulators
+from fp8.fast.accum import grad_accumulators, zero_grad_accumulators
 from fp8.fast.bf16 import Bf16Linear, bf16_twin
 from fp8.fast.cache import refill_weight_caches, refresh_weight_caches_on_step, release_weight_caches, weight_caches
+from test_fp8_linear import _accum_run, tiny_llama
 
 TWIN = FP8Config(cache_weights=True, fuse_grad_accum=True)
 
 
-def tiny_llama(dtype):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=64, num_hidden_layers=2, vocab_size=64, max_position_embeddings=128,
-                      attn_implementation="sdpa")
-    return LlamaForCausalLM(cfg).to(dtype)
+def _engine_turn(model):
+    """Around a rollout: the caches' memory given back and refilled; the weights themselves stay."""
+    release_weight_caches(model)
+    assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
+    refill_weight_caches(model)
 
 
-def _train(twin: bool, compile_backend: str | None, dtype: torch.dtype):
-    """trainer.train_phase's loop: 2 optimizer steps of 2 micro-batches under activation checkpointing, the
-    twin's caches freed and refilled between steps as around a rollout. Returns the logprobs, each step's
-    gradients and the final weights."""
-    from batch import token_logprobs
-    from distributed import compile_layers
-
-    model = tiny_llama(dtype)
-    if twin:
-        done = bf16_twin(model, TWIN, None)
-        assert done[0].startswith("14 linears") and len(done) == 3, done
-    model.gradient_checkpointing_enable()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    refresh_weight_caches_on_step(model, opt)
-    if compile_backend:
-        torch._dynamo.reset()
-        compile_layers(model, compile_backend)
-    g = torch.Generator().manual_seed(3)
-    batches = [torch.randint(0, 64, (2, 32), generator=g) for _ in range(2)]
-    logps, grads = [], []
-    for _ in range(2):
-        opt.zero_grad(set_to_none=True)
-        zero_grad_accumulators(model)
-        for ids in batches:
-            logp = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
-            (logp * torch.linspace(-1, 1, 32, dtype=logp.dtype)).sum().backward()
-            logps.append(logp.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        release_grad_accumulators(model)
-        release_weight_caches(model)  # the engine's turn: the weights themselves stay
-        assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
-        refill_weight_caches(model)
-    torch._dynamo.reset()
-    return model, logps, grads, [p.detach().clone() for p in model.parameters()]
+def _train(twin: FP8Config | None, compile_backend: str | None, dtype: torch.dtype):
+    """test_fp8_linear's trainer loop (2 optimizer steps of 2 micro-batches under activation checkpointing)
+    over plain linears, or the twin's with its caches freed and refilled between steps."""
+    if twin is None:
+        return _accum_run(FP8Config(), compile_backend, prepare=lambda model, cfg: None, dtype=dtype)
+    return _accum_run(twin, compile_backend, prepare=lambda model, cfg: bf16_twin(model, cfg, None), dtype=dtype,
+                      between=_engine_turn)
 
 
 @pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
@@ -78,9 +47,12 @@ def test_twin_trains_as_plain_linears(backend):
         pytest.skip("inductor's CPU backend")
     dtype, tol, n = (torch.float32, dict(rtol=1e-4, atol=1e-6), 1) if backend == "inductor" else \
         (torch.float64, dict(rtol=1e-9, atol=1e-12), 2)  # n: the optimizer steps compared
-    _, *ref = _train(False, backend, dtype)
-    model, *got = _train(True, backend, dtype)
+    model = tiny_llama(layers=2)
+    done = bf16_twin(model, TWIN, None)
+    assert done[0].startswith("14 linears") and len(done) == 3, done
     assert len(weight_caches(model)) == 14 and len(grad_accumulators(model)) == 14
+    ref = _train(None, backend, dtype)
+    got = _train(TWIN, backend, dtype)
     for a, b in zip(got[0][:2 * n], ref[0][:2 * n]):
         torch.testing.assert_close(a, b, **tol)
     for step_got, step_ref in zip(got[1][:n], ref[1][:n]):

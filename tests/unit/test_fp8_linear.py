@@ -656,16 +656,18 @@ def test_weight_cache_released_for_the_rollout_refills_the_same_operands(compile
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
 
 
-def _accum_run(fp8: FP8Config, compile_backend: str | None = None, steps: int = 2):
+def _accum_run(fp8: FP8Config, compile_backend: str | None = None, steps: int = 2, prepare=convert_fast,
+               dtype=torch.float32, between=None):
     """_cache_run's loop with AdamW, as trainer.train_phase runs it: each step zero_grad (and with
     fp8.fuse_grad_accum its buffers zeroed), 2 micro-batches, clip, step; then the gradients released, as
-    before the engine wakes. Returns each step's logprobs, gradients (before the step) and the final weights."""
+    before the engine wakes, and between(model) if given. prepare(model, fp8) builds the model's linears
+    (default: the FP8 trainer's). Returns each step's logprobs, gradients (before the step) and the final weights."""
     from batch import token_logprobs
     from distributed import compile_layers
     from fp8.fast.accum import grad_accumulators, release_grad_accumulators, zero_grad_accumulators
 
-    model = tiny_llama(layers=2)
-    convert_fast(model, fp8)
+    model = tiny_llama(layers=2, dtype=dtype)
+    prepare(model, fp8)
     model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if fp8.cache_weights:
@@ -683,7 +685,7 @@ def _accum_run(fp8: FP8Config, compile_backend: str | None = None, steps: int = 
         zero_grad_accumulators(model)
         for ids in batches:
             logp = token_logprobs(model, ids, torch.ones_like(ids), 1.0)
-            (logp * torch.linspace(-1, 1, 32)).sum().backward()
+            (logp * torch.linspace(-1, 1, 32, dtype=logp.dtype)).sum().backward()
             logps.append(logp.detach())
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -691,6 +693,8 @@ def _accum_run(fp8: FP8Config, compile_backend: str | None = None, steps: int = 
         opt.zero_grad(set_to_none=True)
         release_grad_accumulators(model)
         assert all(a.acc.untyped_storage().nbytes() == 0 for a in grad_accumulators(model))
+        if between:
+            between(model)
     torch._dynamo.reset()
     return logps, grads, [p.detach().clone() for p in model.parameters()]
 
