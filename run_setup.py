@@ -123,12 +123,13 @@ def prepare_trainer(model, ref_model, cfg: Config, d: distributed.Dist, mixed: b
         if fp8.uses_fast:
             logger.print("fp8.fast: " + (", ".join(fast_done) or "fast kernels"))
         fp8_tokens = BLOCK if use_torchao(fp8, d.device) else 1
-    elif (cfg.fp8.cache_weights or cfg.fp8.fuse_grad_accum) and d.world > 1:
-        logger.print(f"fp8.cache_weights, fp8.fuse_grad_accum: the BF16 twin's are off over {d.world} ranks (FSDP2 "
-                     "casts in its all-gather and reduce-scatters each gradient as autograd makes it)")
     elif cfg.fp8.cache_weights or cfg.fp8.fuse_grad_accum:  # the FP8 path's structure in BF16 (fp8/fast/bf16.py)
-        from fp8.fast.bf16 import bf16_twin
-        logger.print("fp8.fast, BF16 twin: " + ", ".join(bf16_twin(model, cfg.fp8, torch.bfloat16 if mixed else None)))
+        if d.world > 1:
+            logger.print(f"fp8.cache_weights, fp8.fuse_grad_accum: the BF16 twin's are off over {d.world} ranks "
+                         "(FSDP2 casts in its all-gather and reduce-scatters each gradient as autograd makes it)")
+        else:
+            from fp8.fast.bf16 import bf16_twin
+            logger.print("fp8.fast, BF16 twin: " + ", ".join(bf16_twin(model, cfg.fp8, torch.bfloat16 if mixed else None)))
     backend = compile_backend(cfg, d.device)
     if backend != "none":  # after FP8 conversion: the FP8 linears are traced into the graph
         distributed.compile_layers(model, backend)
