@@ -39,7 +39,8 @@ class FP8Config:
     fuse_projections: bool = True
     """Trainer: q/k/v and gate/up of a layer as ONE FP8 GEMM each on the concatenated weights, as
     vLLM computes qkv_proj/gate_up_proj (the input is quantized once per group; same numerics up
-    to accumulation order; parameter names unchanged). False: one GEMM per linear (ablation)."""
+    to accumulation order; parameter names unchanged). False: one GEMM per linear (ablation). With train=false
+    and cache_weights or fuse_grad_accum (the BF16 twin, fp8/fast/bf16.py): one bf16 GEMM per group."""
     fuse_swiglu: bool = True
     """Trainer, with fuse_projections: a SwiGLU MLP (Llama, Qwen, Mistral) computes silu(gate) * up
     inside the FP8 quantization of down_proj's input, and its gradient inside the quantization of

@@ -11,6 +11,8 @@ quantization, in the compute dtype, so that the FP8 path's wrappers fit them unc
   (2 bytes per parameter, as the FP8 cache's two layouts), freed while the engine runs;
 * fp8.fuse_grad_accum (accum.GradAccumulator): each wgrad GEMM adds its product into the fp32 gradient
   (cuBLAS, `addmm` with an fp32 output), so no bf16 gradient is written, cast and added.
+* fp8.fuse_projections (fused.FusedProjections), with either switch above: q/k/v and gate/up of a layer as one
+  bf16 GEMM each, as Megatron's linear_qkv and linear_fc1 compute them (x cast once, one dgrad output).
 
 The products are those autocast computes (bf16 operands, fp32 accumulation, bf16 output); the gradient
 sum is not rounded to bf16 on the way, as with the FP8 path's. One GPU only (FSDP2 reduce-scatters each
@@ -25,6 +27,7 @@ from torch import Tensor, nn
 
 from fp8.fast.accum import attach_grad_accumulators
 from fp8.fast.cache import attach_weight_caches
+from fp8.fast.fused import fuse_projections
 from fp8.linear import block_fp8_mm, cat_weights
 from fp8.plan import clean_name, fp8_plan
 
@@ -86,8 +89,12 @@ class Bf16Linear(nn.Linear):
         return new.train(mod.training)
 
     def forward(self, x: Tensor) -> Tensor:
-        y = block_fp8_mm(x, self.kernels, self.weight)
+        y = self.mm(x, self.weight)
         return y if self.bias is None else y + self.bias
+
+    def mm(self, x: Tensor, *weights: Tensor) -> Tensor:
+        """x [..., K] @ cat(weights).T with this linear's kernels (a fused group's GEMM: fused.py)."""
+        return block_fp8_mm(x, self.kernels, *weights)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, compute={self.kernels.dtype or self.weight.dtype}"
@@ -95,14 +102,17 @@ class Bf16Linear(nn.Linear):
 
 def bf16_twin(model: nn.Module, cfg, dtype: torch.dtype | None) -> list[str]:
     """Give the linears fp8_plan(model, cfg) makes FP8 (with fp8.train=true) the FP8 path's structure in
-    `dtype`, in place: Bf16Linear, then cfg.cache_weights' caches and cfg.fuse_grad_accum's buffers (one
-    GPU; the caller leaves them off over FSDP2 ranks). Returns what it did, for the log."""
+    `dtype`, in place: Bf16Linear, cfg.fuse_projections' groups (q/k/v and gate/up as one GEMM each), then
+    cfg.cache_weights' caches and cfg.fuse_grad_accum's buffers (one GPU; the caller leaves them off over
+    FSDP2 ranks). Returns what it did, for the log."""
     plan, n = fp8_plan(model, cfg), 0
     for raw_name, mod in list(model.named_modules()):
         if type(mod) is nn.Linear and plan.get(clean_name(raw_name), (False,))[0]:
             model.set_submodule(raw_name, Bf16Linear.from_linear(mod, dtype))
             n += 1
     done = [f"{n} linears through one autograd node in {dtype or 'the weights dtype'}"]
+    if cfg.fuse_projections and (groups := fuse_projections(model)):
+        done.append(f"{groups} q/k/v + gate/up groups fused into one GEMM each")
     if cfg.cache_weights:
         done.append(f"{attach_weight_caches(model)} weights cast once per optimizer step")
     if cfg.fuse_grad_accum:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from fp8.fast.fused import FusedLinear
+from fp8.fast.fused import FusedLinear, has_kernels
 
 
 class KernelsWrapper:
@@ -44,11 +44,6 @@ class KernelsWrapper:
 
     def bwd_swiglu(self, grad_h, gu, w_op, saved, need_x, need_w, acc=None):
         return self.kernels.bwd_swiglu(grad_h, gu, w_op, saved, need_x, need_w, acc)
-
-
-def has_kernels(m: nn.Module) -> bool:
-    """A linear whose GEMMs go through _BlockFP8MM's `kernels`: an FP8 linear, or the BF16 twin's (bf16.py)."""
-    return isinstance(m, nn.Linear) and hasattr(m, "kernels")
 
 
 def kernels_of(model: nn.Module, cls: type) -> list:

@@ -12,7 +12,6 @@ import functools
 import torch
 from torch import Tensor, nn
 
-from fp8.linear import is_fp8_linear
 from models import family_of
 
 
@@ -28,14 +27,19 @@ def subclass(module: nn.Module, mixin: type) -> None:
     module.__class__ = _mixed(mixin, type(module))
 
 
+def has_kernels(m: nn.Module) -> bool:
+    """A linear whose GEMMs go through _BlockFP8MM's `kernels`: an FP8 linear, or the BF16 twin's (bf16.py)."""
+    return isinstance(m, nn.Linear) and hasattr(m, "kernels")
+
+
 class FusedLinear:
-    """Mixin of an FP8 linear in a fused group: its forward is the group's GEMM (bf16_reference:
-    the linear's own forward)."""
+    """Mixin of a linear in a fused group (an FP8 linear, or the BF16 twin's): its forward is the group's GEMM
+    (bf16_reference: the linear's own forward)."""
 
     group: FusedProjections
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.group(self, x) if self.fp8_enabled else super().forward(x)
+        return self.group(self, x) if getattr(self, "fp8_enabled", True) else super().forward(x)
 
 
 class FusedProjections:
@@ -80,16 +84,16 @@ class FusedProjections:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Link each parent's FP8 linears of one fused group of the model's family (models/: q/k/v and
-    gate/up) into a FusedProjections; returns the count.
+    """Link each parent's FP8 linears (or the BF16 twin's: has_kernels) of one fused group of the model's
+    family (models/: q/k/v and gate/up) into a FusedProjections; returns the count.
 
-    A group is linked only if all its members are FP8 linears of one class with the same input
+    A group is linked only if all its members are such linears of one class with the same input
     size, weight dtype and device (fp8_plan already makes a group all-FP8 or all-BF16)."""
     n, groups = 0, family_of(model).fused_groups
     for parent in model.modules():
         for leaves in groups:
             members = [getattr(parent, leaf, None) for leaf in leaves]
-            if not all(is_fp8_linear(m) and not isinstance(m, FusedLinear) for m in members):
+            if not all(has_kernels(m) and not isinstance(m, FusedLinear) for m in members):
                 continue
             if len({type(m) for m in members}) > 1:
                 continue

@@ -6,6 +6,7 @@ float32, and the first step's logprobs and gradients, before AdamW magnifies the
 compute is checked against autocast's within bf16 rounding.
 """
 
+import dataclasses
 import sys
 
 import pytest
@@ -38,21 +39,23 @@ def _train(twin: FP8Config | None, compile_backend: str | None, dtype: torch.dty
                       between=_engine_turn)
 
 
-@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"])
-def test_twin_trains_as_plain_linears(backend):
+@pytest.mark.parametrize("backend,fused", [(None, False), (None, True), ("aot_eager", True), ("inductor", True)])
+def test_twin_trains_as_plain_linears(backend, fused):
     """Cached weights refreshed by the optimizer hook, wgrads added into one buffer per GEMM (the .grad views),
-    eager and compiled (a compiled backward must keep the buffer's mutation): the logprobs, gradients and
-    AdamW updates of plain nn.Linear layers."""
+    q/k/v and gate/up one GEMM each (fused) or not, eager and compiled (a compiled backward must keep the
+    buffer's mutation): the logprobs, gradients and AdamW updates of plain nn.Linear layers."""
     if backend == "inductor" and sys.platform != "linux":
         pytest.skip("inductor's CPU backend")
     dtype, tol, n = (torch.float32, dict(rtol=1e-4, atol=1e-6), 1) if backend == "inductor" else \
         (torch.float64, dict(rtol=1e-9, atol=1e-12), 2)  # n: the optimizer steps compared
+    twin = dataclasses.replace(TWIN, fuse_projections=fused)
     model = tiny_llama(layers=2)
-    done = bf16_twin(model, TWIN, None)
-    assert done[0].startswith("14 linears") and len(done) == 3, done
-    assert len(weight_caches(model)) == 14 and len(grad_accumulators(model)) == 14
+    done = bf16_twin(model, twin, None)
+    gemms = 8 if fused else 14  # 2 layers x (qkv, o, gate_up, down), or each linear its own
+    assert done[0].startswith("14 linears") and len(done) == 3 + fused, done
+    assert len(weight_caches(model)) == gemms and len(grad_accumulators(model)) == gemms
     ref = _train(None, backend, dtype)
-    got = _train(TWIN, backend, dtype)
+    got = _train(twin, backend, dtype)
     for a, b in zip(got[0][:2 * n], ref[0][:2 * n]):
         torch.testing.assert_close(a, b, **tol)
     for step_got, step_ref in zip(got[1][:n], ref[1][:n]):
