@@ -65,13 +65,17 @@ def host_facts() -> dict:
         if os.path.exists(path):
             with open(path) as f:
                 out["cpu_quota"] = f.read().strip()
-    if os.path.exists("/proc/cpuinfo"):
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-        models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-        mhz = [line.split(":", 1)[1].strip() for line in lines if line.startswith("cpu MHz")]
-        out["cpu_model"], out["cpu_mhz"] = (models or [""])[0], (mhz or [""])[0]
+    out["cpu_model"], out["cpu_mhz"] = cpuinfo("model name"), cpuinfo("cpu MHz")
     return out
+
+
+def cpuinfo(field: str) -> str:
+    """The first CPU's `field` in /proc/cpuinfo ("" where there is none): "model name" is what benchmark rows
+    record as their host's CPU (bench/runner.py, bench/peer.py), since host-bound phases move with it."""
+    if not os.path.exists("/proc/cpuinfo"):
+        return ""
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith(field)), "")
 
 
 def torch_times() -> dict:

@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 
+from bench.host_speed import cpuinfo
 from bench.rollout import tiny_shape
 from bench.runner import (RESULTS, device_name, fail, kill_group, markdown_table, nvidia_smi, read_records,
                           write_json)
@@ -689,7 +690,8 @@ def main():
         else:
             cfg = load_config(ROOT / "configs" / f"{spec(system).config}.yaml", workload_overrides(args, system))
             settings = ours_settings(cfg, cuda=not args.tiny)
-        row.update(gpu=gpu, date=date.today().isoformat(), command=command, settings=settings, wall_s=round(wall))
+        row.update(gpu=gpu, cpu=cpuinfo("model name"), date=date.today().isoformat(), command=command, settings=settings,
+                   wall_s=round(wall))
         if args.profile:
             row["profiled_step"] = args.profile
         failed += "error" in row

@@ -13,6 +13,7 @@ bench/results alone; `--out bench/results` refreshes them), written atomically:
     {
       "device":   "NVIDIA H100 80GB HBM3",  # the hardware: GPU 0's name, the children's for a parent
                                             # process (it never touches CUDA), or "cpu"
+      "cpu":      "Intel(R) Xeon(R) Processor",  # the host's CPU model: host-bound phases move with it
       "date":     "2026-11-24",             # of the write
       "command":  "python -m bench.step --modes bf16,fp8kv",
       "versions": {"python": "3.12.3", "torch": "2.11.0", "torchao": "0.18.0", "triton": "3.6.0",
@@ -47,6 +48,8 @@ from importlib import metadata
 from pathlib import Path
 
 import torch
+
+from bench.host_speed import cpuinfo
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "runs" / "bench"  # the benchmarks' default --out; the committed figures: bench/results
@@ -353,7 +356,7 @@ def write_results(name: str, runs: list[dict], out_dir: Path = RESULTS, device: 
     process's GPU 0, or "cpu"); a parent whose children measured passes theirs instead of touching CUDA."""
     if device is None:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    doc = {"device": device, "date": date.today().isoformat(), "command": command_line(),
+    doc = {"device": device, "cpu": cpuinfo("model name"), "date": date.today().isoformat(), "command": command_line(),
            "versions": {"python": sys.version.split()[0], **{p: _version(p) for p in VERSIONED}},
            "runs": runs, **extra}
     return write_json(Path(out_dir) / f"{name}.json", doc)

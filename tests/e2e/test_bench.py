@@ -511,7 +511,7 @@ def test_results_files(tmp_path):
     path = runner.write_results("train", [{"workload": "linear", "mode": "bf16", "ms": 16400.4}], tmp_path,
                                 device="GPU A", errors=[{"mode": "fp8"}])
     doc = json.loads(path.read_text())
-    assert set(doc) == {"device", "date", "command", "versions", "runs", "errors"} and doc["device"] == "GPU A"
+    assert set(doc) == {"device", "cpu", "date", "command", "versions", "runs", "errors"} and doc["device"] == "GPU A"
     assert doc["versions"]["torch"] == torch.__version__.split("+")[0] and doc["versions"]["python"]
     assert runner.read_results(path)["runs"][0]["ms"] == 16400.4 and not list(tmp_path.glob("*.tmp"))
     (tmp_path / "bad.json").write_text("{")

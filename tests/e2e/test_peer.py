@@ -46,6 +46,7 @@ def test_trl_and_ours_generate_the_same_tokens(tmp_path):
         assert any(line.startswith("train ") for line in profile.splitlines()), profile
         assert r["tokens_per_s"] == pytest.approx(r["gen_tokens"] / r["step_s"], rel=0.02)
         assert r["gpu"] == "cpu" and r["command"].startswith("python -m bench.peer --tiny") and r["settings"]
+        assert isinstance(r["cpu"], str)  # the host CPU model (empty where /proc/cpuinfo has none)
     trl = rows["trl"]
     assert trl["rollout_s"] > 0 and trl["train_s"] > 0 and trl["logprobs_s"] >= 0
     assert trl["settings"]["rollout"] == "transformers generate"
