@@ -9,9 +9,10 @@ times what that loop is made of, best of 5:
   py_objs_ms      200k small objects built and walked (allocation, attribute access)
   hash_pickle_ms  50k pickle + sha256 of a block-sized tuple (vLLM's prefix-cache block hashes)
   torch_cpu_small_op_us  one in-place op on a small CPU tensor (PyTorch's dispatch)
-  torch_custom_op_us  the same op inside a Python torch.library.custom_op, called as a compiled graph calls it
-                  (torch.ops): what a GEMM behind a Python custom op (torchao::blockwise_scaled_mm, wgrad_into)
-                  costs the host beyond the aten op
+  torch_custom_op_us, torch_custom_op_inplace_us  a small op inside a Python torch.library.custom_op called as
+                  a compiled graph calls it (torch.ops): out of place (returns a tensor, as torchao's GEMM op
+                  torchao::blockwise_scaled_mm), and in place (as fp8_grpo::wgrad_into); less
+                  torch_cpu_small_op_us, what the custom op's Python costs the host a call
   cuda_launch_us, h2d_copy_us, launch_sync_us   (with CUDA) a kernel launch, a pinned 1 KiB copy, and a
                   launch followed by a synchronize
 plus the CPU model, its reported clock, the CPUs this process may run on and any cgroup CPU quota.
@@ -90,14 +91,20 @@ def torch_times() -> dict:
             a.add_(1)
     out["torch_cpu_small_op_us"] = round(best_ms(small_ops) * 1e3 / n_small, 2)
 
+    @torch.library.custom_op("host_speed::plus_one", mutates_args=())
+    def plus_one(t: torch.Tensor) -> torch.Tensor:
+        return t + 1
+
     @torch.library.custom_op("host_speed::add_one", mutates_args=("t",))
     def add_one(t: torch.Tensor) -> None:
         t.add_(1)
 
-    def custom_ops():
-        for _ in range(n_small):
-            torch.ops.host_speed.add_one.default(a)
-    out["torch_custom_op_us"] = round(best_ms(custom_ops) * 1e3 / n_small, 2)
+    for key, op in (("torch_custom_op_us", torch.ops.host_speed.plus_one.default),
+                    ("torch_custom_op_inplace_us", torch.ops.host_speed.add_one.default)):
+        def custom_ops():
+            for _ in range(n_small):
+                op(a)
+        out[key] = round(best_ms(custom_ops) * 1e3 / n_small, 2)
     if not torch.cuda.is_available():
         return out
     g, h = torch.zeros(256, device="cuda"), torch.zeros(256, pin_memory=True)

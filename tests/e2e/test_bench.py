@@ -968,7 +968,8 @@ def test_host_speed_prints_one_json_line_of_facts_and_times():
     (line,) = p.stdout.strip().splitlines()
     out = json.loads(line)
     assert out["cpus_allowed"] >= 1 and out["python"] == sys.version.split()[0]
-    for key in ("py_loop_ms", "py_objs_ms", "hash_pickle_ms", "torch_cpu_small_op_us", "torch_custom_op_us"):
+    for key in ("py_loop_ms", "py_objs_ms", "hash_pickle_ms", "torch_cpu_small_op_us", "torch_custom_op_us",
+                "torch_custom_op_inplace_us"):
         assert out[key] > 0, key
     assert ("cuda_launch_us" in out) == torch.cuda.is_available()
 
