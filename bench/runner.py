@@ -88,6 +88,14 @@ def cuda_kernels(prof) -> list[tuple[str, float, int]]:
             if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
 
 
+def cpu_ops(prof) -> list[tuple[str, float, int]]:
+    """(name, self host time in ms, calls) of each host event a torch.profiler run with CPU activity recorded:
+    operators (aten::mm, a custom op's torchao::blockwise_scaled_mm), CUDA runtime and driver calls
+    (cudaLaunchKernel, cuLaunchKernel), record_function ranges."""
+    return [(e.key, e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()
+            if e.device_type.name == "CPU" and e.count]
+
+
 def cuda_busy_ms(prof) -> float:
     """ms during which at least one CUDA kernel ran in a torch.profiler run: the union of the kernels' intervals.
     It falls below the sum of cuda_kernels' times where kernels overlap: other streams, or a kernel launched

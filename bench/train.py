@@ -50,7 +50,7 @@ import torch
 from fp8.torchao import keep_triton_autotuning
 
 keep_triton_autotuning()  # before torchao's @triton.autotune kernels are defined
-from bench.runner import (RESULTS, add_ratio, cuda_kernels, cuda_time_ms,  # noqa: E402
+from bench.runner import (RESULTS, add_ratio, cpu_ops, cuda_kernels, cuda_time_ms,  # noqa: E402
                           markdown_table, parse_choices, run_inline, update_results, write_json)
 
 SHAPES = {"q_proj/o_proj": (4096, 4096), "k_proj/v_proj": (4096, 1024),
@@ -227,17 +227,39 @@ def summarize_kernels(kernels: list[tuple], iters: int, top: int = 40) -> dict:
                              **({"calls": k[2] / iters} if len(k) > 2 else {})} for k in ranked]}
 
 
+LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+BUILT_IN = {"aten", "prim", "prims", "autograd", "torch", "profiler", "c10d", "inductor", "cudnn"}  # not custom ops
+
+
+def summarize_host(ops: list[tuple[str, float, int]], iters: int, top: int = 25) -> dict:
+    """[(host event name, self ms, calls)] over `iters` iterations (runner.cpu_ops) -> the host's side of them
+    per iteration: its profiled self time in all (the profiler's own cost included, so above the unprofiled
+    host time), the kernel launches (runtime and driver calls) and their time, the calls of operators outside
+    aten (custom ops: each a Python call from a compiled graph), and the top events by self time. Where a pass's
+    wall time exceeds its GPU time, this says what the host spent it on."""
+    launches = [o for o in ops if o[0] in LAUNCH_CALLS]
+    custom = [o for o in ops if "::" in o[0] and o[0].split("::")[0] not in BUILT_IN]
+    return {"self_ms_per_iter": sum(o[1] for o in ops) / iters,
+            "launches_per_iter": sum(o[2] for o in launches) / iters,
+            "launch_ms_per_iter": sum(o[1] for o in launches) / iters,
+            "custom_ops": [{"name": n, "calls": c / iters, "ms": ms / iters}
+                           for n, ms, c in sorted(custom, key=lambda o: -o[1])],
+            "top": [{"name": n[:120], "ms": ms / iters, "calls": c / iters}
+                    for n, ms, c in sorted(ops, key=lambda o: -o[1])[:top]]}
+
+
 def profile_kernels(fn, iters: int = 2, per_call: int = 1) -> dict:
-    """Run fn `iters` times under torch.profiler (CUDA activity) and summarize its kernels per
-    1 / per_call of a call (per micro-batch of a call that runs per_call of them)."""
+    """Run fn `iters` times under torch.profiler (CUDA and CPU activity) and summarize its kernels and its
+    host work (summarize_host) per 1 / per_call of a call (per micro-batch of a call that runs per_call)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    return summarize_kernels(cuda_kernels(prof), iters * per_call)
+    return {**summarize_kernels(cuda_kernels(prof), iters * per_call),
+            "host": summarize_host(cpu_ops(prof), iters * per_call)}
 
 
 def bench_stack(layers: int = 4, tokens=(8192, 16384), seq_len: int = 2048, modes=DEFAULT_STACK_MODES,

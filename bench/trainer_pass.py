@@ -45,7 +45,8 @@ and gradient reduce-scatters of each pass inside them, e.g.
 Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
 per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them; with --profile,
 per pass the GPU ms per kernel category, gemm / fp8 quantize / attention / copy / elementwise, and the
-top kernels, from 2 profiled calls after the timed ones).
+top kernels, and its host side (bench/train.py summarize_host: profiled host ms, kernel launches, each custom
+op's calls, the top host events), from 2 profiled calls after the timed ones).
 """
 
 import argparse
@@ -122,7 +123,8 @@ def main():
     p.add_argument("--accumulate", action="store_true", help="keep the gradients between train calls (each adds "
                    "into them, as the trainer's micro-batches after a mini-batch's first)")
     p.add_argument("--profile", action="store_true", help="CUDA: also each variant's kernels under torch.profiler "
-                   "(2 calls per pass): ms per kernel category and the top kernels, as bench/train.py --profile")
+                   "(2 calls per pass): ms per kernel category and the top kernels, and the host work (launches, custom ops), "
+                   "as bench/train.py --profile")
     args = p.parse_args()
     args.modes = sorted(args.modes, key=MODES.index)
     import distributed
@@ -240,6 +242,10 @@ def main():
         for name, prof in r.get("profile", {}).items():
             cats = ", ".join(f"{c} {v['ms']:.1f}" for c, v in prof["categories"].items())
             print(f"[trainer_pass] {'':>14}  {name} kernels, ms: {cats}", flush=True)
+            host = prof["host"]
+            custom = ", ".join(f"{o['name']} x{o['calls']:.0f} {o['ms']:.1f} ms" for o in host["custom_ops"])
+            print(f"[trainer_pass] {'':>14}  {name} host: {host['self_ms_per_iter']:.1f} ms profiled, "
+                  f"{host['launches_per_iter']:.0f} launches ({host['launch_ms_per_iter']:.1f} ms); {custom}", flush=True)
         return r
 
     write = (lambda runs: write_results("trainer_pass", runs, Path(args.out))) if d.main else None

@@ -825,6 +825,41 @@ def test_kernel_summary_categories():
     assert [k.get("calls") for k in s["top_kernels"]] == [None, 28, None]  # launches per iteration, where given
 
 
+def test_host_summary_counts_launches_and_custom_ops():
+    """--profile's host side: launches and custom ops (not aten, autograd or profiler ranges) per iteration, from a
+    synthetic event list and from a real CPU profile of a compiled function calling a custom op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.runner import cpu_ops
+    from fp8.linear import add_into
+
+    ops = [("cudaLaunchKernel", 2.0, 100), ("cuLaunchKernel", 1.0, 40), ("torchao::blockwise_scaled_mm", 3.0, 24),
+           ("aten::mm", 5.0, 8), ("autograd::engine::evaluate_function: MmBackward0", 1.0, 4),
+           ("fp8_grpo::wgrad_into", 0.5, 8)]
+    s = bt.summarize_host(ops, iters=2, top=2)
+    assert (s["launches_per_iter"], s["launch_ms_per_iter"], s["self_ms_per_iter"]) == (70, 1.5, 6.25)
+    assert [(o["name"], o["calls"]) for o in s["custom_ops"]] == [("torchao::blockwise_scaled_mm", 12),
+                                                                   ("fp8_grpo::wgrad_into", 4)]
+    assert [o["name"] for o in s["top"]] == ["aten::mm", "torchao::blockwise_scaled_mm"]
+
+    acc = torch.zeros(8, 8)
+
+    @torch.compile(backend="aot_eager")
+    def f(x):
+        add_into(acc, x * 2)  # fp8_grpo::add_into
+        return x.sum()
+
+    x = torch.ones(8, 8)
+    f(x)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            f(x)
+    s = bt.summarize_host(cpu_ops(prof), iters=3)
+    assert [(o["name"], o["calls"]) for o in s["custom_ops"]] == [("fp8_grpo::add_into", 1)]
+    assert s["launches_per_iter"] == 0 and s["self_ms_per_iter"] > 0
+    assert torch.equal(acc, torch.full((8, 8), 8.0))  # 4 calls, each adding 2
+
+
 def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
     """bench/trainer_pass.py on the CPU (emulated FP8): every variant timed, the padded batch a
     multiple of 128 tokens (as the FP8 trainer collates it), the unpadded one exactly the rows."""
