@@ -690,8 +690,8 @@ def main():
         else:
             cfg = load_config(ROOT / "configs" / f"{spec(system).config}.yaml", workload_overrides(args, system))
             settings = ours_settings(cfg, cuda=not args.tiny)
-        row.update(gpu=gpu, cpu=cpuinfo("model name"), date=date.today().isoformat(), command=command, settings=settings,
-                   wall_s=round(wall))
+        row.update(gpu=gpu, cpu=cpuinfo("model name"), date=date.today().isoformat(), command=command,
+                   settings=settings, wall_s=round(wall))
         if args.profile:
             row["profiled_step"] = args.profile
         failed += "error" in row

@@ -123,8 +123,8 @@ def main():
     p.add_argument("--accumulate", action="store_true", help="keep the gradients between train calls (each adds "
                    "into them, as the trainer's micro-batches after a mini-batch's first)")
     p.add_argument("--profile", action="store_true", help="CUDA: also each variant's kernels under torch.profiler "
-                   "(2 calls per pass): ms per kernel category and the top kernels, and the host work (launches, custom ops), "
-                   "as bench/train.py --profile")
+                   "(2 calls per pass): ms per kernel category and the top kernels, and the host work (launches, "
+                   "custom ops), as bench/train.py --profile")
     args = p.parse_args()
     args.modes = sorted(args.modes, key=MODES.index)
     import distributed
@@ -245,7 +245,8 @@ def main():
             host = prof["host"]
             custom = ", ".join(f"{o['name']} x{o['calls']:.0f} {o['ms']:.1f} ms" for o in host["custom_ops"])
             print(f"[trainer_pass] {'':>14}  {name} host: {host['self_ms_per_iter']:.1f} ms profiled, "
-                  f"{host['launches_per_iter']:.0f} launches ({host['launch_ms_per_iter']:.1f} ms); {custom}", flush=True)
+                  f"{host['launches_per_iter']:.0f} launches ({host['launch_ms_per_iter']:.1f} ms); {custom}",
+                  flush=True)
         return r
 
     write = (lambda runs: write_results("trainer_pass", runs, Path(args.out))) if d.main else None
