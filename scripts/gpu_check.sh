@@ -77,7 +77,8 @@
 #                                      consecutive calls on one warm host, or a queue of them; each stops at WAIT_S):
 #                                      rows kept in $BG_DIR/peer across calls -> $OUT/peer_<gpu>.{json,md} with every
 #                                      row so far (llama3b on an H100: peer_h100; llama8b on an H200: peer_h200), the
-#                                      systems' logs in $OUT/peer_logs.tgz
+#                                      systems' logs in $OUT/peer_logs.tgz; each system stops at PEER_TIMEOUT_S if set
+#                                      (for a queue: PEER_TIMEOUT_S=900 bash scripts/gpu_check.sh queue ...)
 #   bash scripts/gpu_check.sh ckpt [ARGS]  bench/checkpoint.py: save/load time and peak host RSS of the
 #                                      single-file full-gather checkpoint vs sharded DCP at 8B shape
 #                                      (default: up to 8 of 32 layers, fp32 + AdamW) -> $OUT/checkpoint.json
@@ -226,7 +227,9 @@ case "$1" in
             $PY "${launch[@]}" --out "$OUT" "${@:2}" 2>&1 | grep -v '^Autotuning kernel' | tee "$OUT/trainer_$1.log" ;;
   quant)    $PY -m bench.quant --out "$OUT" "${@:2}" 2>&1 | tee -a "$OUT/quant.log" ;;
   peer)     mkdir -p "$BG_DIR/peer"  # the rows of earlier calls on this host stay beside the new ones
-            $PY -m bench.peer --out "$BG_DIR/peer" --timeout $((WAIT_S - SECONDS)) "${@:2}" 2>&1 | tee -a "$OUT/peer.log"
+            # PEER_TIMEOUT_S: a queued part is held to no call's limit; a host with slow cores needs ~10 min for FP8's row
+            $PY -m bench.peer --out "$BG_DIR/peer" --timeout "${PEER_TIMEOUT_S:-$((WAIT_S - SECONDS))}" "${@:2}" 2>&1 \
+              | tee -a "$OUT/peer.log"
             rc=${PIPESTATUS[0]}  # bench.peer's exit status is the part's (a queue's rc file shows a refused flag)
             cp "$BG_DIR"/peer/peer_*.json "$BG_DIR"/peer/peer_*.md "$BG_DIR"/peer/peer_*_profile.txt "$OUT"/ 2>/dev/null
             tar czf "$OUT/peer_logs.tgz" -C "$BG_DIR" peer; exit "$rc" ;;
