@@ -100,7 +100,8 @@
 #                                      each part that has finished packed into $OUT/NAME_job<k>.tgz as it ends, with
 #                                      its rc; the folder removed once every part is collected
 # Every part first seeds Triton's cache with bench/triton_autotune_h100.tgz (torchao's autotuning at the
-# 8B step shapes, H100: ~190 s of a first FP8 step; the weight quantizers at Qwen3-8B's shards over 2 ranks),
+# 8B step shapes, H100: ~190 s of a first FP8 step; the weight quantizers at Qwen3-8B's shards over 2 ranks, at the
+# 3B peer shape and at the learning gate's quickstart),
 # bench/triton_autotune_h200.tgz (the weight quantizers at the shipped 8B configs' one-GPU shapes that the
 # first lacks, H200) and bench/triton_autotune_moe_h200.tgz
 # (the expert GEMMs' quantizers at Qwen3-30B-A3B's shapes, H200: over 300 s of a first run; both H100 and H200
