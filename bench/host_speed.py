@@ -13,6 +13,8 @@ times what that loop is made of, best of 5:
                   a compiled graph calls it (torch.ops): out of place (returns a tensor, as torchao's GEMM op
                   torchao::blockwise_scaled_mm), and in place (as fp8_grpo::wgrad_into); less
                   torch_cpu_small_op_us, what the custom op's Python costs the host a call
+  torch_library_op_inplace_us  the in-place op defined through torch.library.Library (fp8.linear.inplace_op,
+                  as fp8_grpo::wgrad_into is now): no Python autograd and ADInplaceOrView kernels around it
   cuda_launch_us, h2d_copy_us, launch_sync_us   (with CUDA) a kernel launch, a pinned 1 KiB copy, and a
                   launch followed by a synchronize
 plus the CPU model, its reported clock, the CPUs this process may run on and any cgroup CPU quota.
@@ -95,12 +97,17 @@ def torch_times() -> dict:
     def plus_one(t: torch.Tensor) -> torch.Tensor:
         return t + 1
 
-    @torch.library.custom_op("host_speed::add_one", mutates_args=("t",))
     def add_one(t: torch.Tensor) -> None:
         t.add_(1)
 
+    torch.library.custom_op("host_speed::add_one", add_one, mutates_args=("t",))
+
+    lib = torch.library.Library("host_speed", "FRAGMENT")  # as fp8.linear.inplace_op defines its ops
+    lib.define("lib_add_one(Tensor(a!) t) -> ()")
+    lib.impl("lib_add_one", add_one, "CompositeExplicitAutograd")  # the same body
     for key, op in (("torch_custom_op_us", torch.ops.host_speed.plus_one.default),
-                    ("torch_custom_op_inplace_us", torch.ops.host_speed.add_one.default)):
+                    ("torch_custom_op_inplace_us", torch.ops.host_speed.add_one.default),
+                    ("torch_library_op_inplace_us", torch.ops.host_speed.lib_add_one.default)):
         def custom_ops():
             for _ in range(n_small):
                 op(a)

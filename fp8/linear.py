@@ -181,9 +181,28 @@ def accumulate(grad_w: Tensor | None, acc: Tensor | None) -> Tensor | None:
     return None
 
 
-@torch.library.custom_op("fp8_grpo::add_into", mutates_args=("acc",))
+_LIB = torch.library.Library("fp8_grpo", "FRAGMENT")
+
+
+def inplace_op(schema: str):
+    """Decorator: fn(acc, ...) -> None as the op fp8_grpo::<fn name><schema>, which adds into `acc` (Tensor(a!))
+    and returns nothing, so that a compiled backward keeps the mutation. Defined through torch.library.Library,
+    not torch.library.custom_op: no Python autograd and ADInplaceOrView kernels around the call, ~10 us less
+    host time per call (1.7 against 11 us on a 2-core AMD VM, an empty body), and these run once per FP8
+    linear per micro-batch inside the compiled backward. The fake (meta) kernel returns nothing."""
+
+    def define(fn):
+        _LIB.define(fn.__name__ + schema)
+        _LIB.impl(fn.__name__, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"fp8_grpo::{fn.__name__}", lambda *args: None, lib=_LIB)
+        return getattr(torch.ops.fp8_grpo, fn.__name__).default
+
+    return define
+
+
+@inplace_op("(Tensor(a!) acc, Tensor grad) -> ()")
 def add_into(acc: Tensor, grad: Tensor) -> None:
-    """acc += grad (any dtypes, one kernel); a torch.library op, so a compiled backward keeps the mutation."""
+    """acc += grad (any dtypes, one kernel)."""
     acc.add_(grad)
 
 

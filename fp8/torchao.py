@@ -31,9 +31,10 @@ def rows_padded(x: Tensor) -> tuple[Tensor, int]:
 
 class TorchaoKernels:
     """_BlockFP8MM's GEMMs as torchao 0.18's fp8_blockwise_mm computes them: its Triton quantizers
-    and its cuBLAS block-scaled GEMM (torchao::blockwise_scaled_mm). Needs M % 128 == 0. BF16
-    output. Every kernel is a torch.library op, so torch.compile keeps a layer in one graph;
-    torchao's own _scaled_mm calls F.scaled_mm, which dynamo cannot trace (a graph break per GEMM).
+    and its cuBLAS block-scaled GEMM (torchao::blockwise_scaled_mm's aten._scaled_mm_v2). Needs
+    M % 128 == 0. BF16 output. Every kernel is a torch.library op, so torch.compile keeps a layer in
+    one graph; torchao's own _scaled_mm calls F.scaled_mm, which dynamo cannot trace (a graph break
+    per GEMM).
 
     Layouts, as cuBLAS takes them: lhs q [M, K] row-major, 1x128 scales [M, K/128] column-major;
     rhs(x) q [M, K] column-major, 128x1 scales [M/128, K]; transposed_lhs(g) q [N, M] row-major,
@@ -43,7 +44,7 @@ class TorchaoKernels:
     def __init__(self):
         from torchao.prototype.blockwise_fp8_training import kernels as k
 
-        self.mm = k.blockwise_scaled_mm
+        self.rhs_scale = k._prepare_blockwise_scaled_mm_rhs_scale
         self.x1x128 = k._scaling_type_value(k.BLOCKWISE_1X128_SCALING_TYPE)
         self.x128x128 = k._scaling_type_value(k.BLOCKWISE_128X128_SCALING_TYPE)
         self.lhs, self.rhs = k.triton_fp8_blockwise_act_quant_lhs, k.triton_fp8_blockwise_act_quant_rhs
@@ -66,6 +67,15 @@ class TorchaoKernels:
         grad_x = self.gemm_dgrad(*self.lhs(g2, BLOCK), w_op) if need_x else None
         grad_w = self.gemm_wgrad(*self.transposed_lhs(g2, BLOCK), *self.rhs(saved[0], BLOCK)) if need_w else None
         return grad_x, accumulate(grad_w, acc)
+
+    def mm(self, a: Tensor, b: Tensor, a_s: Tensor, recipe_a: int, b_s: Tensor, recipe_b: int,
+           out_dtype: torch.dtype) -> Tensor:
+        """torchao::blockwise_scaled_mm (a [M, K] row-major, b [K, N] column-major) without its Python
+        custom op: the aten op it calls, straight. Inside a compiled layer the custom op costs ~20-30 us
+        of host time per call more than the aten op (bench/host_speed.py), three GEMMs per FP8 linear per
+        micro-batch; where a host's cores are slow that host time, not the GPU, sets the train pass's pace."""
+        return torch.ops.aten._scaled_mm_v2.default(a, b, [a_s], [recipe_a], [], [self.rhs_scale(b_s, recipe_b)],
+                                                    [recipe_b], [], None, out_dtype, [], False)
 
     def gemm(self, xq: Tensor, xs: Tensor, w_op: tuple[Tensor, Tensor]) -> Tensor:
         """y [M, N] = x @ W.T from x's 1x128 operand and W's weight_fwd operand."""

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from fp8.fast.accum import attach_grad_accumulators
 from fp8.fast.cache import attach_weight_caches
 from fp8.fast.fused import fuse_projections
-from fp8.linear import block_fp8_mm, cat_weights
+from fp8.linear import block_fp8_mm, cat_weights, inplace_op
 from fp8.plan import clean_name, fp8_plan
 
 
@@ -63,11 +63,10 @@ class Bf16Kernels:
         return grad_x, None
 
 
-@torch.library.custom_op("fp8_grpo::addmm_into", mutates_args=("acc",))
+@inplace_op("(Tensor(a!) acc, Tensor a, Tensor b) -> ()")
 def addmm_into(acc: Tensor, a: Tensor, b: Tensor) -> None:
     """acc += a @ b. On CUDA with bf16 a, b and an fp32 acc one cuBLAS GEMM adds in its epilogue (the bf16
-    product never written); elsewhere the product in a's dtype, then added, as autograd would. A
-    torch.library op, so a compiled backward keeps the mutation."""
+    product never written); elsewhere the product in a's dtype, then added, as autograd would."""
     if acc.is_cuda and a.dtype != acc.dtype:
         torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
     else:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fp8.linear import accumulate
+from fp8.linear import accumulate, inplace_op
 from fp8.quant import BLOCK
 from fp8.torchao import TorchaoKernels
 
@@ -101,7 +101,7 @@ def deep_gemm_wgrad() -> bool:
     return bool(import_deep_gemm())
 
 
-@torch.library.custom_op("fp8_grpo::wgrad_into", mutates_args=("acc",))
+@inplace_op("(Tensor(a!) acc, Tensor gqt, Tensor gs, Tensor xqt, Tensor xs) -> ()")
 def wgrad_into(acc: Tensor, gqt: Tensor, gs: Tensor, xqt: Tensor, xs: Tensor) -> None:
     """acc [N, K] fp32 += g.T @ x in DeepGEMM's SM90 1D1D kernel, which adds into acc in its epilogue: g.T as
     FP8 [N, M] with 1x128 scales along M [N, M/128] (M-major), x.T as FP8 [K, M] with scales [K, M/128], the

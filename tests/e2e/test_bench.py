@@ -1004,7 +1004,7 @@ def test_host_speed_prints_one_json_line_of_facts_and_times():
     out = json.loads(line)
     assert out["cpus_allowed"] >= 1 and out["python"] == sys.version.split()[0]
     for key in ("py_loop_ms", "py_objs_ms", "hash_pickle_ms", "torch_cpu_small_op_us", "torch_custom_op_us",
-                "torch_custom_op_inplace_us"):
+                "torch_custom_op_inplace_us", "torch_library_op_inplace_us"):
         assert out[key] > 0, key
     assert ("cuda_launch_us" in out) == torch.cuda.is_available()
 

@@ -542,6 +542,45 @@ def cpu_torchao_kernels(one_pass: bool):
     return k
 
 
+@pytest.mark.parametrize("k_dim", [512, 256], ids=["k_blocks_x4", "k_blocks_padded"])
+def test_torchao_gemms_trace_to_the_aten_op(k_dim):
+    """TorchaoKernels' three GEMMs trace to aten._scaled_mm_v2 itself, with the layouts and recipes
+    torchao::blockwise_scaled_mm would hand it (its Python custom op costs host time in every call, not
+    in the graph): the weight operands' 128x128 scales padded to a multiple of 4 blocks along K as torchao
+    pads them (K = 256: 2 blocks), the 1x128 operands' scales as they are. Meta tensors: no GPU needed."""
+    pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp8.torchao import TorchaoKernels
+
+    ao = TorchaoKernels()
+    m, n, f8 = 256, 384, torch.float8_e4m3fn
+
+    def col(*shape, dtype=f8):  # column-major [a, b]
+        return torch.empty(shape[::-1], dtype=dtype, device="meta").t()
+
+    xq, xs = torch.empty(m, k_dim, dtype=f8, device="meta"), col(m, k_dim // 128, dtype=torch.float32)
+    w_fwd = (col(k_dim, n), col(k_dim // 128, n // 128, dtype=torch.float32))
+    gq, gs = torch.empty(m, n, dtype=f8, device="meta"), col(m, n // 128, dtype=torch.float32)
+    w_dgrad = (col(n, k_dim), col(n // 128, k_dim // 128, dtype=torch.float32))
+    gqt, gst = torch.empty(n, m, dtype=f8, device="meta"), col(n, m // 128, dtype=torch.float32)
+    xqc, xsc = col(m, k_dim), torch.empty(m // 128, k_dim, dtype=torch.float32, device="meta")
+    cases = [(lambda a, a_s, b, b_s: ao.gemm(a, a_s, (b, b_s)), (xq, xs, *w_fwd), (m, n)),
+             (lambda a, a_s, b, b_s: ao.gemm_dgrad(a, a_s, (b, b_s)), (gq, gs, *w_dgrad), (m, k_dim)),
+             (lambda a, a_s, b, b_s: ao.gemm_wgrad(a, a_s, b, b_s), (gqt, gst, xqc, xsc), (n, k_dim))]
+    for i, (fn, args, shape) in enumerate(cases):
+        gm = make_fx(fn)(*args)
+        calls = [nd for nd in gm.graph.nodes if nd.op == "call_function"]
+        mm = [nd for nd in calls if nd.target is torch.ops.aten._scaled_mm_v2.default]
+        assert len(mm) == 1 and not any("torchao" in str(nd.target) for nd in calls), gm.code
+        assert mm[0].args[3] + mm[0].args[6] == [ao.x1x128, ao.x1x128 if i == 2 else ao.x128x128]
+        y = fn(*args)
+        assert y.shape == shape and y.dtype == torch.bfloat16
+        if i < 2:  # the weight's scales as cuBLAS takes them: [K/128 rounded up to 4, N/128], K-major
+            rhs_scale = ao.rhs_scale(args[3], ao.x128x128)
+            assert rhs_scale.shape[0] == -(-args[3].shape[0] // 4) * 4 and rhs_scale.stride(0) == 1
+
+
 @pytest.mark.parametrize("dual", [False, True], ids=["torchao", "dual_quant"])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
 def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need, dual):
