@@ -229,17 +229,21 @@ def summarize_kernels(kernels: list[tuple], iters: int, top: int = 40) -> dict:
 
 LAUNCH_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
 BUILT_IN = {"aten", "prim", "prims", "autograd", "torch", "profiler", "c10d", "inductor", "cudnn"}  # not custom ops
+# the host blocked until the GPU catches up: a synchronize, or a launch queue full of kernels not yet run
+WAIT_CALLS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "Command Buffer Full")
 
 
 def summarize_host(ops: list[tuple[str, float, int]], iters: int, top: int = 25) -> dict:
     """[(host event name, self ms, calls)] over `iters` iterations (runner.cpu_ops) -> the host's side of them
     per iteration: its profiled self time in all (the profiler's own cost included, so above the unprofiled
-    host time), the kernel launches (runtime and driver calls) and their time, the calls of operators outside
+    host time), of it the time spent waiting for the GPU (WAIT_CALLS: near 0 where the host, not the GPU, sets
+    the pace), the kernel launches (runtime and driver calls) and their time, the calls of operators outside
     aten (custom ops: each a Python call from a compiled graph), and the top events by self time. Where a pass's
     wall time exceeds its GPU time, this says what the host spent it on."""
     launches = [o for o in ops if o[0] in LAUNCH_CALLS]
     custom = [o for o in ops if "::" in o[0] and o[0].split("::")[0] not in BUILT_IN]
     return {"self_ms_per_iter": sum(o[1] for o in ops) / iters,
+            "wait_ms_per_iter": sum(o[1] for o in ops if o[0] in WAIT_CALLS) / iters,
             "launches_per_iter": sum(o[2] for o in launches) / iters,
             "launch_ms_per_iter": sum(o[1] for o in launches) / iters,
             "custom_ops": [{"name": n, "calls": c / iters, "ms": ms / iters}

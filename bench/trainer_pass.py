@@ -45,7 +45,8 @@ and gradient reduce-scatters of each pass inside them, e.g.
 Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
 per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them; with --profile,
 per pass the GPU ms per kernel category, gemm / fp8 quantize / attention / copy / elementwise, and the
-top kernels, and its host side (bench/train.py summarize_host: profiled host ms, kernel launches, each custom
+top kernels, and its host side (bench/train.py summarize_host: profiled host ms and how much of it waited for the
+GPU, ~0 where the host sets the pace, kernel launches, each custom
 op's calls, the top host events), from 2 profiled calls after the timed ones).
 """
 
@@ -244,8 +245,9 @@ def main():
             print(f"[trainer_pass] {'':>14}  {name} kernels, ms: {cats}", flush=True)
             host = prof["host"]
             custom = ", ".join(f"{o['name']} x{o['calls']:.0f} {o['ms']:.1f} ms" for o in host["custom_ops"])
-            print(f"[trainer_pass] {'':>14}  {name} host: {host['self_ms_per_iter']:.1f} ms profiled, "
-                  f"{host['launches_per_iter']:.0f} launches ({host['launch_ms_per_iter']:.1f} ms); {custom}",
+            print(f"[trainer_pass] {'':>14}  {name} host: {host['self_ms_per_iter']:.1f} ms profiled "
+                  f"({host['wait_ms_per_iter']:.1f} ms of it waiting for the GPU against {prof['gpu_ms_per_iter']:.1f} "
+                  f"ms of kernels), {host['launches_per_iter']:.0f} launches ({host['launch_ms_per_iter']:.1f} ms); {custom}",
                   flush=True)
         return r
 

@@ -835,9 +835,10 @@ def test_host_summary_counts_launches_and_custom_ops():
 
     ops = [("cudaLaunchKernel", 2.0, 100), ("cuLaunchKernel", 1.0, 40), ("torchao::blockwise_scaled_mm", 3.0, 24),
            ("aten::mm", 5.0, 8), ("autograd::engine::evaluate_function: MmBackward0", 1.0, 4),
-           ("fp8_grpo::wgrad_into", 0.5, 8)]
+           ("fp8_grpo::wgrad_into", 0.5, 8), ("cudaDeviceSynchronize", 0.5, 2), ("Command Buffer Full", 1.0, 6)]
     s = bt.summarize_host(ops, iters=2, top=2)
-    assert (s["launches_per_iter"], s["launch_ms_per_iter"], s["self_ms_per_iter"]) == (70, 1.5, 6.25)
+    assert (s["launches_per_iter"], s["launch_ms_per_iter"], s["self_ms_per_iter"]) == (70, 1.5, 7.0)
+    assert s["wait_ms_per_iter"] == 0.75  # the host blocked on the GPU: a synchronize, a full launch queue
     assert [(o["name"], o["calls"]) for o in s["custom_ops"]] == [("torchao::blockwise_scaled_mm", 12),
                                                                    ("fp8_grpo::wgrad_into", 4)]
     assert [o["name"] for o in s["top"]] == ["aten::mm", "torchao::blockwise_scaled_mm"]
@@ -856,7 +857,7 @@ def test_host_summary_counts_launches_and_custom_ops():
             f(x)
     s = bt.summarize_host(cpu_ops(prof), iters=3)
     assert [(o["name"], o["calls"]) for o in s["custom_ops"]] == [("fp8_grpo::add_into", 1)]
-    assert s["launches_per_iter"] == 0 and s["self_ms_per_iter"] > 0
+    assert s["launches_per_iter"] == 0 and s["wait_ms_per_iter"] == 0 and s["self_ms_per_iter"] > 0
     assert torch.equal(acc, torch.full((8, 8), 8.0))  # 4 calls, each adding 2
 
 
