@@ -94,7 +94,9 @@
 #   bash scripts/gpu_check.sh queue NAME 'PART ARGS' ['PART ARGS' ...]  the parts in the background like bg, in order,
 #                                      each on the next free GPU of CUDA_VISIBLE_DEVICES (else all), one part per GPU
 #                                      at a time; part k's files in $BG_DIR/NAME/job<k> (e.g. 5 shipped configs over 2
-#                                      GPUs: start them in one call, collect them in the next ones)
+#                                      GPUs: start them in one call, collect them in the next ones). A part of a queue
+#                                      or of a job may begin with VAR=VALUE words, set for it alone: one queue compares
+#                                      settings read from the environment, e.g. 'pass ARGS' 'TORCHINDUCTOR_CPP_WRAPPER=1 pass ARGS'
 #   bash scripts/gpu_check.sh collect NAME  wait for the bg job NAME (at most COLLECT_LIMIT s, default WAIT_S), pack its
 #                                      files into $OUT/NAME.tgz; finished: its rc, and its folder removed. A queue:
 #                                      each part that has finished packed into $OUT/NAME_job<k>.tgz as it ends, with
@@ -171,6 +173,11 @@ save_autotuning() {  # on exit, whatever the part did
   save_flashinfer_modules
 }
 trap save_autotuning EXIT
+part_cmd() {  # "VAR=VALUE ... PART ARGS" -> PART_CMD=(env VAR=VALUE ... bash gpu_check.sh PART ARGS)
+  local words; read -ra words <<<"$1"; PART_CMD=(env)
+  while [[ ${words[0]:-} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do PART_CMD+=("${words[0]}"); words=("${words[@]:1}"); done
+  PART_CMD+=(bash "$0" "${words[@]}")
+}
 case "$1" in
   fp8)   $PY -m pytest tests/gpu/test_fp8_gpu.py -v -rs 2>&1 | tee "$OUT/gpu_tests_fp8.log"
          $PY -m bench.train linear --out "$OUT" 2>&1 | tee "$OUT/bench_linear.log" ;;
@@ -241,7 +248,8 @@ case "$1" in
            mkdir -p "$OUT/job$i"
            ( k=0; while [ -n "$spec" ]; do part=${spec%% ; *}; [ "$part" = "$spec" ] && spec= || spec=${spec#* ; }
                mkdir -p "$OUT/job$i/$k"
-               OUT="$OUT/job$i/$k" CUDA_VISIBLE_DEVICES=$gpus timeout -k 5 $(( end - $(date +%s) )) bash "$0" $part \
+               part_cmd "$part"
+               OUT="$OUT/job$i/$k" CUDA_VISIBLE_DEVICES=$gpus timeout -k 5 $(( end - $(date +%s) )) "${PART_CMD[@]}" \
                  >"$OUT/job$i/$k/job.log" 2>&1
                echo "job$i.$k ($part) on GPU $gpus: rc=$? after $(( $(date +%s) - end + limit )) s" | tee -a "$OUT/jobs.txt"
                k=$((k + 1)); done
@@ -268,7 +276,8 @@ case "$1" in
            k=$(cat "$dir/next"); echo $((k + 1)) >"$dir/next"; rmdir "$dir/lock"
            [ "$k" -lt "${#jobs[@]}" ] || break
            mkdir -p "$dir/job$k"; echo "$3" >"$dir/job$k/gpu"
-           OUT="$dir/job$k" CUDA_VISIBLE_DEVICES=$3 bash "$0" ${jobs[$k]} >"$dir/job$k/job.log" 2>&1
+           part_cmd "${jobs[$k]}"
+           OUT="$dir/job$k" CUDA_VISIBLE_DEVICES=$3 "${PART_CMD[@]}" >"$dir/job$k/job.log" 2>&1
            echo $? >"$dir/job$k/rc"
          done ;;
   collect) [ $# -eq 2 ] && [ -d "$BG_DIR/$2" ] || { echo "usage: gpu_check.sh collect NAME (a bg job's name)" >&2; exit 2; }

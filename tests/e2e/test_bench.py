@@ -810,6 +810,23 @@ def test_gpu_check_queue_runs_parts_on_free_gpus_and_collects_them_as_they_end(t
     assert not (tmp_path / "bg/q").exists()
 
 
+def test_gpu_check_queue_parts_take_their_own_environment(tmp_path):
+    """A queued part may begin with VAR=VALUE words, set for that part alone (one queue comparing settings read
+    from the environment): PY=echo makes the tests part print the command it would run (rc 0), while the next
+    part keeps the caller's PY (false: rc 1); the collected line names the part with its settings."""
+    env = {**os.environ, "BG_DIR": str(tmp_path / "bg"), "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+           "CUDA_VISIBLE_DEVICES": "0", "COLLECT_LIMIT": "100", "PY": "false", "HOME": str(tmp_path)}
+    run = lambda out, *args: subprocess.run(["bash", str(REPO / "scripts/gpu_check.sh"), *args], cwd=REPO,  # noqa: E731
+                                            capture_output=True, text=True, env={**env, "OUT": str(tmp_path / out)},
+                                            timeout=150)
+    assert run("o1", "queue", "q", "PY=echo tests x", "tests y").returncode == 0
+    done = run("o2", "collect", "q")
+    assert "q job0 (PY=echo tests x) on GPU 0: rc=0" in done.stdout, done.stdout + done.stderr
+    assert "q job1 (tests y) on GPU 0: rc=1" in done.stdout, done.stdout
+    with tarfile.open(tmp_path / "o2/q_job0.tgz") as t:
+        assert "-m pytest x -v -s -rs" in t.extractfile("job0/job.log").read().decode()
+
+
 def test_kernel_summary_categories():
     """--profile's kernel table: names map to categories, ms are per iteration, shares add up."""
     kernels = [("triton_fp8_blockwise_act_quant_lhs_kernel", 4.0, 56), ("nvjet_sm90_tst_256x128_64x4_2x1_v_bz_coopA", 10.0),
