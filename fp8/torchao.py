@@ -72,8 +72,8 @@ class TorchaoKernels:
            out_dtype: torch.dtype) -> Tensor:
         """torchao::blockwise_scaled_mm (a [M, K] row-major, b [K, N] column-major) without its Python
         custom op: the aten op it calls, straight, with the scale padding it does. Inside a compiled layer
-        the custom op took 80 us of host time a call besides the aten op's on a slow-cored H100 host, 27 ms
-        of a 3B train micro-batch (336 calls), where that host time, not the GPU, set the pace
+        the custom op took 80 us of profiled host time a call besides the aten op's on a slow-cored H100
+        host, 27 ms of a 3B train micro-batch (336 calls), where that host time, not the GPU, set the pace
         (docs/results.md, "The FP8 passes' host time")."""
         return torch.ops.aten._scaled_mm_v2.default(a, b, [a_s], [recipe_a], [], [self.rhs_scale(b_s, recipe_b)],
                                                     [recipe_b], [], None, out_dtype, [], False)
