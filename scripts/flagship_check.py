@@ -44,6 +44,12 @@ GPU, a vLLM engine rank on the other at --async-share of it, max_staleness 1), a
 with a row per config, ratio = synchronous step s / async step s (the same samples per step, so the
 throughput ratio). Give --steps 3 or more: the async loop overlaps from its second step on.
 
+--warm runs each config twice, one after the other, both with FP8_GRPO_CACHE_DIR=RUNS/cache (caches.py; emptied
+first): <config> starts cold, with none of the compile, JIT and autotuning caches (the Triton seeds gpu_check.sh
+lays down are elsewhere), and <config>_warm reuses every cache the first filled, as a second launch on the same
+host or disk does. Every row's launch_to_step1_s is the run's wall time less its steps after step 0 (launch to
+the end of step 0, the process's exit included); flagship.md sets each config's cold and warm ones side by side.
+
 --data DIR runs the data configs (gsm8k, math) on real-format files instead of synthetic prompts:
 DIR/train.jsonl and DIR/test.jsonl in the dataset's own fields, through the config's loader, answer
 extraction and reward, with a character tokenizer over printable ASCII (the random-init model has no
@@ -78,6 +84,7 @@ from pathlib import Path
 
 from bench.rollout import MOE_LAYERS, SHIPPED_LENGTHS, optimizer_steps
 from bench.runner import visible_gpus
+from caches import ENV as CACHE_ENV
 from scripts.common import (ROOT, SHORT_RUN, family, full_shape, gpu_name, real_data, run_logged,
                             run_timeout)
 
@@ -166,6 +173,7 @@ def row(name: str, metrics: list[dict], smi_mib: list[int], wall: float, rc: int
            if k in last}
     return {"config": name, "ok": rc == 0, "rc": rc, "steps": len(steps), "wall_s": round(wall, 1),
             "step0_s": round(steps[0]["time/step"], 1), "step_s": round(last["time/step"], 2),
+            "launch_to_step1_s": round(wall - sum(m["time/step"] for m in steps[1:]), 1),
             **{f"{p}_s": round(last[f"time/{p}"], 2) for p in PHASES if f"time/{p}" in last},
             "mem_peak_gib": round(max(m.get("mem/peak_gib", 0) for m in steps), 1),
             "rollout_peak_gib": round(max(m.get("mem/rollout_peak_gib", 0) for m in steps), 1),
@@ -199,10 +207,12 @@ def memory_model(log: Path) -> dict:
                                  "model_step0_rollout_peak_gib": round(float(m[2]) + float(m[3] or 0), 1)}
 
 
-def plan(configs: str, router_replay: list[str], async_share: float | None = None) -> list[tuple[str, str, list[str]]]:
+def plan(configs: str, router_replay: list[str], async_share: float | None = None,
+         warm: bool = False) -> list[tuple[str, str, list[str]]]:
     """(run name, config, its extra overrides) per run: the configs of --configs ("moe" / "8b" expand to
     their sets), each MoE config once per --router-replay value ("off": <config>_noreplay); with
-    async_share (--async) each config again as <config>_async."""
+    async_share (--async) each config again as <config>_async; with warm (--warm) each run again right after
+    it as <name>_warm."""
     names = [n for c in configs.split(",") if c.strip() for n in CONFIG_SETS.get(c.strip(), [c.strip()])]
     runs = []
     for name in names:
@@ -214,7 +224,7 @@ def plan(configs: str, router_replay: list[str], async_share: float | None = Non
         else:
             runs += [(name if replay == "on" else f"{name}_noreplay", name,
                       [f"moe.router_replay={'true' if replay == 'on' else 'false'}"]) for replay in router_replay]
-    return runs
+    return [r for run in runs for r in ([run, (f"{run[0]}_warm", *run[1:])] if warm else [run])]
 
 
 def command(config: str, run_name: str, extra: list[str], short_run: list[str], steps: int, runs: Path,
@@ -264,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async", dest="async_", action="store_true",
                    help="--shipped on 2 GPUs: each config synchronous and as rollout.mode=async (above)")
     p.add_argument("--async-share", type=float, default=0.9, help="--async: the engine rank's vLLM share of its GPU")
+    p.add_argument("--warm", action="store_true", help="each config cold, then again warm from the caches the "
+                   "first run filled (FP8_GRPO_CACHE_DIR=RUNS/cache): time to step 1 both ways (above)")
     p.add_argument("overrides", nargs="*", help="more section.key=value overrides for every config")
     return p
 
@@ -275,7 +287,7 @@ def main():
     if args.shipped and args.configs == build_parser().get_default("configs"):
         args.configs = ",".join(dict.fromkeys(c for pair in SHIPPED_PAIRS.items() for c in pair))
     async_share = args.async_share if args.async_ else None
-    for _, config, _ in plan(args.configs, args.router_replay, async_share):
+    for _, config, _ in plan(args.configs, args.router_replay, async_share, args.warm):
         if not (ROOT / "configs" / f"{config}.yaml").is_file():
             print(f"error: --configs: no configs/{config}.yaml; give shipped config names or 8b, moe", file=sys.stderr)
             sys.exit(2)
@@ -288,6 +300,11 @@ def main():
         sys.exit(2)
     if args.async_:
         args.ranks = 2
+    if args.warm and (args.parallel or args.async_ or os.environ.get(CACHE_ENV)):
+        why = (f"{CACHE_ENV} is set ({os.environ.get(CACHE_ENV)}): the first run would not start cold; unset it"
+               if os.environ.get(CACHE_ENV) else "a warm run follows its cold one: leave out --parallel and --async")
+        print(f"error: --warm: {why}", file=sys.stderr)
+        sys.exit(2)
     for f in args.merge:
         if not Path(f).is_file():
             hint = "; give overrides before --merge, which takes every word after it" if "=" in f else ""
@@ -318,7 +335,8 @@ def main():
             cmd = command(config, name, extra, run_short, args.steps, runs, args.moe_layers, args.overrides,
                           args.ranks)
             smi = smi_peak_watcher(out / f"smi_{name}.txt", slot)
-            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": slot} if slot is not None else {})}
+            env = {**os.environ, **({"CUDA_VISIBLE_DEVICES": slot} if slot is not None else {}),
+                   **({CACHE_ENV: str(runs / "cache")} if args.warm else {})}
             t0 = time.time()
             metrics, rc = run_logged(cmd, runs / name, out / f"{name}.log", timeout, env)
             if smi is not None:
@@ -338,8 +356,11 @@ def main():
         print(json.dumps(result), flush=True)
         return result
 
+    if args.warm:
+        subprocess.run(["rm", "-rf", str(runs / "cache")])
     with ThreadPoolExecutor(max_workers=len(slots)) as pool:  # one run per GPU at a time
-        futures = [pool.submit(run_one, *run) for run in plan(args.configs, args.router_replay, async_share)]
+        futures = [pool.submit(run_one, *run) for run in plan(args.configs, args.router_replay, async_share,
+                                                                 args.warm)]
         for future in as_completed(futures):
             result = future.result()
             results = [r for r in results if r["config"] != result["config"]] + [result]
@@ -351,6 +372,13 @@ def main():
             *moe_cols, "policy_gain"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "-")) for c in cols) + " |" for r in results]
+    if args.warm:
+        by_name = {r["config"]: r for r in results}
+        lines += ["", "| run | launch to step 1, cold s | warm s | step 0, cold s | warm s |", "|---|---|---|---|---|"]
+        lines += [f"| {name} | {cold.get('launch_to_step1_s', '-')} | {warm.get('launch_to_step1_s', '-')} | "
+                  f"{cold.get('step0_s', '-')} | {warm.get('step0_s', '-')} |"
+                  for name, _, _ in plan(args.configs, args.router_replay)
+                  if (cold := by_name.get(name)) is not None and (warm := by_name.get(f"{name}_warm")) is not None]
     if args.shipped:
         pairs = shipped_rows(results, {f"{c}_async": c for _, c, _ in plan(args.configs, [], async_share)}
                              if args.async_ else SHIPPED_PAIRS)

@@ -161,6 +161,52 @@ def test_async_runs_each_config_synchronous_and_async_on_two_gpus(tmp_path, monk
     assert "--async --steps 3 --configs llama31_8b_fp8" in row["command"]
 
 
+def test_warm_runs_each_config_cold_then_from_the_caches_it_filled(tmp_path, monkeypatch):
+    """--warm: each config twice in a row, both with FP8_GRPO_CACHE_DIR = RUNS/cache (emptied first: the first run
+    starts cold), the second as <config>_warm; each row's launch_to_step1_s is its wall time less its steps after
+    step 0; flagship.md pairs the cold and warm ones. With --parallel, or FP8_GRPO_CACHE_DIR already set, the
+    first run would not be cold: exit 2, nothing run."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    assert [r[0] for r in fc.plan("llama31_8b_fp8,llama31_8b_bf16", ["on"], warm=True)] == [
+        "llama31_8b_fp8", "llama31_8b_fp8_warm", "llama31_8b_bf16", "llama31_8b_bf16_warm"]
+    (tmp_path / "runs/cache/stale").mkdir(parents=True)
+    fake = tmp_path / "fake_train.py"
+    fake.write_text(  # a step 0 of 0.2 s and a step 1 of 100 s (logged, not slept)
+        "import json, os, sys, time\n"
+        "run, cache = sys.argv[1], os.environ['FP8_GRPO_CACHE_DIR']; os.makedirs(run, exist_ok=True)\n"
+        "cold = not os.path.exists(os.path.join(cache, 'filled')); os.makedirs(cache, exist_ok=True)\n"
+        "open(os.path.join(cache, 'filled'), 'w').close(); time.sleep(0.2)\n"
+        "rows = [{'step': i, 'time/step': t, 'optim/changed_frac': 1.0, 'mismatch/token_mult_prob_error': 1.0,\n"
+        "         'cold': cold, 'stale': os.path.exists(os.path.join(cache, 'stale'))} for i, t in ((0, 0.2), (1, 100.0))]\n"
+        "open(os.path.join(run, 'metrics.jsonl'), 'w').write(''.join(json.dumps(r) + '\\n' for r in rows))\n")
+    monkeypatch.setattr(fc, "command", lambda config, name, extra, short, steps, runs, *a: [sys.executable, str(fake),
+                                                                                          str(runs / name)])
+    monkeypatch.setattr(fc, "gpu_name", lambda: "H100")
+    monkeypatch.setattr(fc, "smi_peak_watcher", lambda path, gpu=None: (path.write_text(""), None)[1])
+    monkeypatch.delenv("FP8_GRPO_CACHE_DIR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["flagship_check.py", "--warm", "--configs", "llama31_8b_fp8",
+                                      "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")])
+    with pytest.raises(SystemExit):
+        fc.main()
+    rows = {r["config"]: r for r in json.loads((tmp_path / "out/flagship.json").read_text())}
+    assert set(rows) == {"llama31_8b_fp8", "llama31_8b_fp8_warm"}
+    logged = {n: json.loads((tmp_path / "runs" / n / "metrics.jsonl").read_text().splitlines()[0]) for n in rows}
+    assert (logged["llama31_8b_fp8"]["cold"], logged["llama31_8b_fp8_warm"]["cold"]) == (True, False)
+    assert not any(m["stale"] for m in logged.values())  # the cache dir emptied before the first run
+    for r in rows.values():  # wall time less step 1's logged 100 s: negative, as nothing slept that long
+        assert abs(r["launch_to_step1_s"] - (r["wall_s"] - 100.0)) < 0.11 and r["step0_s"] == 0.2
+    assert "| llama31_8b_fp8 | " in (tmp_path / "out/flagship.md").read_text().split("launch to step 1, cold s")[1]
+    for extra, env in ((["--parallel"], {}), ([], {"FP8_GRPO_CACHE_DIR": str(tmp_path / "mine")})):
+        p = subprocess.run([sys.executable, "-m", "scripts.flagship_check", "--warm", *extra, "--configs",
+                            "llama31_8b_fp8", "--out", str(tmp_path / "o2")], capture_output=True, text=True,
+                           timeout=120, env={**os.environ, **env})
+        assert p.returncode == 2 and p.stderr.startswith("error: --warm: ") and not (tmp_path / "o2").exists()
+
+
 def test_async_needs_shipped(tmp_path):
     import subprocess
     import sys
