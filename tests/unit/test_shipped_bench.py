@@ -72,6 +72,17 @@ def test_a_run_row_carries_the_memory_models_peaks(tmp_path):
     assert fc.memory_model(log) == {}
 
 
+def fake_runs(monkeypatch, script: Path, gpu: str) -> None:
+    """Each run is `script RUN_DIR` (a stand-in for train_grpo.py that writes the metrics) on a `gpu` card,
+    nvidia-smi not watched."""
+    import sys
+
+    monkeypatch.setattr(fc, "command", lambda config, name, extra, short, steps, runs, *a: [sys.executable, str(script),
+                                                                                          str(runs / name)])
+    monkeypatch.setattr(fc, "gpu_name", lambda: gpu)
+    monkeypatch.setattr(fc, "smi_peak_watcher", lambda path, gpu=None: (path.write_text(""), None)[1])
+
+
 def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
     """--parallel --ranks 2: each run gets its own two GPUs (CUDA_VISIBLE_DEVICES), side by side, and every
     run's row lands in flagship.json and the pair rows (a stand-in for train_grpo.py writes the metrics)."""
@@ -85,10 +96,7 @@ def test_parallel_runs_one_config_per_gpu(tmp_path, monkeypatch):
         "step = {'step': 0, 'time/step': 10.0 if 'bf16' in run else 8.0, 'optim/changed_frac': 1.0,\n"
         "        'mismatch/token_mult_prob_error': 1.0, 'gpu': os.environ.get('CUDA_VISIBLE_DEVICES')}\n"
         "open(os.path.join(run, 'metrics.jsonl'), 'w').write(json.dumps(step) + '\\n')\n")
-    monkeypatch.setattr(fc, "command", lambda config, name, extra, short, steps, runs, *a: [sys.executable, str(fake),
-                                                                                          str(runs / name)])
-    monkeypatch.setattr(fc, "gpu_name", lambda: "H200")
-    monkeypatch.setattr(fc, "smi_peak_watcher", lambda path, gpu=None: (path.write_text(""), None)[1])
+    fake_runs(monkeypatch, fake, "H200")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
     monkeypatch.setattr(sys, "argv", ["flagship_check.py", "--shipped", "--parallel", "--ranks", "2", "--prompts", "8",
                                       "--configs", "llama31_8b_fp8,llama31_8b_bf16", "--out", str(tmp_path / "out"),
@@ -183,10 +191,7 @@ def test_warm_runs_each_config_cold_then_from_the_caches_it_filled(tmp_path, mon
         "rows = [{'step': i, 'time/step': t, 'optim/changed_frac': 1.0, 'mismatch/token_mult_prob_error': 1.0,\n"
         "         'cold': cold, 'stale': os.path.exists(os.path.join(cache, 'stale'))} for i, t in ((0, 0.2), (1, 100.0))]\n"
         "open(os.path.join(run, 'metrics.jsonl'), 'w').write(''.join(json.dumps(r) + '\\n' for r in rows))\n")
-    monkeypatch.setattr(fc, "command", lambda config, name, extra, short, steps, runs, *a: [sys.executable, str(fake),
-                                                                                          str(runs / name)])
-    monkeypatch.setattr(fc, "gpu_name", lambda: "H100")
-    monkeypatch.setattr(fc, "smi_peak_watcher", lambda path, gpu=None: (path.write_text(""), None)[1])
+    fake_runs(monkeypatch, fake, "H100")
     monkeypatch.delenv("FP8_GRPO_CACHE_DIR", raising=False)
     monkeypatch.setattr(sys, "argv", ["flagship_check.py", "--warm", "--configs", "llama31_8b_fp8",
                                       "--out", str(tmp_path / "out"), "--runs", str(tmp_path / "runs")])
