@@ -581,6 +581,21 @@ def test_torchao_gemms_trace_to_the_aten_op(k_dim):
             assert rhs_scale.shape[0] == -(-args[3].shape[0] // 4) * 4 and rhs_scale.stride(0) == 1
 
 
+def test_in_place_ops_carry_no_python_autograd_kernel():
+    """fp8.linear.inplace_op's ops, called once per FP8 linear per micro-batch inside the compiled backward, are
+    dispatched without the Python autograd and ADInplaceOrView kernels torch.library.custom_op registers around
+    every call (17 us of host time a call on an H100 host: bench/host_speed.py): kernels for
+    CompositeExplicitAutograd and Meta (the fake) only."""
+    import importlib
+
+    for module in ("fp8.fast.bf16", "fp8.fast.dual"):  # they define addmm_into and wgrad_into
+        importlib.import_module(module)
+    for name in ("add_into", "addmm_into", "wgrad_into"):
+        keys = [k for k in ("Autograd", "ADInplaceOrView", "CompositeExplicitAutograd", "Meta")
+                if torch._C._dispatch_has_kernel_for_dispatch_key(f"fp8_grpo::{name}", k)]
+        assert keys == ["CompositeExplicitAutograd", "Meta"], (name, keys)
+
+
 @pytest.mark.parametrize("dual", [False, True], ids=["torchao", "dual_quant"])
 @pytest.mark.parametrize("need", [(True, True), (True, False), (False, True)])
 def test_torchao_kernels_wire_the_block_scaled_gemm_like_the_emulation(need, dual):
