@@ -287,7 +287,8 @@ def main():
     if args.shipped and args.configs == build_parser().get_default("configs"):
         args.configs = ",".join(dict.fromkeys(c for pair in SHIPPED_PAIRS.items() for c in pair))
     async_share = args.async_share if args.async_ else None
-    for _, config, _ in plan(args.configs, args.router_replay, async_share, args.warm):
+    todo = plan(args.configs, args.router_replay, async_share, args.warm)
+    for _, config, _ in todo:
         if not (ROOT / "configs" / f"{config}.yaml").is_file():
             print(f"error: --configs: no configs/{config}.yaml; give shipped config names or 8b, moe", file=sys.stderr)
             sys.exit(2)
@@ -300,9 +301,10 @@ def main():
         sys.exit(2)
     if args.async_:
         args.ranks = 2
-    if args.warm and (args.parallel or args.async_ or os.environ.get(CACHE_ENV)):
-        why = (f"{CACHE_ENV} is set ({os.environ.get(CACHE_ENV)}): the first run would not start cold; unset it"
-               if os.environ.get(CACHE_ENV) else "a warm run follows its cold one: leave out --parallel and --async")
+    cache = os.environ.get(CACHE_ENV)
+    if args.warm and (args.parallel or args.async_ or cache):
+        why = (f"{CACHE_ENV} is set ({cache}): the first run would not start cold; unset it" if cache
+               else "a warm run follows its cold one: leave out --parallel and --async")
         print(f"error: --warm: {why}", file=sys.stderr)
         sys.exit(2)
     for f in args.merge:
@@ -359,8 +361,7 @@ def main():
     if args.warm:
         subprocess.run(["rm", "-rf", str(runs / "cache")])
     with ThreadPoolExecutor(max_workers=len(slots)) as pool:  # one run per GPU at a time
-        futures = [pool.submit(run_one, *run) for run in plan(args.configs, args.router_replay, async_share,
-                                                                 args.warm)]
+        futures = [pool.submit(run_one, *run) for run in todo]
         for future in as_completed(futures):
             result = future.result()
             results = [r for r in results if r["config"] != result["config"]] + [result]
@@ -377,7 +378,7 @@ def main():
         lines += ["", "| run | launch to step 1, cold s | warm s | step 0, cold s | warm s |", "|---|---|---|---|---|"]
         lines += [f"| {name} | {cold.get('launch_to_step1_s', '-')} | {warm.get('launch_to_step1_s', '-')} | "
                   f"{cold.get('step0_s', '-')} | {warm.get('step0_s', '-')} |"
-                  for name, _, _ in plan(args.configs, args.router_replay)
+                  for name, _, _ in todo
                   if (cold := by_name.get(name)) is not None and (warm := by_name.get(f"{name}_warm")) is not None]
     if args.shipped:
         pairs = shipped_rows(results, {f"{c}_async": c for _, c, _ in plan(args.configs, [], async_share)}
