@@ -695,6 +695,9 @@ def host_ms_per_step(totals: dict[str, list], steps: int | None = None) -> dict[
     return {name: round(v, 3) for name, v in ms.items()}
 
 
+WINDOW_SPREAD = 0.10  # decode_row warns when its full windows differ by more than this
+
+
 def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: int, k: int) -> dict:
     """Decode step time at batch w.prompts and context ~w.prompt_len: the prompts go through once with
     one new token (their KV stays in vLLM's prefix cache), then windows of args.decode_steps new tokens and of
@@ -707,7 +710,9 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     blocks' prefill); decode_step_marginal_ms what the median full window adds to the median half window per
     step, the fixed costs cancelled (its contexts are up to n / 2 tokens longer). A single pair of windows left
     that difference several ms off at 64 steps, below the kernels' own time, hence the repeats;
-    decode_windows_s keeps them all. host_ms_per_step: one more full window with vLLM's host work timed per part
+    decode_windows_s keeps them all, decode_step_min_ms is the fastest full window per step and
+    decode_windows_spread the slowest over the fastest, less 1 (a slow-cored H100 host spread them 40%, where
+    two runs' medians then differed by a third: above WINDOW_SPREAD the row says so). host_ms_per_step: one more full window with vLLM's host work timed per part
     (host_parts, timed_calls), ms per decode step, the window's fixed costs included: set beside
     kernel_busy_ms_per_step, it says whether the GPU waits on the host."""
     import torch
@@ -736,6 +741,8 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
            "decode_windows_s": {str(steps): [round(t, 4) for t in ts] for steps, ts in windows.items()}}
     if n >= 2:
         row["decode_step_marginal_ms"] = round(1e3 * (dt - statistics.median(windows[n // 2])) / (n - n // 2), 3)
+    row["decode_step_min_ms"] = round(1e3 * min(windows[n]) / n, 3)
+    row["decode_windows_spread"] = round(max(windows[n]) / min(windows[n]) - 1, 3)
     with timed_host(engine) as totals:  # one more full window with vLLM's host work timed: what the GPU may wait on
         engine.generate(prompts, max_new_tokens=n, **gen)
     row["host_ms_per_step"], row["python_threads"] = host_ms_per_step(totals, n), other_threads()
@@ -757,6 +764,10 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     say(f"{w.name} decode: {row['decode_step_ms']:.2f} ms per step at batch {w.prompts} "
         f"({row['out_tok_s']:,.0f} tok/s; {marginal:.2f} ms marginal; kernels busy {busy:.2f} ms); kernels per step "
         f"{row['kernel_ms_per_step']}; host ms per step {row['host_ms_per_step']}")
+    if row["decode_windows_spread"] > WINDOW_SPREAD:
+        say(f"WARNING {w.name}: the full windows spread {100 * row['decode_windows_spread']:.0f}% "
+            f"(fastest {row['decode_step_min_ms']:.2f} ms per step): the median moves from run to run on this host; "
+            "compare decode_step_min_ms, or more --decode-repeats")
     if row["seqs_fit"] < w.prompts:  # the prefix cache cannot keep every prompt: the window prefills again
         row["note"] = (f"the KV cache holds {row['seqs_fit']} of these {w.prompts} sequences: evicted prompts are "
                        "prefilled again inside the window, so this is not a decode step's time")

@@ -118,7 +118,8 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
     """decode_step_ms is the median full window's wall time per step, fixed costs included;
     decode_step_marginal_ms the median full window less the median half window, per step, without them. A
     stand-in engine advances a stand-in clock: 0.5 s a call + 20 ms a step, plus a fixed cost that varies by
-    call (+-0.3 s: one pair of windows would be 9 ms a step off), which the medians of 3 repeats leave out.
+    call (+-0.3 s: one pair of windows would be 9 ms a step off), which the medians of 3 repeats leave out;
+    the slower full window shows in the spread, which the row warns of.
     Its steps run through stand-ins of vLLM's in-process step (host_parts), whose parts host_ms_per_step
     times in one more window, putting every method back after."""
     from types import SimpleNamespace
@@ -136,7 +137,7 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
     def spend(ms):
         clock.t += ms / 1e3
 
-    jitter = iter([0.0, 0.0, 0.0, 0.0, 0.3, 0.0, -0.3, 0.0, 0.0])  # prefill, (full, half) x 3, host, profiled
+    jitter = iter([0.0, 0.0, 0.0, 0.3, 0.3, 0.0, -0.3, 0.0, 0.0])  # prefill, (full, half) x 3, host, profiled
 
     class Scheduler:
         def schedule(self):
@@ -193,7 +194,10 @@ def test_decode_row_cancels_the_windows_fixed_costs(monkeypatch, tmp_path, capsy
     row = br.decode_row(Engine(), br.parse_workload("4x16:64"), args, base, "llama3.1-8b", 100, 0)
     assert row["decode_step_ms"] == pytest.approx(1e3 * (0.5 + 0.02 * 64) / 64, abs=1e-3)  # (rounded to us)
     assert row["decode_step_marginal_ms"] == pytest.approx(20.0, abs=1e-3) and row["gen_tokens"] == 4 * 64
-    assert row["decode_windows_s"] == {"64": [1.78, 1.78, 1.78], "32": [1.14, 1.44, 0.84]}
+    assert row["decode_windows_s"] == {"64": [1.78, 2.08, 1.78], "32": [1.14, 1.44, 0.84]}
+    assert row["decode_step_min_ms"] == pytest.approx(1e3 * 1.78 / 64, abs=1e-3)
+    assert row["decode_windows_spread"] == pytest.approx(0.3 / 1.78, abs=1e-3)
+    assert "full windows spread 17% (fastest 27.81 ms per step)" in capsys.readouterr().out
     assert profiled == pytest.approx([0.52, 2.3])  # the first full window alone, for ncu
     assert row["host_ms_per_step"].pop("gc") >= 0 and row["python_threads"] == br.other_threads()
     assert row["host_ms_per_step"] == {"step": 20.0, "engine_core_step": 17.0, "schedule": 1.0, "execute_model": 3.0,
