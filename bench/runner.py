@@ -62,6 +62,13 @@ VERSIONED = ("torch", "torchao", "triton", "transformers", "vllm")
 def cuda_time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
     """Median wall time of fn() in ms, measured with CUDA events after warm-up (autotune).
     Without CUDA (a CPU smoke run of a benchmark): time.perf_counter."""
+    times = cuda_times_ms(fn, warmup, iters)
+    return times[len(times) // 2]
+
+
+def cuda_times_ms(fn, warmup: int = 5, iters: int = 20) -> list[float]:
+    """cuda_time_ms's `iters` timings, sorted: where the host sets the pace the median moves from run to run,
+    and the fastest and the spread say more."""
     for _ in range(warmup):
         fn()
     times, cuda = [], torch.cuda.is_available()
@@ -79,7 +86,7 @@ def cuda_time_ms(fn, warmup: int = 5, iters: int = 20) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return sorted(times)
 
 
 def cuda_kernels(prof) -> list[tuple[str, float, int]]:

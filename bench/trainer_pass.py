@@ -42,7 +42,8 @@ and only the padded variants run: every rank the same micro-batch, the times ran
 and gradient reduce-scatters of each pass inside them, e.g.
     torchrun --nproc_per_node 2 -m bench.trainer_pass --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3 \
         --prompt 128 --response 1664 --rows 2 --compile --modes bf16,fp8,fp8_cached
-Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up; CUDA events;
+Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up, and each of them sorted
+(`<pass>_ms_each`: on a host that sets the pace the median moves with the host's load; compare the fastest); CUDA events;
 per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them; with --profile,
 per pass the GPU ms per kernel category, gemm / fp8 quantize / attention / copy / elementwise, and the
 top kernels, and its host side (bench/train.py summarize_host: profiled host ms and how much of it waited for the
@@ -59,7 +60,7 @@ from pathlib import Path
 import torch
 
 from bench.rollout import ALIASES, MODELS, tiny_flow
-from bench.runner import RESULTS, cuda_time_ms, parse_choices, run_inline, write_results
+from bench.runner import RESULTS, cuda_times_ms, parse_choices, run_inline, write_results
 
 DEFAULT_CONFIG = Path(__file__).parent / "step_8b_long_h100.yaml"
 MODES = ("bf16", "bf16_acc", "fp8", "fp8_cached", "fp8_acc")  # in this order on one model: each converts or wraps it
@@ -88,10 +89,12 @@ def passes(model, input_ids, attention_mask, mask, masked: bool, fused: bool, it
     # calib: the logprobs calls inside one q/k/v amax capture, as the trainer's logprobs pass with
     # fp8.calib_pass=logprobs (each call's forward closes the previous call's record)
     capture = calib.capture if calib else contextlib.nullcontext
-    # one warm-up call (FP8: torchao's autotuning, unless seeded), then the median of `iters`
+    # one warm-up call (FP8: torchao's autotuning, unless seeded), then the median of `iters` (each kept, sorted)
     with capture():
-        out = {"logprobs_ms": cuda_time_ms(logprobs, 1, iters)}
-    out["train_ms"] = cuda_time_ms(train, 1, iters)
+        each = {"logprobs": cuda_times_ms(logprobs, 1, iters)}
+    each["train"] = cuda_times_ms(train, 1, iters)
+    out = {f"{k}_ms": v[len(v) // 2] for k, v in each.items()}
+    out.update({f"{k}_ms_each": [round(t, 2) for t in v] for k, v in each.items()})
     if profile:  # after the timing: kernels compiled and autotuned
         from bench.train import profile_kernels
 
@@ -238,8 +241,8 @@ def main():
             r["logp_sum"] = token_logprobs(model, *batches[batch][:2], 1.0, fused=fused).double().sum().item()
         if not d.main:
             return r
-        print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms",
-              flush=True)
+        print(f"[trainer_pass] {r['mode']:>14}: logprobs {r['logprobs_ms']:8.1f} ms  train {r['train_ms']:8.1f} ms"
+              f"  (fastest {r['logprobs_ms_each'][0]:.1f} and {r['train_ms_each'][0]:.1f} ms)", flush=True)
         for name, prof in r.get("profile", {}).items():
             cats = ", ".join(f"{c} {v['ms']:.1f}" for c, v in prof["categories"].items())
             print(f"[trainer_pass] {'':>14}  {name} kernels, ms: {cats}", flush=True)

@@ -887,7 +887,7 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
     multiple of 128 tokens (as the FP8 trainer collates it), the unpadded one exactly the rows."""
     root = Path(__file__).resolve().parents[2]
     p = subprocess.run([sys.executable, "-m", "bench.trainer_pass", "--config", str(root / "configs/tiny_cpu.yaml"),
-                        "--rows", "2", "--prompt", "5", "--response", "40", "--iters", "1", "--calib",
+                        "--rows", "2", "--prompt", "5", "--response", "40", "--iters", "3", "--calib",
                         "--out", str(tmp_path)],
                        capture_output=True, text=True, cwd=root)
     assert p.returncode == 0, p.stderr[-2000:]
@@ -896,6 +896,11 @@ def test_trainer_pass_times_both_passes_of_each_variant(tmp_path):
                                          "fp8 masked", "fp8", "fp8 unfused head", "fp8 calib"]
     assert runs[0]["tokens"] == 2 * 45 and all(r["tokens"] == 128 for r in runs[1:])
     assert all(r["logprobs_ms"] > 0 and r["train_ms"] > 0 for r in runs)
+    for r in runs:  # each timing kept, sorted; the median the middle one
+        for name in ("logprobs", "train"):
+            each = r[f"{name}_ms_each"]
+            assert len(each) == 3 and each == sorted(each) and each[1] == round(r[f"{name}_ms"], 2)
+    assert "(fastest " in p.stdout
     by_mode = {r["mode"]: r["logp_sum"] for r in runs}  # the fused head computes the unfused logprobs
     for mode in ("bf16", "fp8"):
         assert abs(by_mode[mode] - by_mode[f"{mode} unfused head"]) < 1e-4 * abs(by_mode[mode])
