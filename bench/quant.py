@@ -1,6 +1,7 @@
 """fp8/fast/kernels.py quant_dual: launch configurations vs bandwidth at the trainer's shapes (Hopper).
 
     python -m bench.quant            # sweep -> OUT/quant.json (its "best": 'split,warps[,stages,per_sm]'), a table
+    python -m bench.quant --shape llama3b --tokens 4224   # each call of a layer at the peer micro-batch, vs its floor
     export FP8_GRPO_QUANT_DUAL=$(python -c "import json; print(json.load(open('bench/results/quant.json'))['best'])")
 
 One Llama-3.1-8B decoder layer quantizes 8 activations per training micro-batch of M tokens with
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.runner import RESULTS, cuda_time_ms, markdown_table, write_results
+from bench.runner import RESULTS, cuda_time_ms, fail, markdown_table, write_results
 
 LAYER_K = [4096, 4096, 4096, 14336, 6144, 4096, 28672, 4096]  # x: qkv, o, gate/up, down; grads: qkv, o, gate/up, down
 # (row splits, num_warps): one program per tile; + (stages, programs per SM): a persistent, pipelined grid
@@ -114,16 +115,97 @@ def sweep_swiglu(tokens=(16384,), inter=14336, configs=SWIGLU_CONFIGS) -> tuple[
     return rows, ",".join(map(str, min(total, key=total.get)))
 
 
+def layer_calls(dims: dict, tokens: int) -> list[dict]:
+    """The quantization calls of one dense decoder layer in the FP8 train pass (fp8/fast/dual.py with
+    fuse_swiglu and activation checkpointing): name, kernel mode (0 x itself, 1 silu(gate) * up from [gate | up],
+    2 the gradient of [gate | up] from h's), the K of the [M, K] it writes in both FP8 layouts, the bf16 bytes it
+    reads, and how often a micro-batch runs it (forward calls twice: the checkpointed forward and its recompute)."""
+    h, inter, m = dims["hidden_size"], dims["intermediate_size"], tokens
+    head_dim = dims.get("head_dim", h // dims["num_attention_heads"])
+    heads, kv_heads = dims["num_attention_heads"], dims["num_key_value_heads"]
+    attn, qkv = heads * head_dim, (heads + 2 * kv_heads) * head_dim
+    calls = [  # (call, mode, K, bf16 elements read, per micro-batch)
+        ("x of qkv_proj", 0, h, m * h, 2), ("x of o_proj", 0, attn, m * attn, 2), ("x of gate_up_proj", 0, h, m * h, 2),
+        ("silu(gate) * up, x of down_proj", 1, inter, m * 2 * inter, 2),
+        ("grad of qkv_proj's output", 0, qkv, m * qkv, 1), ("grad of o_proj's output", 0, h, m * h, 1),
+        ("grad of down_proj's output", 0, h, m * h, 1),
+        ("grad of gate_up_proj's output, from h's", 2, 2 * inter, m * inter + m * 2 * inter, 1)]
+    return [{"call": c, "mode": mode, "k": k, "read_bytes": 2 * read, "per_micro_batch": n}
+            for c, mode, k, read, n in calls]
+
+
+def graph_ms(fn, reps: int = 10) -> float:
+    """GPU time of one fn() call: `reps` calls captured in one CUDA graph, median of its replays / reps."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    ms = cuda_time_ms(graph.replay, warmup=3, iters=20) / reps
+    del graph
+    torch.cuda.empty_cache()
+    return ms
+
+
+def per_call(model: str, tokens: int) -> list[dict]:
+    """Each quantization call of one decoder layer at `model`'s dims and `tokens` rows, timed alone with the
+    trainer's launches, against a bf16 copy of as many bytes as it reads and writes (the floor); the last row
+    sums a micro-batch's calls (per_micro_batch x layers): what the train pass's profile shows as quant."""
+    from bench.rollout import ALIASES, MODELS
+    from fp8.fast.kernels import CONFIG, SWIGLU_CONFIG, _launch
+
+    name = ALIASES.get(model, model)
+    dims = MODELS[name]
+    rows, total, total_floor = [], 0.0, 0.0
+    for c in layer_calls(dims, tokens):
+        m, k, mode = tokens, c["k"], c["mode"]
+        x = torch.randn(m, k // 2 if mode == 2 else k, device="cuda", dtype=torch.bfloat16) if mode != 1 else None
+        gu = torch.randn(m, 2 * k if mode == 1 else k, device="cuda", dtype=torch.bfloat16) if mode else None
+        config = CONFIG if mode == 0 else SWIGLU_CONFIG
+        ms = graph_ms(lambda: _launch(x, gu, k, mode=mode, config=config))
+        moved = c["read_bytes"] + 2 * m * k  # + both FP8 layouts (scales left out)
+        copy = torch.empty(moved // 4, device="cuda", dtype=torch.bfloat16)  # a clone of it reads and writes `moved`
+        floor = graph_ms(lambda: torch.clone(copy))
+        n = c["per_micro_batch"] * dims["num_hidden_layers"]
+        total, total_floor = total + n * ms, total_floor + n * floor
+        rows.append({**c, "tokens": m, "ms": ms, "floor_ms": floor, "vs_floor": ms / floor,
+                     "gb_s": moved / ms / 1e6})
+        print(f"{c['call']:>34}: {ms * 1e3:7.1f} us ({rows[-1]['vs_floor']:.2f}x the copy floor, "
+              f"{rows[-1]['gb_s']:.0f} GB/s), x{n} a micro-batch", file=sys.stderr, flush=True)
+    rows.append({"call": f"a micro-batch ({dims['num_hidden_layers']} layers)", "tokens": tokens, "ms": total,
+                 "floor_ms": total_floor, "vs_floor": total / total_floor})
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(RESULTS), help="results dir (default runs/bench, untracked)")
     p.add_argument("--swiglu", action="store_true", help="sweep fp8.fuse_swiglu's kernels instead")
+    p.add_argument("--shape", help="instead of a sweep: each quantization call of one decoder layer of this model "
+                   "(bench/rollout.py MODELS, e.g. llama3b) timed alone with the trainer's launches, against a copy "
+                   "of its bytes -> OUT/quant_calls.json")
+    p.add_argument("--tokens", type=int, default=4224, help="rows per call with --shape (a multiple of 128; "
+                   "default: the peer micro-batch, 4 x 1,056 tokens)")
     args = p.parse_args(argv)
+    if args.shape:
+        from bench.rollout import ALIASES, MODELS
+
+        if ALIASES.get(args.shape, args.shape) not in MODELS:
+            fail(f"--shape {args.shape!r} is not one of {sorted(MODELS) + sorted(ALIASES)}")
+        if args.tokens < 128 or args.tokens % 128:
+            fail(f"--tokens {args.tokens}: needs a positive multiple of 128 (the quantization tile)")
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         sys.exit("bench/quant.py needs a Hopper (SM90) GPU")
     from fp8.fast.kernels import DEFAULT_CONFIG, DEFAULT_SWIGLU_CONFIG
 
+    if args.shape:
+        rows = per_call(args.shape, args.tokens)
+        path = write_results("quant_calls", rows, Path(args.out), model=args.shape)
+        print(markdown_table(rows, ["call", "k", "tokens", "per_micro_batch", "ms", "floor_ms", "vs_floor", "gb_s"]))
+        print(f"wrote {path}")
+        return
     if args.swiglu:
         rows, best = sweep_swiglu()
         path = write_results("quant_swiglu", rows, Path(args.out), best=best,

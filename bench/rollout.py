@@ -712,9 +712,10 @@ def decode_row(engine, w: Workload, args, base: dict, model_name: str, vocab: in
     that difference several ms off at 64 steps, below the kernels' own time, hence the repeats;
     decode_windows_s keeps them all, decode_step_min_ms is the fastest full window per step and
     decode_windows_spread the slowest over the fastest, less 1 (a slow-cored H100 host spread them 40%, where
-    two runs' medians then differed by a third: above WINDOW_SPREAD the row says so). host_ms_per_step: one more full window with vLLM's host work timed per part
-    (host_parts, timed_calls), ms per decode step, the window's fixed costs included: set beside
-    kernel_busy_ms_per_step, it says whether the GPU waits on the host."""
+    two runs' medians then differed by a third: above WINDOW_SPREAD the row says so). host_ms_per_step: one
+    more full window with vLLM's host work timed per part (host_parts, timed_calls), ms per decode step, the
+    window's fixed costs included: set beside kernel_busy_ms_per_step, it says whether the GPU waits on the
+    host."""
     import torch
 
     prompts, n = random_prompts(w, vocab, args.seed + k), args.decode_steps

@@ -42,8 +42,9 @@ and only the padded variants run: every rank the same micro-batch, the times ran
 and gradient reduce-scatters of each pass inside them, e.g.
     torchrun --nproc_per_node 2 -m bench.trainer_pass --config configs/qwen3_8b_fp8_kv.yaml --shape qwen3 \
         --prompt 128 --response 1664 --rows 2 --compile --modes bf16,fp8,fp8_cached
-Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up, and each of them sorted
-(`<pass>_ms_each`: on a host that sets the pace the median moves with the host's load; compare the fastest); CUDA events;
+Output: OUT/trainer_pass.json (ms per micro-batch, median of --iters after one warm-up, and each of them
+sorted, `<pass>_ms_each`: on a host that sets the pace the median moves with the host's load, so compare the
+fastest; CUDA events;
 per variant, on CUDA, mem/peak_gib and mem/alloc_retries as train_grpo.py logs them; with --profile,
 per pass the GPU ms per kernel category, gemm / fp8 quantize / attention / copy / elementwise, and the
 top kernels, and its host side (bench/train.py summarize_host: profiled host ms and how much of it waited for the

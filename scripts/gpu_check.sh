@@ -70,7 +70,9 @@
 #   bash scripts/gpu_check.sh attention [ARGS]  bench/attention.py: the trainer's SDPA at a shipped step's micro-batch
 #                                      lengths, FlashAttention-2 vs cuDNN, cached and first call -> $OUT/attention.json
 #   bash scripts/gpu_check.sh quant [--swiglu]  bench/quant.py: quant_dual (or fp8.fuse_swiglu's) launch
-#                                      configurations -> $OUT/quant.json (quant_swiglu.json)
+#                                      configurations -> $OUT/quant.json (quant_swiglu.json); --shape llama3b
+#                                      --tokens 4224: each quantization call of a layer against a copy of its
+#                                      bytes -> $OUT/quant_calls.json
 #   bash scripts/gpu_check.sh peer [ARGS]  bench/peer.py: TRL's GRPOTrainer (trl, trl_compile, trl_liger) beside our
 #                                      BF16 twin and FP8 recipe on one workload, one system per call (e.g. --model
 #                                      llama3b --prepare, then --model llama3b --systems trl, trl_compile, ... in

@@ -57,6 +57,26 @@ def test_workloads_parse():
     assert br.parse_gpu_mem("auto") == "auto" and br.parse_gpu_mem("0.7") == "0.7"
 
 
+def test_quant_calls_of_a_layer_and_their_bytes(capsys):
+    """bench.quant --shape: the twelve quantization calls a decoder layer runs per micro-batch (four activations
+    in the checkpointed forward and again in its recompute, four gradients) at the model's widths; at the 3B
+    peer micro-batch they read and write ~35 GB over its 28 layers. Bad --shape / --tokens: exit 2."""
+    from bench import quant
+
+    m = 4224
+    calls = quant.layer_calls(br.MODELS["llama3.2-3b"], m)
+    assert [(c["k"], c["mode"], c["per_micro_batch"]) for c in calls] == [
+        (3072, 0, 2), (3072, 0, 2), (3072, 0, 2), (8192, 1, 2), (5120, 0, 1), (3072, 0, 1), (3072, 0, 1),
+        (16384, 2, 1)]
+    moved = sum(c["per_micro_batch"] * (c["read_bytes"] + 2 * m * c["k"]) for c in calls) * 28
+    assert sum(c["per_micro_batch"] for c in calls) == 12 and moved == pytest.approx(35.3e9, rel=0.01)
+    for argv, msg in [(["--shape", "llama5b"], "--shape 'llama5b' is not one of"),
+                      (["--shape", "llama3b", "--tokens", "4000"], "--tokens 4000: needs a positive multiple of 128")]:
+        with pytest.raises(SystemExit) as e:
+            quant.main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
 def test_cli_errors(tmp_path, capsys):
     for argv, msg in [(["--workloads", "512x256"], "PROMPTSxPROMPT_LEN->GEN_LEN"), (["--modes", "fp4"], "choose from"),
                       (["--refits", "0"], "--refits"), (["--worker", "--models", "llama"], "--worker needs"),

@@ -181,6 +181,18 @@ def test_quant_dual_launch_configs_write_the_same_bytes():
             _config_from_env(bad)
 
 
+def test_quant_bench_times_each_call_of_a_layer():
+    """bench.quant --shape: every call of a layer runs with the trainer's launches and gets a time and a copy
+    floor; the last row sums them over a micro-batch's calls."""
+    from bench import quant
+
+    rows = quant.per_call("llama3b", 256)
+    calls, total = rows[:-1], rows[-1]
+    assert len(calls) == 8 and all(r["ms"] > 0 and r["floor_ms"] > 0 for r in calls)
+    assert total["ms"] == pytest.approx(sum(r["ms"] * r["per_micro_batch"] * 28 for r in calls))
+    print({r["call"]: round(r["vs_floor"], 2) for r in rows})
+
+
 def test_swiglu_quant_kernels_quantize_swiglu_like_quant_dual():
     """fp8/fast/kernels.py's SwiGLU modes: the BF16 tile they quantize is fp8.fast's swiglu(gu) /
     swiglu_backward(grad_h, gu) within one bf16 ulp (float32 sigmoid implementations differ), and the
