@@ -31,22 +31,31 @@ CONFIGS = [(1, 8), (1, 16), (2, 4), (2, 8), (4, 4), (4, 8), (2, 4, 2, 2), (1, 8,
 SWIGLU_CONFIGS = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (1, 8, 2, 1), (1, 8, 2, 2), (1, 16, 2, 1)]
 
 
+def graph_ms(fn, reps: int = 10) -> float:
+    """GPU time of one fn() call: `reps` calls captured in one CUDA graph, median of its replays / reps."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    ms = cuda_time_ms(graph.replay, warmup=3, iters=20) / reps
+    del graph
+    torch.cuda.empty_cache()
+    return ms
+
+
 def layer_ms(fn, tokens: int, tensors: dict) -> float:
     """GPU time of fn over one layer's 8 shapes: captured in one CUDA graph, median of its replays.
     (CUDA events around each eager call measure its Python launch too: a 0.05-0.5 ms kernel read
     2-6x slower that way on an H100, and configs ranked by noise.)"""
     xs = [tensors[tokens, k] for k in LAYER_K]
-    for x in xs:  # compile, warm up
-        fn(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def layer():
         for x in xs:
             fn(x)
-    ms = cuda_time_ms(graph.replay, warmup=3, iters=20)
-    del graph
-    torch.cuda.empty_cache()
-    return ms
+
+    return graph_ms(layer, reps=1)
 
 
 def sweep(tokens=(8192, 16384), configs=CONFIGS) -> tuple[list[dict], str]:
@@ -132,20 +141,6 @@ def layer_calls(dims: dict, tokens: int) -> list[dict]:
         ("grad of gate_up_proj's output, from h's", 2, 2 * inter, m * inter + m * 2 * inter, 1)]
     return [{"call": c, "mode": mode, "k": k, "read_bytes": 2 * read, "per_micro_batch": n}
             for c, mode, k, read, n in calls]
-
-
-def graph_ms(fn, reps: int = 10) -> float:
-    """GPU time of one fn() call: `reps` calls captured in one CUDA graph, median of its replays / reps."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    ms = cuda_time_ms(graph.replay, warmup=3, iters=20) / reps
-    del graph
-    torch.cuda.empty_cache()
-    return ms
 
 
 def per_call(model: str, tokens: int) -> list[dict]:

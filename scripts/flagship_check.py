@@ -76,6 +76,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -359,7 +360,7 @@ def main():
         return result
 
     if args.warm:
-        subprocess.run(["rm", "-rf", str(runs / "cache")])
+        shutil.rmtree(runs / "cache", ignore_errors=True)
     with ThreadPoolExecutor(max_workers=len(slots)) as pool:  # one run per GPU at a time
         futures = [pool.submit(run_one, *run) for run in todo]
         for future in as_completed(futures):
